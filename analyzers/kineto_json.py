@@ -1,0 +1,552 @@
+"""Kineto (PyTorch profiler) JSON trace -> EventTable, for one file.
+
+Speed comes from three choices, measured in ``benchmarks/bench_json_parsers.py``
+(see docs/loader.md): ISA-L gzip when available, msgspec *typed* decoding that
+materialises only the fields we use (unknown keys are skipped inside the C
+decoder), and column building by list comprehensions handed straight to
+numpy/pyarrow -- no per-row pandas work.
+
+Real-world cases handled here: ``.json``/``.json.gz``; timestamps in absolute
+epoch us or relative to ``baseTimeNanoseconds``; fractional (ns-resolution)
+us; string ``pid``/``tid``; kernels/memcpy/memset linked to their CPU launch by
+correlation id; ``ProfilerStep#N`` steps or a user-named step annotation or
+the whole trace as one window; ``record_param_comms`` with or without
+collective fields; NCCL/RCCL kernels of every naming era; gloo work on CPU
+threads; AMD/ROCm traces; no ``distributedInfo``.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import re
+import zlib
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mfuscope.errors import UserInputError
+from mfuscope.event_table import EventTable, build_table
+
+from . import collectives
+from .steps import Steps, assign_steps, find_steps
+
+try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
+    from isal import igzip as _gzip
+except ImportError:  # pragma: no cover - exercised only without isal
+    import gzip as _gzip
+
+
+# --------------------------------------------------------------------------- decoding
+
+_field = msgspec.field
+
+
+class _Args(msgspec.Struct, gc=False):
+    external_id: Optional[int] = _field(name="External id", default=None)
+    correlation: Optional[int] = None
+    stream: Union[int, str, None] = None  # ROCm traces write strings
+    device: Union[int, str, None] = None
+    collective: Optional[str] = _field(name="Collective name", default=None)
+    pg_name: Optional[str] = _field(name="Process Group Name", default=None)
+    pg_desc: Optional[str] = _field(name="Process Group Description", default=None)
+    pg_ranks: msgspec.Raw = _field(name="Process Group Ranks", default=msgspec.Raw())
+    in_nelems: Optional[int] = _field(name="In msg nelems", default=None)
+    dtype: Optional[str] = None
+    seq: Optional[int] = _field(name="Seq", default=None)
+    input_dims: msgspec.Raw = _field(name="Input Dims", default=msgspec.Raw())
+    input_type: msgspec.Raw = _field(name="Input type", default=msgspec.Raw())
+    name: Optional[str] = None  # thread_name / process_name metadata
+
+
+class _Event(msgspec.Struct, gc=False):
+    ph: str = ""
+    name: str = ""
+    cat: str = ""
+    ts: Optional[float] = None
+    dur: float = 0.0
+    pid: Union[int, str] = 0
+    tid: Union[int, str] = 0
+    args: Optional[_Args] = None
+
+
+class _PgConfig(msgspec.Struct, gc=False):
+    pg_name: Optional[str] = None
+    pg_desc: Optional[str] = None
+    pg_size: Optional[int] = None
+    ranks: Union[list[int], str, None] = None
+    backend_config: Optional[str] = None
+
+
+class _DistInfo(msgspec.Struct, gc=False):
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    backend: Optional[str] = None
+    pg_config: Optional[list[_PgConfig]] = None
+    nccl_version: Optional[str] = None
+
+
+class _DeviceProps(msgspec.Struct, gc=False):
+    id: Optional[int] = None
+    name: Optional[str] = None
+    totalGlobalMem: Optional[int] = None
+    numSms: Optional[int] = None
+
+
+class _Trace(msgspec.Struct, gc=False):
+    traceEvents: Optional[list[_Event]] = None
+    distributedInfo: Optional[_DistInfo] = None
+    deviceProperties: Optional[list[_DeviceProps]] = None
+    baseTimeNanoseconds: Optional[int] = None
+
+
+_DECODER = msgspec.json.Decoder(_Trace)
+
+#: profiler category -> EventTable kind.  Categories in _SKIP_CATS are flow
+#: arrows and profiler bookkeeping, not work.
+_CAT_KIND = {
+    "kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset",
+    "gpu_user_annotation": "gpu_annotation", "cpu_op": "cpu_op",
+    "user_annotation": "annotation", "cuda_runtime": "runtime",
+    "cuda_driver": "driver", "cuda_sync": "sync", "python_function": "python",
+    "cpu_instant_event": "instant",
+    # Older Kineto spelled categories in title case.
+    "Kernel": "kernel", "Memcpy": "memcpy", "Memset": "memset", "Runtime": "runtime",
+    "Operator": "cpu_op", "user_annotation ": "annotation",
+}
+_SKIP_CATS = {"ac2g", "fwdbwd", "Trace", "flow", "async"}
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation",
+                "Kernel", "Memcpy", "Memset"}
+
+#: CPU ops whose input shapes are kept (FLOPs from shapes; collective sizes).
+_SHAPE_OPS = re.compile(
+    r"^(aten::(mm|addmm|bmm|baddbmm|linear|matmul|_scaled_dot_product\w*|scaled_dot_product\w*"
+    r"|_flash_attention\w*|_efficient_attention\w*)|record_param_comms|nccl:|gloo:|c10d::)")
+
+_RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
+
+#: Timestamps below this many us (about 3 years) cannot be epoch time.
+_EPOCH_US_MIN = 1e14
+
+
+# --------------------------------------------------------------------------- file reading
+
+def read_trace_bytes(path: Path) -> bytes:
+    """File bytes, gunzipped if the file is gzip (by magic, not by name)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UserInputError(f"cannot read: {e.strerror}", path) from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            return _gzip.decompress(raw)
+        except (EOFError, OSError, zlib.error, ValueError) as e:
+            raise UserInputError(f"truncated or corrupt gzip ({e})", path) from None
+    return raw
+
+
+def peek_header(path: Path, limit: int = 1 << 18) -> dict[str, Any]:
+    """Rank and world size from the head of a trace, without parsing the events.
+
+    Kineto writes ``distributedInfo`` before ``traceEvents``; only the first
+    ``limit`` decompressed bytes are read.  Returns {} when the head has none.
+    """
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(2)
+            f.seek(0)
+            if magic == b"\x1f\x8b":
+                with _gzip.open(f) as g:
+                    head = g.read(limit)
+            else:
+                head = f.read(limit)
+    except (OSError, EOFError, zlib.error):
+        return {}  # the full parse reports the problem with the file
+    events_at = head.find(b'"traceEvents"')
+    if events_at >= 0:
+        head = head[:events_at]
+    m = re.search(rb'"distributedInfo"\s*:\s*\{', head)
+    if not m:
+        return {}
+    info = head[m.end():]
+    out: dict[str, Any] = {}
+    for key in ("rank", "world_size"):
+        km = re.search(rb'"%s"\s*:\s*(\d+)' % key.encode(), info[:info.find(b'"pg_config"')] if b'"pg_config"' in info else info)
+        if km:
+            out[key] = int(km.group(1))
+    return out
+
+
+def rank_from_file_name(path: Path) -> int | None:
+    m = _RANK_IN_NAME.search(path.name)
+    return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------- parsing
+
+def load_kineto_file(path: str | os.PathLike, *, rank: int | None = None,
+                     step_annotation: str | None = None) -> EventTable:
+    """Parse one Kineto trace into an EventTable.
+
+    ``rank`` is used when the trace has no ``distributedInfo.rank``.
+    ``step_annotation`` is a regular expression naming the annotation that
+    marks a step, for traces without ``ProfilerStep#N``.
+    """
+    path = Path(path)
+    # Millions of short-lived objects: the cyclic GC only costs time here.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _load(path, rank, step_annotation)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTable:
+    raw = read_trace_bytes(path)
+    trace = _decode(raw, path)
+    del raw
+    events = trace.traceEvents
+    if events is None:
+        raise UserInputError("not a PyTorch profiler trace: no 'traceEvents' list", path)
+    if not events:
+        raise UserInputError("'traceEvents' is empty: the profiler recorded nothing", path)
+
+    dist = trace.distributedInfo
+    meta = _rank_meta(path, trace, rank)
+    thread_names: dict[Any, str] = {}
+    work: list[_Event] = []
+    for e in events:
+        ph = e.ph
+        if ph == "X" or ph == "i" or ph == "I":
+            if e.cat and e.cat not in _SKIP_CATS and e.ts is not None:
+                work.append(e)
+        elif ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name:
+            thread_names[e.tid] = e.args.name
+    del events, trace
+    if not work:
+        raise UserInputError("no complete events ('ph': 'X') in 'traceEvents'", path)
+
+    table, steps = _columns(work, meta, step_annotation, path)
+    meta["steps_source"] = steps.source
+    meta["n_steps"] = int(len(steps.number))
+    meta["steps"] = [int(s) for s in steps.number]
+    meta["threads"] = {str(k): v for k, v in thread_names.items()}
+    meta["pg_config"] = _pg_config(dist)
+    order = pc.sort_indices(table, sort_keys=[("ts_ns", "ascending")])
+    return EventTable(table.take(order), {meta["rank"]: meta})
+
+
+def _decode(raw: bytes, path: Path) -> _Trace:
+    try:
+        return _DECODER.decode(raw)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        if msg.startswith("Expected `object`"):
+            raise UserInputError("not a PyTorch profiler trace: the top level is not a JSON object", path) from None
+        raise UserInputError(f"unexpected trace content: {msg}", path) from None
+    except msgspec.DecodeError as e:
+        raise UserInputError(f"invalid JSON: {e}", path) from None
+
+
+def _rank_meta(path: Path, trace: _Trace, rank_override: int | None) -> dict[str, Any]:
+    dist = trace.distributedInfo
+    if dist is not None and dist.rank is not None:
+        rank, source = dist.rank, "distributedInfo"
+    elif rank_override is not None:
+        rank, source = rank_override, "given"
+    elif (from_name := rank_from_file_name(path)) is not None:
+        rank, source = from_name, "file name"
+    else:
+        raise UserInputError("no rank in distributedInfo or in the file name (rank<N>/worker<N>); "
+                             "pass --rank N", path)
+    props = trace.deviceProperties or []
+    devices = [{"id": p.id, "name": p.name, "memory_bytes": p.totalGlobalMem, "sms": p.numSms} for p in props]
+    return {
+        "file": str(path),
+        "format": "kineto",
+        "rank": int(rank),
+        "rank_source": source,
+        "world_size": dist.world_size if dist is not None else None,
+        "backend": dist.backend if dist is not None else None,
+        "nccl_version": dist.nccl_version if dist is not None else None,
+        "device_name": devices[0]["name"] if devices else None,
+        "devices": devices,
+        "base_time_ns": trace.baseTimeNanoseconds,
+    }
+
+
+def _pg_config(dist: _DistInfo | None) -> list[dict[str, Any]]:
+    if dist is None or not dist.pg_config:
+        return []
+    out = []
+    for pg in dist.pg_config:
+        out.append({"name": pg.pg_name, "desc": pg.pg_desc, "size": pg.pg_size,
+                    "ranks": collectives.parse_group_ranks(pg.ranks),
+                    "dim": collectives.dim_from_group_desc(pg.pg_desc)})
+    return out
+
+
+def _to_ns(us: np.ndarray) -> np.ndarray:
+    """us (float64) -> int64 ns without the 256 ns rounding of ``us * 1000`` at epoch scale."""
+    whole = np.floor(us)
+    return whole.astype(np.int64) * 1000 + np.rint((us - whole) * 1000).astype(np.int64)
+
+
+def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | None,
+             path: Path) -> tuple[pa.Table, Steps]:
+    n = len(work)
+    rank = meta["rank"]
+    cats = [e.cat for e in work]
+    names = [e.name for e in work]
+    args = [e.args for e in work]
+    ts_us = np.fromiter((e.ts for e in work), dtype=np.float64, count=n)
+    dur_us = np.fromiter((e.dur for e in work), dtype=np.float64, count=n)
+
+    # --- time: one nanosecond clock.  With baseTimeNanoseconds, ts is relative to it.
+    base = meta["base_time_ns"]
+    ts_ns = _to_ns(ts_us)
+    if base is not None and n and float(np.nanmax(ts_us)) < _EPOCH_US_MIN:
+        ts_ns += int(base)
+        meta["clock"] = "epoch (baseTimeNanoseconds + relative ts)"
+    elif n and float(np.nanmin(ts_us)) >= _EPOCH_US_MIN:
+        meta["clock"] = "epoch"
+    else:
+        meta["clock"] = "relative (no time base in trace)"
+    # Round the end, not the duration, so touching events stay touching; never negative.
+    dur_ns = np.maximum(_to_ns(ts_us + dur_us) - ts_ns, 0)
+
+    # --- kinds, by category, then by name for communication and steps.
+    cat_arr = pa.array(cats, type=pa.string()).dictionary_encode()
+    cat_values = cat_arr.dictionary.to_pylist()
+    kind_of_cat = np.array([_CAT_KIND.get(c, "other") for c in cat_values] or ["other"], dtype=object)
+    is_dev_cat = np.array([c in _DEVICE_CATS for c in cat_values] or [False])
+    cat_idx = cat_arr.indices.to_numpy()
+    kind = kind_of_cat[cat_idx]
+    on_device = is_dev_cat[cat_idx]
+
+    name_arr = pa.array(names, type=pa.string()).dictionary_encode()
+    name_values = name_arr.dictionary.to_pylist()
+    name_idx = name_arr.indices.to_numpy()
+    comm_kernel_name = np.array([collectives.is_comm_kernel(s) for s in name_values] or [False])
+    gloo_name = np.array([s.startswith("gloo:") for s in name_values] or [False])
+    comm_cpu_name = np.array([collectives.is_comm_cpu_name(s) for s in name_values] or [False])
+    op_of_name = np.array([collectives.normalize_op(s) if (k or c) else None
+                           for s, k, c in zip(name_values, comm_kernel_name, comm_cpu_name)] or [None], dtype=object)
+    dim_of_name = np.array([collectives.label_dim(s) for s in name_values] or [None], dtype=object)
+    shape_name = np.array([bool(_SHAPE_OPS.match(s)) for s in name_values] or [False])
+
+    kind[(kind == "kernel") & comm_kernel_name[name_idx]] = "comm"
+    kind[(kind == "annotation") & gloo_name[name_idx]] = "comm"  # gloo work on its own thread
+
+    # --- lanes.
+    pid = [e.pid for e in work]
+    tid = [e.tid for e in work]
+    arg_device = _ints([a.device if a is not None else None for a in args])
+    arg_stream = _ints([a.stream if a is not None else None for a in args])
+    on_device |= (kind == "sync") & (arg_stream >= 0)
+    tid_num = _ints(tid)
+    device = np.where(arg_device >= 0, arg_device, _ints(pid))
+    stream = np.where(arg_stream >= 0, arg_stream, tid_num)
+    device = np.where(on_device, device, -1)
+    stream = np.where(on_device, stream, -1)
+    tid_col = np.where(on_device, -1, tid_num)
+    lane = _lane_labels(on_device, device, stream, tid, meta)
+
+    # --- ids linking CPU launches and device work.
+    correlation = _ints([a.correlation if a is not None else None for a in args])
+    external_id = _ints([a.external_id if a is not None else None for a in args])
+
+    # --- steps.
+    steps = find_steps(kind, name_values, name_idx, ts_ns, dur_ns, step_annotation, path)
+    step_col = assign_steps(steps, kind, on_device, ts_ns, correlation)
+
+    # --- collectives: op/dim/pg/ranks/bytes/seq for comm-related rows.
+    op = op_of_name[name_idx].copy()
+    dim = dim_of_name[name_idx].copy()
+    pg = np.full(n, None, dtype=object)
+    group_ranks = np.full(n, None, dtype=object)
+    nbytes = np.full(n, -1, dtype=np.int64)
+    seq = np.full(n, -1, dtype=np.int64)
+    shapes = np.full(n, None, dtype=object)
+    comm_rows = np.flatnonzero(comm_cpu_name[name_idx] | (kind == "comm"))
+    for i in comm_rows:
+        a = args[i]
+        if a is None:
+            continue
+        if a.collective:
+            op[i] = collectives.normalize_op(a.collective) or op[i]
+        if a.pg_name is not None:
+            pg[i] = a.pg_name
+        if a.pg_desc and dim[i] is None:
+            dim[i] = collectives.dim_from_group_desc(a.pg_desc)
+        if a.pg_ranks:
+            group_ranks[i] = collectives.parse_group_ranks(msgspec.json.decode(a.pg_ranks))
+        if a.seq is not None:
+            seq[i] = a.seq
+        size = collectives.dtype_bytes(a.dtype)
+        if a.in_nelems is not None and size is not None:
+            nbytes[i] = a.in_nelems * size
+        elif a.input_dims and a.input_type:
+            b = collectives.bytes_from_dims(bytes(a.input_dims).decode(), bytes(a.input_type).decode())
+            if b is not None:
+                nbytes[i] = b
+    for i in np.flatnonzero(shape_name[name_idx]):
+        a = args[i]
+        if a is not None and a.input_dims:
+            shapes[i] = bytes(a.input_dims).decode()
+
+    _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
+                      op, dim, pg, group_ranks, nbytes, seq)
+
+    table = build_table({
+        "rank": np.full(n, rank, dtype=np.int32),
+        "lane": lane,
+        "device": device.astype(np.int16),
+        "stream": stream.astype(np.int32),
+        "tid": tid_col,
+        "kind": kind,
+        "name": name_arr,
+        "ts_ns": ts_ns,
+        "dur_ns": dur_ns,
+        "step": step_col,
+        "correlation": correlation,
+        "external_id": external_id,
+        "op": op,
+        "dim": dim,
+        "pg": pg,
+        "group_ranks": group_ranks,
+        "bytes": nbytes,
+        "seq": seq,
+        "peer": np.full(n, -1, dtype=np.int32),
+        "shapes": shapes,
+    })
+    return table, steps
+
+
+def _ints(values: list) -> np.ndarray:
+    """int64 array from ints, numeric strings or None (-> -1); other strings -> -1."""
+    try:
+        return pa.array(values, type=pa.int64()).fill_null(-1).to_numpy()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+        return np.array([_as_int(v) for v in values], dtype=np.int64)
+
+
+def _as_int(v: Union[int, str, None]) -> int:
+    if isinstance(v, int):
+        return v
+    if v is None:
+        return -1
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _lane_labels(on_device: np.ndarray, device: np.ndarray, stream: np.ndarray,
+                 tid: list, meta: dict[str, Any]) -> np.ndarray:
+    """``gpu<D>/stream<S>`` or ``cpu/<tid>``; built once per distinct lane, not per row."""
+    out = np.empty(len(tid), dtype=object)
+    if on_device.any():
+        key = device[on_device] * (1 << 32) + stream[on_device]
+        uniq, inv = np.unique(key, return_inverse=True)
+        labels = np.array([f"gpu{k >> 32}/stream{k & 0xFFFFFFFF}" for k in uniq.tolist()], dtype=object)
+        out[on_device] = labels[inv]
+    cpu = ~on_device
+    if cpu.any():
+        tids = np.array([str(t) for t, c in zip(tid, cpu) if c], dtype=object)
+        uniq, inv = np.unique(tids, return_inverse=True)
+        labels = np.array([f"cpu/{t}" for t in uniq], dtype=object)
+        out[cpu] = labels[inv]
+    return out
+
+
+def _enclosing(outer_start: np.ndarray, outer_end: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Index of the latest-starting interval that contains each query time, else -1."""
+    if len(outer_start) == 0:
+        return np.full(len(query), -1)
+    order = np.argsort(outer_start, kind="stable")
+    s, e = outer_start[order], outer_end[order]
+    pos = np.searchsorted(s, query, side="right") - 1
+    ok = (pos >= 0) & (query <= e[np.clip(pos, 0, None)])
+    return np.where(ok, order[np.clip(pos, 0, None)], -1)
+
+
+def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
+                      op, dim, pg, group_ranks, nbytes, seq) -> None:
+    """Give each communication kernel the fields of the CPU call that launched it.
+
+    kernel --correlation--> runtime launch (thread, time) --inside--> the
+    innermost ``record_param_comms`` / ``nccl:*`` / ``mfuscope.comm/*`` call
+    on that thread.  Fields the kernel already has (from its own name) stay.
+    """
+    dev_comm = np.flatnonzero((kind == "comm") & on_device & (correlation >= 0))
+    if len(dev_comm) == 0:
+        return
+    launch = np.flatnonzero(((kind == "runtime") | (kind == "driver")) & (correlation >= 0))
+    order = np.argsort(correlation[launch], kind="stable")
+    lc = correlation[launch][order]
+    pos = np.clip(np.searchsorted(lc, correlation[dev_comm]), 0, max(len(lc) - 1, 0))
+    if len(lc) == 0:
+        return
+    found = lc[pos] == correlation[dev_comm]
+    kernels = dev_comm[found]
+    launches = launch[order][pos[found]]
+    is_call = np.array([collectives.is_comm_cpu_name(s) for s in name_values] or [False])[name_idx]
+    is_call &= ~on_device
+    calls = np.flatnonzero(is_call)
+    for t in np.unique(tid_col[launches]):
+        on_t = calls[tid_col[calls] == t]
+        mine = launches[tid_col[launches] == t]
+        ks = kernels[tid_col[launches] == t]
+        if len(on_t) == 0:
+            continue
+        # Each field from the innermost call that has it: labels and record_param_comms nest.
+        enclosing_all = [(_enclosing(ts_ns[c], ts_ns[c] + dur_ns[c], ts_ns[mine]), c)
+                         for c in _nesting_layers(on_t, ts_ns, dur_ns)]
+        for j, k in enumerate(ks):
+            for hit, layer in enclosing_all:
+                if hit[j] < 0:
+                    continue
+                c = layer[hit[j]]
+                if op[k] is None and op[c] is not None:
+                    op[k] = op[c]
+                if dim[k] is None and dim[c] is not None:
+                    dim[k] = dim[c]
+                if pg[k] is None and pg[c] is not None:
+                    pg[k] = pg[c]
+                if group_ranks[k] is None and group_ranks[c] is not None:
+                    group_ranks[k] = group_ranks[c]
+                if nbytes[k] < 0 and nbytes[c] >= 0:
+                    nbytes[k] = nbytes[c]
+                if seq[k] < 0 and seq[c] >= 0:
+                    seq[k] = seq[c]
+
+
+def _nesting_layers(rows: np.ndarray, ts_ns: np.ndarray, dur_ns: np.ndarray) -> list[np.ndarray]:
+    """Split intervals into layers of non-overlapping ones, innermost layer first.
+
+    A call nested in another (``record_param_comms`` inside ``nccl:all_reduce``
+    inside ``mfuscope.comm/tp/all_reduce``) lands in a deeper layer, so the
+    per-layer interval search stays a binary search.
+    """
+    order = rows[np.lexsort((-(ts_ns[rows] + dur_ns[rows]), ts_ns[rows]))]
+    layers: list[list[int]] = []
+    ends: list[int] = []
+    for r in order:
+        start, end = ts_ns[r], ts_ns[r] + dur_ns[r]
+        for li in range(len(layers)):
+            if start >= ends[li]:
+                layers[li].append(r)
+                ends[li] = end
+                break
+        else:
+            # Opens a new, deeper layer if it sits inside every layer's last interval.
+            layers.append([r])
+            ends.append(end)
+    return [np.array(layer, dtype=np.int64) for layer in reversed(layers)]

@@ -1,0 +1,84 @@
+"""Step windows: which training step each event belongs to.
+
+A step is marked by an annotation -- ``ProfilerStep#N`` from
+``torch.profiler.schedule``, ``mfuscope.step#N`` from mfuscope's collectors,
+or one the user names with ``--step-annotation REGEX``.  With no marker the
+whole trace is one window, step 0.  CPU events belong to the step whose span
+contains them; device events to the step of the CPU call that launched them
+(a kernel often runs after its step's CPU span has ended).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mfuscope.errors import UserInputError
+
+STEP_RE = re.compile(r"^(?:ProfilerStep|mfuscope\.step)#(\d+)$")
+
+
+@dataclass
+class Steps:
+    number: np.ndarray   # step ids, sorted by start
+    start: np.ndarray
+    end: np.ndarray
+    source: str
+
+
+def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, ts_ns: np.ndarray,
+                dur_ns: np.ndarray, step_annotation: str | None, path: Path) -> Steps:
+    step_num = np.full(len(name_values), -1, dtype=np.int64)
+    source = "ProfilerStep"
+    for i, s in enumerate(name_values):
+        m = STEP_RE.match(s)
+        if m:
+            step_num[i] = int(m.group(1))
+    is_step = (step_num[name_idx] >= 0) & np.isin(kind, ("annotation", "cpu_op", "nvtx"))
+    numbers = step_num[name_idx][is_step]
+    if step_annotation is not None:
+        try:
+            pattern = re.compile(step_annotation)
+        except re.error as e:
+            raise UserInputError(f"--step-annotation {step_annotation!r} is not a valid regular expression: {e}") from None
+        match = np.array([bool(pattern.search(s)) for s in name_values] or [False])
+        is_step = match[name_idx] & np.isin(kind, ("annotation", "cpu_op", "python", "nvtx"))
+        if not is_step.any():
+            raise UserInputError(f"no annotation matches --step-annotation {step_annotation!r}", path)
+        numbers = np.arange(int(is_step.sum()))
+        source = f"annotation {step_annotation!r}"
+    rows = np.flatnonzero(is_step)
+    if len(rows) == 0:
+        # No step markers: the whole trace is one window, numbered 0.
+        start, end = int(ts_ns.min()), int((ts_ns + dur_ns).max())
+        return Steps(np.array([0]), np.array([start]), np.array([end]), "whole trace")
+    order = np.argsort(ts_ns[rows], kind="stable")
+    rows = rows[order]
+    kind[rows] = "step"
+    if step_annotation is not None:
+        numbers = np.arange(len(rows))
+    else:
+        numbers = numbers[order]
+    return Steps(numbers, ts_ns[rows], ts_ns[rows] + dur_ns[rows], source)
+
+
+def assign_steps(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: np.ndarray,
+                  correlation: np.ndarray) -> np.ndarray:
+    """Step of each event: CPU events by time; device events by their launch's step."""
+    idx = np.searchsorted(steps.start, ts_ns, side="right") - 1
+    inside = (idx >= 0) & (ts_ns < steps.end[np.clip(idx, 0, None)])
+    step = np.where(inside, steps.number[np.clip(idx, 0, None)], -1).astype(np.int32)
+    launches = (kind == "runtime") | (kind == "driver")
+    launch_corr = correlation[launches]
+    dev_rows = np.flatnonzero(on_device & (correlation >= 0))
+    if len(launch_corr) and len(dev_rows):
+        order = np.argsort(launch_corr, kind="stable")
+        sorted_corr = launch_corr[order]
+        launch_step = step[launches][order]
+        pos = np.searchsorted(sorted_corr, correlation[dev_rows])
+        pos_c = np.clip(pos, 0, len(sorted_corr) - 1)
+        found = sorted_corr[pos_c] == correlation[dev_rows]
+        step[dev_rows[found]] = launch_step[pos_c[found]]
+    return step

@@ -1,0 +1,59 @@
+"""Parquet cache of normalized traces, keyed by file content.
+
+A second load of the same trace reads a compact parquet file instead of
+re-parsing JSON.  The key is a hash of the file's bytes plus everything that
+changes the result (loader version, step annotation, rank override), so an
+edited trace or a new loader never returns stale data.
+
+Location: ``$MFUSCOPE_CACHE_DIR``, else ``$XDG_CACHE_HOME/mfuscope``, else
+``~/.cache/mfuscope``.  Entries are written atomically; a corrupt entry is
+treated as a miss and replaced.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mfuscope import atomic
+from mfuscope.event_table import EventTable
+
+#: Bump when the loader's output for the same input changes.
+LOADER_VERSION = "kineto-1"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MFUSCOPE_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mfuscope"
+
+
+def cache_key(path: Path, *extra: object) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    h.update(repr((LOADER_VERSION,) + extra).encode())
+    return h.hexdigest()
+
+
+def get(key: str) -> EventTable | None:
+    entry = cache_dir() / f"{key}.parquet"
+    if not entry.exists():
+        return None
+    try:
+        return EventTable.from_arrow(pq.read_table(entry))
+    except (OSError, pa.ArrowException, ValueError):
+        return None  # damaged or from another schema: re-parse and overwrite
+
+
+def put(key: str, events: EventTable) -> None:
+    try:
+        atomic.write_parquet(cache_dir() / f"{key}.parquet", events.with_metadata())
+    except OSError:
+        pass  # a read-only or full cache directory must not fail the analysis

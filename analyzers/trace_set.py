@@ -1,0 +1,168 @@
+"""Load a trace file, a directory of rank files, or a run directory into one EventTable.
+
+Ranks are discovered from the head of each file (``distributedInfo``) or its
+name before anything is parsed, so a set with two files claiming one rank
+fails in milliseconds.  Files are then parsed in a process pool -- at most one
+file per worker in memory at a time -- and each normalized result is cached
+as parquet keyed by the file's content.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from mfuscope.errors import UserInputError
+from mfuscope.event_table import EventTable
+
+from . import trace_cache
+from .kineto_json import load_kineto_file, peek_header, rank_from_file_name
+from .nsys_sqlite import is_nsys_sqlite, load_nsys_sqlite
+
+_TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite")
+_NOT_TRACES = {"manifest.json", "report.json"}
+
+
+@dataclass
+class LoadResult:
+    events: EventTable
+    files: list[Path]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
+    cached: int = 0
+
+
+def discover(path: str | os.PathLike) -> list[Path]:
+    """Trace files under ``path`` (a file, a trace directory, or a run directory)."""
+    p = Path(path)
+    if not p.exists():
+        raise UserInputError("no such file or directory", p)
+    if p.is_file():
+        if p.suffix == ".nsys-rep" or p.name.endswith(".qdrep"):
+            raise UserInputError("this is an Nsight Systems report; export it first: "
+                                 f"nsys export --type sqlite --output {p.with_suffix('.sqlite').name} {p.name}", p)
+        return [p]
+    root = p / "traces" if (p / "manifest.json").exists() and (p / "traces").is_dir() else p
+    files = sorted(f for f in root.rglob("*")
+                   if f.is_file() and f.name.endswith(_TRACE_SUFFIXES) and f.name not in _NOT_TRACES
+                   and not f.name.startswith("."))
+    if not files:
+        reps = sorted(root.rglob("*.nsys-rep"))
+        hint = (f"; found {reps[0].name}: export it with nsys export --type sqlite" if reps else "")
+        raise UserInputError(f"no trace files (*.json, *.json.gz, *.sqlite) in this directory{hint}", p)
+    return files
+
+
+def _expected_rank(f: Path, rank_override: int | None, single: bool) -> int | None:
+    if f.suffix == ".sqlite":
+        return rank_override if single else rank_from_file_name(f)
+    head = peek_header(f)
+    if "rank" in head:
+        return head["rank"]
+    if single and rank_override is not None:
+        return rank_override
+    return rank_from_file_name(f)
+
+
+def _load_one(f: Path, rank: int | None, step_annotation: str | None, use_cache: bool
+              ) -> tuple[EventTable, bool]:
+    key = trace_cache.cache_key(f, rank, step_annotation) if use_cache else None
+    if key is not None:
+        hit = trace_cache.get(key)
+        if hit is not None:
+            return hit, True
+    if is_nsys_sqlite(f):
+        events = load_nsys_sqlite(f, rank=rank if rank is not None else 0)
+    else:
+        events = load_kineto_file(f, rank=rank, step_annotation=step_annotation)
+    if key is not None:
+        trace_cache.put(key, events)
+    return events, False
+
+
+def _worker(args):
+    f, rank, step_annotation, use_cache = args
+    try:
+        events, cached = _load_one(f, rank, step_annotation, use_cache)
+        return f, events, cached, None
+    except UserInputError as e:
+        return f, None, False, str(e)
+
+
+def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
+         use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
+         progress: bool | None = None) -> LoadResult:
+    """Load every trace under ``path`` into one EventTable.
+
+    ``rank`` applies to a single file without rank information.  With
+    ``skip_bad``, files that fail to load are listed in ``skipped`` instead of
+    failing the whole set (at least one must load).
+    """
+    files = discover(path)
+    single = len(files) == 1
+    jobs = []
+    claimed: dict[int, Path] = {}
+    for f in files:
+        r = _expected_rank(f, rank, single)
+        if r is None and single:
+            r = 0  # one file, no rank anywhere: it is rank 0 of its own run
+        if r is not None:
+            if r in claimed:
+                raise UserInputError(f"two files claim rank {r}: {claimed[r].name} and {f.name}", Path(path))
+            claimed[r] = f
+        elif not single:
+            problem = UserInputError("cannot tell which rank this file is: no distributedInfo.rank in its head "
+                                     "and no rank<N>/worker<N> in its name; load it alone with --rank N", f)
+            if not skip_bad:
+                raise problem
+        jobs.append((f, r, step_annotation, use_cache))
+
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    show = progress if progress is not None else sys.stderr.isatty()
+    results: list[tuple[Path, EventTable]] = []
+    skipped: list[tuple[str, str]] = []
+    cached = 0
+    bar = tqdm(total=len(jobs), desc="loading traces", unit="file", disable=not show, file=sys.stderr)
+    try:
+        if n_workers == 1:
+            outcomes = (_worker(j) for j in jobs)
+            for outcome in outcomes:
+                cached += _collect(outcome, results, skipped, skip_bad)
+                bar.update()
+        else:
+            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+                futures = [pool.submit(_worker, j) for j in jobs]
+                for fut in as_completed(futures):
+                    cached += _collect(fut.result(), results, skipped, skip_bad)
+                    bar.update()
+    finally:
+        bar.close()
+    if not results:
+        reasons = "; ".join(r for _, r in skipped)
+        raise UserInputError(f"no trace could be loaded: {reasons}", Path(path))
+
+    by_rank: dict[int, Path] = {}
+    for f, ev in results:
+        for r in ev.ranks:
+            if r in by_rank:
+                raise UserInputError(f"two files claim rank {r}: {by_rank[r].name} and {f.name}", Path(path))
+            by_rank[r] = f
+    results.sort(key=lambda fe: min(fe[1].ranks))
+    events = EventTable.concat([ev for _, ev in results])
+    return LoadResult(events, [f for f, _ in results], skipped, cached)
+
+
+def _collect(outcome, results, skipped, skip_bad) -> int:
+    f, events, was_cached, error = outcome
+    if error is not None:
+        if not skip_bad:
+            raise UserInputError(error.split(": ", 1)[1] if error.startswith(str(f)) else error, f)
+        skipped.append((str(f), error))
+        return 0
+    results.append((f, events))
+    return int(was_cached)
