@@ -311,6 +311,8 @@ def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | No
     # --- time: one nanosecond clock.  With baseTimeNanoseconds, ts is relative to it.
     base = meta["base_time_ns"]
     ts_ns = _to_ns(ts_us)
+    # Round the end, not the duration, so touching events stay touching; never negative.
+    dur_ns = np.maximum(_to_ns(ts_us + dur_us) - ts_ns, 0)
     if base is not None and n and float(np.nanmax(ts_us)) < _EPOCH_US_MIN:
         ts_ns += int(base)
         meta["clock"] = "epoch (baseTimeNanoseconds + relative ts)"
@@ -318,8 +320,6 @@ def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | No
         meta["clock"] = "epoch"
     else:
         meta["clock"] = "relative (no time base in trace)"
-    # Round the end, not the duration, so touching events stay touching; never negative.
-    dur_ns = np.maximum(_to_ns(ts_us + dur_us) - ts_ns, 0)
 
     # --- kinds, by category, then by name for communication and steps.
     cat_arr = pa.array(cats, type=pa.string()).dictionary_encode()

@@ -1,0 +1,42 @@
+"""The report.json contract: the schema-versioned result of analysis.
+
+Readers (dashboard, ``mfuscope compare``, optimizers) read only this.  See
+docs/report.md for every field; ``schemas/report.schema.json`` is the law.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mfuscope import __version__, atomic
+from mfuscope.run_dir import now_iso
+from mfuscope.schema_check import read_json, validate
+
+SCHEMA_VERSION = 1
+
+
+def new_report(source: str, files: list[str], summary: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "summary": summary,
+        "breakdown": sections.pop("breakdown", None),
+        "bubbles": sections.pop("bubbles", []),
+        "comm": sections.pop("comm", []),
+        "stragglers": sections.pop("stragglers", []),
+        "kernels": sections.pop("kernels", []),
+        "findings": sections.pop("findings", []),
+        "provenance": {"mfuscope_version": __version__, "source": source, "created": now_iso(), "files": files},
+    }
+    report.update(sections)
+    return report
+
+
+def write_report(path: str | Path, report: dict[str, Any]) -> Path:
+    path = Path(path)
+    validate("report", report, path)
+    atomic.write_json(path, report)
+    return path
+
+
+def read_report(path: str | Path) -> dict[str, Any]:
+    return read_json("report", Path(path))
