@@ -1,0 +1,35 @@
+# mfuscope: two commands on a fresh machine.
+#   make demo   set up, profile a real 4-rank job, analyze it, print where to look
+#   make test   set up, run the whole test suite
+# Set-up is shared and idempotent: a .venv with torch (CPU build, pinned in
+# constraints/ci.txt) and mfuscope installed editable with its [dev] extra.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.mfuscope-installed
+DEMO   ?= artifacts/demo
+
+.PHONY: all install demo test bench clean
+
+all: test
+
+$(STAMP): pyproject.toml constraints/ci.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints/ci.txt -e '.[dev]'
+	@touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m mfuscope.demo --out $(DEMO)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_load.py
+
+clean:
+	rm -rf $(VENV) artifacts build dist *.egg-info
