@@ -36,6 +36,7 @@ _DEVICE_TABLES = (
     ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", "sync"),
 )
 _NO_STREAM = 0xFFFFFFFF
+_API_VERSION_TAG = re.compile(r"_v\d{4}$")
 
 
 def is_nsys_sqlite(path: Path) -> bool:
@@ -150,7 +151,7 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
     if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables:
         _require(con, "CUPTI_ACTIVITY_KIND_RUNTIME", ("start", "end", "globalTid", "correlationId", "nameId"), path)
         rows = con.execute("SELECT start, end, globalTid, NULL, correlationId, nameId FROM CUPTI_ACTIVITY_KIND_RUNTIME")
-        add("runtime", rows, cpu_lane, lambda r: strings.get(r[5], str(r[5])))
+        add("runtime", rows, cpu_lane, lambda r: _api_name(strings.get(r[5], str(r[5]))))
 
     if "NVTX_EVENTS" in tables:
         ncols = _require(con, "NVTX_EVENTS", ("start", "end", "eventType", "globalTid"), path)
@@ -203,6 +204,12 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
     })
     order = np.argsort(ts, kind="stable")
     return EventTable(table.take(pa.array(order)), {int(rank): meta})
+
+
+def _api_name(name: str) -> str:
+    """``cudaLaunchKernel_v7000`` -> ``cudaLaunchKernel``: drop the 4-digit ABI version tag, as
+    ``nsys stats`` does, so runtime calls read the same as in Kineto traces."""
+    return _API_VERSION_TAG.sub("", name)
 
 
 def _enum(con, tables: set[str], table: str) -> dict:
