@@ -20,8 +20,9 @@ import gc
 import os
 import re
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import msgspec
 import numpy as np
@@ -36,8 +37,10 @@ from .steps import Steps, assign_steps, find_steps
 
 try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
     from isal import igzip as _gzip
+    from isal import isal_zlib as _zlib
 except ImportError:  # pragma: no cover - exercised only without isal
     import gzip as _gzip
+    import zlib as _zlib
 
 
 # --------------------------------------------------------------------------- decoding
@@ -97,13 +100,17 @@ class _DeviceProps(msgspec.Struct, gc=False):
 
 
 class _Trace(msgspec.Struct, gc=False):
-    traceEvents: Optional[list[_Event]] = None
+    # Events stay raw JSON here and are decoded in batches (see _collect_events):
+    # decoding all of them at once costs ~2x the file size in Python objects.
+    traceEvents: Optional[list[msgspec.Raw]] = None
     distributedInfo: Optional[_DistInfo] = None
     deviceProperties: Optional[list[_DeviceProps]] = None
     baseTimeNanoseconds: Optional[int] = None
 
 
 _DECODER = msgspec.json.Decoder(_Trace)
+_EVENTS_DECODER = msgspec.json.Decoder(list[_Event])
+_BATCH = 16384
 
 #: profiler category -> EventTable kind.  Categories in _SKIP_CATS are flow
 #: arrows and profiler bookkeeping, not work.
@@ -134,19 +141,52 @@ _EPOCH_US_MIN = 1e14
 
 # --------------------------------------------------------------------------- file reading
 
-def read_trace_bytes(path: Path) -> bytes:
-    """File bytes, gunzipped if the file is gzip (by magic, not by name)."""
+def read_trace_bytes(path: Path) -> bytes | bytearray:
+    """File bytes, gunzipped if the file is gzip (by magic, not by name).
+
+    Gunzip streams into a buffer sized from the gzip trailer, so the peak is
+    the decompressed size, not twice it.
+    """
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise UserInputError(f"cannot read: {e.strerror}", path) from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            return _gzip.decompress(raw)
-        except (EOFError, OSError, zlib.error, ValueError) as e:
-            raise UserInputError(f"truncated or corrupt gzip ({e})", path) from None
-    return raw
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
+        return _gunzip(raw)
+    except (EOFError, OSError, zlib.error, ValueError) as e:
+        raise UserInputError(f"truncated or corrupt gzip ({e})", path) from None
+
+
+def _gunzip(data: bytes) -> bytearray:
+    size = int.from_bytes(data[-4:], "little")  # ISIZE: uncompressed size mod 2**32
+    out = bytearray(size)
+    view = memoryview(out)
+    pos = 0
+    d = _zlib.decompressobj(wbits=31)
+    pending = data
+    while pending:
+        chunk = d.decompress(pending, 1 << 22)
+        pending = d.unconsumed_tail
+        if pos + len(chunk) > len(view):  # multi-member gzip or > 4 GiB: grow
+            view.release()
+            out.extend(bytes(pos + len(chunk) - len(out)))
+            view = memoryview(out)
+        view[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+        if d.eof:
+            if d.unused_data:  # another gzip member follows
+                pending = d.unused_data
+                d = _zlib.decompressobj(wbits=31)
+                continue
+            break
+    if not d.eof:
+        raise EOFError("compressed file ended before the end-of-stream marker was reached")
+    view.release()
+    del out[pos:]
+    return out
 
 
 def peek_header(path: Path, limit: int = 1 << 18) -> dict[str, Any]:
@@ -210,7 +250,6 @@ def load_kineto_file(path: str | os.PathLike, *, rank: int | None = None,
 def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTable:
     raw = read_trace_bytes(path)
     trace = _decode(raw, path)
-    del raw
     events = trace.traceEvents
     if events is None:
         raise UserInputError("not a PyTorch profiler trace: no 'traceEvents' list", path)
@@ -219,24 +258,17 @@ def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTab
 
     dist = trace.distributedInfo
     meta = _rank_meta(path, trace, rank)
-    thread_names: dict[Any, str] = {}
-    work: list[_Event] = []
-    for e in events:
-        ph = e.ph
-        if ph == "X" or ph == "i" or ph == "I":
-            if e.cat and e.cat not in _SKIP_CATS and e.ts is not None:
-                work.append(e)
-        elif ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name:
-            thread_names[e.tid] = e.args.name
-    del events, trace
-    if not work:
+    del trace
+    work = _collect_events(events, path)
+    del events, raw  # the decompressed JSON: every value we need is now copied out
+    if work.n == 0:
         raise UserInputError("no complete events ('ph': 'X') in 'traceEvents'", path)
 
     table, steps = _columns(work, meta, step_annotation, path)
     meta["steps_source"] = steps.source
     meta["n_steps"] = int(len(steps.number))
     meta["steps"] = [int(s) for s in steps.number]
-    meta["threads"] = {str(k): v for k, v in thread_names.items()}
+    meta["threads"] = {str(k): v for k, v in work.thread_names.items()}
     meta["pg_config"] = _pg_config(dist)
     order = pc.sort_indices(table, sort_keys=[("ts_ns", "ascending")])
     return EventTable(table.take(order), {meta["rank"]: meta})
@@ -298,15 +330,109 @@ def _to_ns(us: np.ndarray) -> np.ndarray:
     return whole.astype(np.int64) * 1000 + np.rint((us - whole) * 1000).astype(np.int64)
 
 
-def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | None,
+@dataclass
+class _Work:
+    """The events that are work (complete and instant events), as compact columns.
+
+    Strings are interned (a trace has a few thousand distinct names), so a
+    column of names costs a pointer per event.  Full ``args`` are kept only
+    for rows whose name needs them (collectives, GEMM/attention shapes).
+    """
+
+    n: int
+    names: list
+    cats: list
+    pids: list
+    tids: list
+    ts_us: np.ndarray
+    dur_us: np.ndarray
+    arg_device: np.ndarray
+    arg_stream: np.ndarray
+    correlation: np.ndarray
+    external_id: np.ndarray
+    args: dict  # row -> _KeptArgs, for rows whose name needs the full args
+    thread_names: dict
+
+
+class _KeptArgs(NamedTuple):
+    """The args of a collective or GEMM/attention row, detached from the JSON buffer.
+
+    (A ``msgspec.Raw`` keeps its whole decode buffer alive; bytes copies do not.)
+    """
+
+    collective: Optional[str]
+    pg_name: Optional[str]
+    pg_desc: Optional[str]
+    pg_ranks: bytes
+    in_nelems: Optional[int]
+    dtype: Optional[str]
+    seq: Optional[int]
+    input_dims: bytes
+    input_type: bytes
+
+
+def _kept(a: _Args) -> _KeptArgs:
+    return _KeptArgs(a.collective, a.pg_name, a.pg_desc, bytes(a.pg_ranks), a.in_nelems, a.dtype, a.seq,
+                     bytes(a.input_dims), bytes(a.input_type))
+
+
+def _needs_args(name: str) -> bool:
+    return (collectives.is_comm_kernel(name) or collectives.is_comm_cpu_name(name)
+            or bool(_SHAPE_OPS.match(name)))
+
+
+def _collect_events(raw_events: list, path: Path) -> _Work:
+    intern: dict = {}
+    needs: dict[str, bool] = {}
+    names, cats, pids, tids = [], [], [], []
+    ts, dur, dev, stream, corr, ext = [], [], [], [], [], []
+    args: dict[int, _KeptArgs] = {}
+    thread_names: dict = {}
+    n = 0
+    for start in range(0, len(raw_events), _BATCH):
+        try:
+            batch = _EVENTS_DECODER.decode(b"[" + b",".join(raw_events[start:start + _BATCH]) + b"]")
+        except msgspec.ValidationError as e:
+            where = re.sub(r"`\$\[(\d+)\]", lambda m: f"`$.traceEvents[{start + int(m.group(1))}]", str(e))
+            raise UserInputError(f"unexpected trace content: {where}", path) from None
+        work = []
+        for e in batch:
+            ph = e.ph
+            if ph == "X" or ph == "i" or ph == "I":
+                if e.cat and e.cat not in _SKIP_CATS and e.ts is not None:
+                    work.append(e)
+            elif ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name:
+                thread_names[e.tid] = e.args.name
+        for i, e in enumerate(work):
+            name = e.name
+            names.append(intern.setdefault(name, name))
+            cats.append(intern.setdefault(e.cat, e.cat))
+            pids.append(intern.setdefault(e.pid, e.pid))
+            tids.append(intern.setdefault(e.tid, e.tid))
+            need = needs.get(name)
+            if need is None:
+                need = needs[name] = _needs_args(name)
+            if need and e.args is not None:
+                args[n + i] = _kept(e.args)
+        a = [e.args for e in work]
+        ts.append(np.fromiter((e.ts for e in work), dtype=np.float64, count=len(work)))
+        dur.append(np.fromiter((e.dur for e in work), dtype=np.float64, count=len(work)))
+        dev.append(_ints([x.device if x is not None else None for x in a]))
+        stream.append(_ints([x.stream if x is not None else None for x in a]))
+        corr.append(_ints([x.correlation if x is not None else None for x in a]))
+        ext.append(_ints([x.external_id if x is not None else None for x in a]))
+        n += len(work)
+    cat = lambda parts, dtype: np.concatenate(parts) if parts else np.empty(0, dtype)  # noqa: E731
+    return _Work(n, names, cats, pids, tids, cat(ts, np.float64), cat(dur, np.float64), cat(dev, np.int64),
+                 cat(stream, np.int64), cat(corr, np.int64), cat(ext, np.int64), args, thread_names)
+
+
+def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
              path: Path) -> tuple[pa.Table, Steps]:
-    n = len(work)
+    n = work.n
     rank = meta["rank"]
-    cats = [e.cat for e in work]
-    names = [e.name for e in work]
-    args = [e.args for e in work]
-    ts_us = np.fromiter((e.ts for e in work), dtype=np.float64, count=n)
-    dur_us = np.fromiter((e.dur for e in work), dtype=np.float64, count=n)
+    cats, names, args = work.cats, work.names, work.args
+    ts_us, dur_us = work.ts_us, work.dur_us
 
     # --- time: one nanosecond clock.  With baseTimeNanoseconds, ts is relative to it.
     base = meta["base_time_ns"]
@@ -345,10 +471,8 @@ def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | No
     kind[(kind == "annotation") & gloo_name[name_idx]] = "comm"  # gloo work on its own thread
 
     # --- lanes.
-    pid = [e.pid for e in work]
-    tid = [e.tid for e in work]
-    arg_device = _ints([a.device if a is not None else None for a in args])
-    arg_stream = _ints([a.stream if a is not None else None for a in args])
+    pid, tid = work.pids, work.tids
+    arg_device, arg_stream = work.arg_device, work.arg_stream
     on_device |= (kind == "sync") & (arg_stream >= 0)
     tid_num = _ints(tid)
     device = np.where(arg_device >= 0, arg_device, _ints(pid))
@@ -359,8 +483,7 @@ def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | No
     lane = _lane_labels(on_device, device, stream, tid, meta)
 
     # --- ids linking CPU launches and device work.
-    correlation = _ints([a.correlation if a is not None else None for a in args])
-    external_id = _ints([a.external_id if a is not None else None for a in args])
+    correlation, external_id = work.correlation, work.external_id
 
     # --- steps.
     steps = find_steps(kind, name_values, name_idx, ts_ns, dur_ns, step_annotation, path)
@@ -376,7 +499,7 @@ def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | No
     shapes = np.full(n, None, dtype=object)
     comm_rows = np.flatnonzero(comm_cpu_name[name_idx] | (kind == "comm"))
     for i in comm_rows:
-        a = args[i]
+        a = args.get(i)
         if a is None:
             continue
         if a.collective:
@@ -393,13 +516,13 @@ def _columns(work: list[_Event], meta: dict[str, Any], step_annotation: str | No
         if a.in_nelems is not None and size is not None:
             nbytes[i] = a.in_nelems * size
         elif a.input_dims and a.input_type:
-            b = collectives.bytes_from_dims(bytes(a.input_dims).decode(), bytes(a.input_type).decode())
+            b = collectives.bytes_from_dims(a.input_dims.decode(), a.input_type.decode())
             if b is not None:
                 nbytes[i] = b
     for i in np.flatnonzero(shape_name[name_idx]):
-        a = args[i]
+        a = args.get(i)
         if a is not None and a.input_dims:
-            shapes[i] = bytes(a.input_dims).decode()
+            shapes[i] = a.input_dims.decode()
 
     _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
                       op, dim, pg, group_ranks, nbytes, seq)

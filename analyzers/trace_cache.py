@@ -34,7 +34,7 @@ def cache_dir() -> Path:
 
 
 def cache_key(path: Path, *extra: object) -> str:
-    h = hashlib.blake2b(digest_size=20)
+    h = hashlib.sha256()  # hardware-accelerated on current CPUs: ~2 GB/s
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
@@ -47,7 +47,8 @@ def get(key: str) -> EventTable | None:
     if not entry.exists():
         return None
     try:
-        return EventTable.from_arrow(pq.read_table(entry))
+        # ParquetFile.read, not pq.read_table: the latter imports the dataset layer (~0.2 s).
+        return EventTable.from_arrow(pq.ParquetFile(entry, memory_map=True).read())
     except (OSError, pa.ArrowException, ValueError):
         return None  # damaged or from another schema: re-parse and overwrite
 

@@ -68,29 +68,22 @@ def _expected_rank(f: Path, rank_override: int | None, single: bool) -> int | No
     return rank_from_file_name(f)
 
 
-def _load_one(f: Path, rank: int | None, step_annotation: str | None, use_cache: bool
-              ) -> tuple[EventTable, bool]:
-    key = trace_cache.cache_key(f, rank, step_annotation) if use_cache else None
-    if key is not None:
-        hit = trace_cache.get(key)
-        if hit is not None:
-            return hit, True
+def _parse(f: Path, rank: int | None, step_annotation: str | None) -> EventTable:
     if is_nsys_sqlite(f):
-        events = load_nsys_sqlite(f, rank=rank if rank is not None else 0)
-    else:
-        events = load_kineto_file(f, rank=rank, step_annotation=step_annotation)
+        return load_nsys_sqlite(f, rank=rank if rank is not None else 0, step_annotation=step_annotation)
+    return load_kineto_file(f, rank=rank, step_annotation=step_annotation)
+
+
+def _worker(job):
+    """Parse one file (in a pool process); cache the result when a key is given."""
+    f, rank, step_annotation, key = job
+    try:
+        events = _parse(f, rank, step_annotation)
+    except UserInputError as e:
+        return f, None, str(e)
     if key is not None:
         trace_cache.put(key, events)
-    return events, False
-
-
-def _worker(args):
-    f, rank, step_annotation, use_cache = args
-    try:
-        events, cached = _load_one(f, rank, step_annotation, use_cache)
-        return f, events, cached, None
-    except UserInputError as e:
-        return f, None, False, str(e)
+    return f, events, None
 
 
 def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
@@ -105,6 +98,7 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     files = discover(path)
     single = len(files) == 1
     jobs = []
+    skipped: list[tuple[str, str]] = []
     claimed: dict[int, Path] = {}
     for f in files:
         r = _expected_rank(f, rank, single)
@@ -119,26 +113,34 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
                                      "and no rank<N>/worker<N> in its name; load it alone with --rank N", f)
             if not skip_bad:
                 raise problem
-        jobs.append((f, r, step_annotation, use_cache))
+            skipped.append((str(f), str(problem)))
+            continue
+        jobs.append((f, r))
 
-    n_workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
     show = progress if progress is not None else sys.stderr.isatty()
     results: list[tuple[Path, EventTable]] = []
-    skipped: list[tuple[str, str]] = []
-    cached = 0
     bar = tqdm(total=len(jobs), desc="loading traces", unit="file", disable=not show, file=sys.stderr)
+    pending = []
+    for f, r in jobs:  # cache hits are read here, with no worker process
+        key = trace_cache.cache_key(f, r, step_annotation) if use_cache else None
+        hit = trace_cache.get(key) if key is not None else None
+        if hit is not None:
+            results.append((f, hit))
+            bar.update()
+        else:
+            pending.append((f, r, step_annotation, key))
+    cached = len(results)
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(pending)))
     try:
         if n_workers == 1:
-            outcomes = (_worker(j) for j in jobs)
-            for outcome in outcomes:
-                cached += _collect(outcome, results, skipped, skip_bad)
+            for job in pending:
+                _collect(_worker(job), results, skipped, skip_bad)
                 bar.update()
         else:
             ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
-                futures = [pool.submit(_worker, j) for j in jobs]
-                for fut in as_completed(futures):
-                    cached += _collect(fut.result(), results, skipped, skip_bad)
+                for fut in as_completed([pool.submit(_worker, job) for job in pending]):
+                    _collect(fut.result(), results, skipped, skip_bad)
                     bar.update()
     finally:
         bar.close()
@@ -157,12 +159,11 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     return LoadResult(events, [f for f, _ in results], skipped, cached)
 
 
-def _collect(outcome, results, skipped, skip_bad) -> int:
-    f, events, was_cached, error = outcome
+def _collect(outcome, results, skipped, skip_bad) -> None:
+    f, events, error = outcome
     if error is not None:
         if not skip_bad:
             raise UserInputError(error.split(": ", 1)[1] if error.startswith(str(f)) else error, f)
         skipped.append((str(f), error))
-        return 0
+        return
     results.append((f, events))
-    return int(was_cached)

@@ -164,7 +164,9 @@ class EventTable:
     def concat(cls, parts: list["EventTable"]) -> "EventTable":
         if not parts:
             return cls.empty()
-        table = pa.concat_tables([p.table for p in parts]).unify_dictionaries().combine_chunks()
+        # One chunk per part; dictionary columns may keep a dictionary per chunk (valid
+        # Arrow, and pandas conversion unifies them), so no copy is made here.
+        table = pa.concat_tables([p.table for p in parts])
         ranks: dict[int, dict[str, Any]] = {}
         for p in parts:
             ranks.update(p.ranks)
