@@ -125,6 +125,7 @@ _CAT_KIND = {
     "Operator": "cpu_op", "user_annotation ": "annotation",
 }
 _SKIP_CATS = {"ac2g", "fwdbwd", "Trace", "flow", "async"}
+_WORK_PHASES = {"X", "i", "I"}
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation",
                 "Kernel", "Memcpy", "Memset"}
 
@@ -334,16 +335,18 @@ def _to_ns(us: np.ndarray) -> np.ndarray:
 class _Work:
     """The events that are work (complete and instant events), as compact columns.
 
-    Strings are interned (a trace has a few thousand distinct names), so a
-    column of names costs a pointer per event.  Full ``args`` are kept only
-    for rows whose name needs them (collectives, GEMM/attention shapes).
+    Names and categories are dictionary-encoded per batch (a trace has a few
+    thousand distinct names), so nothing holds a Python object per event.
+    Full ``args`` are kept only for rows whose name needs them (collectives,
+    GEMM/attention shapes).
     """
 
     n: int
-    names: list
-    cats: list
-    pids: list
-    tids: list
+    names: pa.DictionaryArray
+    cats: pa.DictionaryArray
+    pid: np.ndarray
+    tid: np.ndarray
+    tid_labels: Optional[np.ndarray]  # per row, only when some thread ids are strings
     ts_us: np.ndarray
     dur_us: np.ndarray
     arg_device: np.ndarray
@@ -382,12 +385,12 @@ def _needs_args(name: str) -> bool:
 
 
 def _collect_events(raw_events: list, path: Path) -> _Work:
-    intern: dict = {}
     needs: dict[str, bool] = {}
-    names, cats, pids, tids = [], [], [], []
-    ts, dur, dev, stream, corr, ext = [], [], [], [], [], []
+    chunks: dict[str, list] = {k: [] for k in ("names", "cats", "pid", "tid", "tid_labels", "ts", "dur", "dev",
+                                               "stream", "corr", "ext")}
     args: dict[int, _KeptArgs] = {}
     thread_names: dict = {}
+    string_tids = False
     n = 0
     for start in range(0, len(raw_events), _BATCH):
         try:
@@ -395,43 +398,63 @@ def _collect_events(raw_events: list, path: Path) -> _Work:
         except msgspec.ValidationError as e:
             where = re.sub(r"`\$\[(\d+)\]", lambda m: f"`$.traceEvents[{start + int(m.group(1))}]", str(e))
             raise UserInputError(f"unexpected trace content: {where}", path) from None
-        work = []
-        for e in batch:
-            ph = e.ph
-            if ph == "X" or ph == "i" or ph == "I":
-                if e.cat and e.cat not in _SKIP_CATS and e.ts is not None:
-                    work.append(e)
-            elif ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name:
+        for e in [e for e in batch if e.ph == "M"]:
+            if e.name == "thread_name" and e.args is not None and e.args.name:
                 thread_names[e.tid] = e.args.name
-        for i, e in enumerate(work):
-            name = e.name
-            names.append(intern.setdefault(name, name))
-            cats.append(intern.setdefault(e.cat, e.cat))
-            pids.append(intern.setdefault(e.pid, e.pid))
-            tids.append(intern.setdefault(e.tid, e.tid))
-            need = needs.get(name)
-            if need is None:
-                need = needs[name] = _needs_args(name)
-            if need and e.args is not None:
-                args[n + i] = _kept(e.args)
+        # Complete and instant events are work; flows ("ac2g") and bookkeeping are not.
+        work = [e for e in batch if e.ph in _WORK_PHASES and e.cat and e.ts is not None and e.cat not in _SKIP_CATS]
+        del batch
+        names = pa.array([e.name for e in work], type=pa.string()).dictionary_encode()
+        flags = [needs.get(x) for x in names.dictionary.to_pylist()]
+        for i, x in enumerate(names.dictionary.to_pylist()):
+            if flags[i] is None:
+                flags[i] = needs[x] = _needs_args(x)
+        if any(flags):
+            for row in np.flatnonzero(np.array(flags)[names.indices.to_numpy()]):
+                a = work[row].args
+                if a is not None:
+                    args[n + int(row)] = _kept(a)
+        tids = [e.tid for e in work]
         a = [e.args for e in work]
-        ts.append(np.fromiter((e.ts for e in work), dtype=np.float64, count=len(work)))
-        dur.append(np.fromiter((e.dur for e in work), dtype=np.float64, count=len(work)))
-        dev.append(_ints([x.device if x is not None else None for x in a]))
-        stream.append(_ints([x.stream if x is not None else None for x in a]))
-        corr.append(_ints([x.correlation if x is not None else None for x in a]))
-        ext.append(_ints([x.external_id if x is not None else None for x in a]))
+        chunks["names"].append(names)
+        chunks["cats"].append(pa.array([e.cat for e in work], type=pa.string()).dictionary_encode())
+        chunks["pid"].append(_ints([e.pid for e in work]))
+        chunks["tid"].append(_ints(tids))
+        labels = None
+        if not all(type(t) is int for t in tids):
+            string_tids = True
+            labels = np.array([str(t) for t in tids], dtype=object)
+        chunks["tid_labels"].append(labels)
+        chunks["ts"].append(np.array([e.ts for e in work], dtype=np.float64))
+        chunks["dur"].append(np.array([e.dur for e in work], dtype=np.float64))
+        chunks["dev"].append(_ints([x.device if x is not None else None for x in a]))
+        chunks["stream"].append(_ints([x.stream if x is not None else None for x in a]))
+        chunks["corr"].append(_ints([x.correlation if x is not None else None for x in a]))
+        chunks["ext"].append(_ints([x.external_id if x is not None else None for x in a]))
         n += len(work)
-    cat = lambda parts, dtype: np.concatenate(parts) if parts else np.empty(0, dtype)  # noqa: E731
-    return _Work(n, names, cats, pids, tids, cat(ts, np.float64), cat(dur, np.float64), cat(dev, np.int64),
-                 cat(stream, np.int64), cat(corr, np.int64), cat(ext, np.int64), args, thread_names)
+
+    def cat(key: str, dtype) -> np.ndarray:
+        parts = chunks[key]
+        return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+    def dictionary(key: str) -> pa.DictionaryArray:
+        parts = chunks[key] or [pa.array([], type=pa.string()).dictionary_encode()]
+        return pa.chunked_array(parts).unify_dictionaries().combine_chunks() if len(parts) > 1 else parts[0]
+
+    tid_labels = None
+    if string_tids:
+        tid_labels = np.concatenate([lab if lab is not None else t.astype(str).astype(object)
+                                     for lab, t in zip(chunks["tid_labels"], chunks["tid"])])
+    return _Work(n, dictionary("names"), dictionary("cats"), cat("pid", np.int64), cat("tid", np.int64),
+                 tid_labels, cat("ts", np.float64), cat("dur", np.float64), cat("dev", np.int64),
+                 cat("stream", np.int64), cat("corr", np.int64), cat("ext", np.int64), args, thread_names)
 
 
 def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
              path: Path) -> tuple[pa.Table, Steps]:
     n = work.n
     rank = meta["rank"]
-    cats, names, args = work.cats, work.names, work.args
+    args = work.args
     ts_us, dur_us = work.ts_us, work.dur_us
 
     # --- time: one nanosecond clock.  With baseTimeNanoseconds, ts is relative to it.
@@ -448,7 +471,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
         meta["clock"] = "relative (no time base in trace)"
 
     # --- kinds, by category, then by name for communication and steps.
-    cat_arr = pa.array(cats, type=pa.string()).dictionary_encode()
+    cat_arr = work.cats
     cat_values = cat_arr.dictionary.to_pylist()
     kind_of_cat = np.array([_CAT_KIND.get(c, "other") for c in cat_values] or ["other"], dtype=object)
     is_dev_cat = np.array([c in _DEVICE_CATS for c in cat_values] or [False])
@@ -456,7 +479,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     kind = kind_of_cat[cat_idx]
     on_device = is_dev_cat[cat_idx]
 
-    name_arr = pa.array(names, type=pa.string()).dictionary_encode()
+    name_arr = work.names
     name_values = name_arr.dictionary.to_pylist()
     name_idx = name_arr.indices.to_numpy()
     comm_kernel_name = np.array([collectives.is_comm_kernel(s) for s in name_values] or [False])
@@ -471,16 +494,15 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     kind[(kind == "annotation") & gloo_name[name_idx]] = "comm"  # gloo work on its own thread
 
     # --- lanes.
-    pid, tid = work.pids, work.tids
     arg_device, arg_stream = work.arg_device, work.arg_stream
     on_device |= (kind == "sync") & (arg_stream >= 0)
-    tid_num = _ints(tid)
-    device = np.where(arg_device >= 0, arg_device, _ints(pid))
+    tid_num = work.tid
+    device = np.where(arg_device >= 0, arg_device, work.pid)
     stream = np.where(arg_stream >= 0, arg_stream, tid_num)
     device = np.where(on_device, device, -1)
     stream = np.where(on_device, stream, -1)
     tid_col = np.where(on_device, -1, tid_num)
-    lane = _lane_labels(on_device, device, stream, tid, meta)
+    lane = _lane_labels(on_device, device, stream, tid_num, work.tid_labels)
 
     # --- ids linking CPU launches and device work.
     correlation, external_id = work.correlation, work.external_id
@@ -571,8 +593,8 @@ def _as_int(v: Union[int, str, None]) -> int:
         return -1
 
 
-def _lane_labels(on_device: np.ndarray, device: np.ndarray, stream: np.ndarray,
-                 tid: list, meta: dict[str, Any]) -> np.ndarray:
+def _lane_labels(on_device: np.ndarray, device: np.ndarray, stream: np.ndarray, tid: np.ndarray,
+                 tid_labels: Optional[np.ndarray]) -> np.ndarray:
     """``gpu<D>/stream<S>`` or ``cpu/<tid>``; built once per distinct lane, not per row."""
     out = np.empty(len(tid), dtype=object)
     if on_device.any():
@@ -582,9 +604,9 @@ def _lane_labels(on_device: np.ndarray, device: np.ndarray, stream: np.ndarray,
         out[on_device] = labels[inv]
     cpu = ~on_device
     if cpu.any():
-        tids = np.array([str(t) for t, c in zip(tid, cpu) if c], dtype=object)
-        uniq, inv = np.unique(tids, return_inverse=True)
-        labels = np.array([f"cpu/{t}" for t in uniq], dtype=object)
+        ids = tid_labels[cpu] if tid_labels is not None else tid[cpu]
+        uniq, inv = np.unique(ids, return_inverse=True)
+        labels = np.array([f"cpu/{t}" for t in uniq.tolist()], dtype=object)
         out[cpu] = labels[inv]
     return out
 

@@ -13,7 +13,8 @@ Variants, interleaved in each round, median of ``--runs`` rounds:
 
 Each measurement runs in a fresh Python process; wall and CPU time cover the
 load call only (not interpreter start or imports), peak memory is the largest
-summed PSS of the process and all its children, sampled every 10 ms.
+summed PSS of the process and all its children, sampled every 50 ms (reading
+/proc/PID/smaps_rollup costs kernel time; sampling faster would slow what is measured).
 
     python benchmarks/bench_load.py [--runs 5] [--sets dlrm8,big8]
 """
@@ -94,7 +95,7 @@ def measure(variant: str, trace_dir: Path, cache: Path) -> dict:
     peak = 0
     while proc.poll() is None:
         peak = max(peak, _tree_pss(proc.pid))
-        time.sleep(0.01)
+        time.sleep(0.05)
     out = proc.stdout.read()
     if proc.returncode != 0:
         raise SystemExit(f"{variant} failed on {trace_dir} (exit {proc.returncode})")

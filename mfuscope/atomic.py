@@ -42,11 +42,12 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n").encode())
 
 
-def write_parquet(path: str | os.PathLike, table: "Any") -> None:
-    """Write a pyarrow Table as parquet (zstd) atomically."""
+def write_parquet(path: str | os.PathLike, table: "Any", **options: Any) -> None:
+    """Write a pyarrow Table as parquet (zstd unless ``options`` say otherwise) atomically."""
     import pyarrow.parquet as pq
 
-    _write_via_temp(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+    options.setdefault("compression", "zstd")
+    _write_via_temp(Path(path), lambda tmp: pq.write_table(table, tmp, **options))
 
 
 def _json_default(o: Any) -> Any:
