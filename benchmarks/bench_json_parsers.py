@@ -28,11 +28,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional, Union
+
+import msgspec
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("MFUSCOPE_CORPUS", REPO.parent / "shared" / "corpus"))
 TRACE = CORPUS / "traces/HolisticTraceAnalysis/tests/data/df_index_resolver/df_index_resolver.json.gz"
 CANDIDATES = ("gzip", "isal", "orjson", "msgspec", "msgspec-typed", "simdjson", "duckdb")
+
+
+class _Args(msgspec.Struct, gc=False):
+    correlation: Optional[int] = None
+
+
+class _Event(msgspec.Struct, gc=False):
+    name: str = ""
+    cat: str = ""
+    ts: Optional[float] = None
+    dur: float = 0.0
+    pid: Union[int, str] = 0
+    args: Optional[_Args] = None
+
+
+class _Trace(msgspec.Struct, gc=False):
+    traceEvents: list[_Event] = []
 
 
 def _columns_from_dicts(events):
@@ -59,25 +79,8 @@ def run_candidate(name: str, raw_path: str) -> float:
         import msgspec
         _columns_from_dicts(msgspec.json.decode(data)["traceEvents"])
     elif name == "msgspec-typed":
-        from typing import Optional, Union
-
         import msgspec
-
-        class Args(msgspec.Struct, gc=False):
-            correlation: Optional[int] = None
-
-        class Event(msgspec.Struct, gc=False):
-            name: str = ""
-            cat: str = ""
-            ts: Optional[float] = None
-            dur: float = 0.0
-            pid: Union[int, str] = 0
-            args: Optional[Args] = None
-
-        class Trace(msgspec.Struct, gc=False):
-            traceEvents: list[Event] = []
-
-        ev = msgspec.json.decode(data, type=Trace).traceEvents
+        ev = msgspec.json.decode(data, type=_Trace).traceEvents
         [e.name for e in ev], [e.cat for e in ev], [e.ts for e in ev], [e.dur for e in ev]
         [e.args.correlation if e.args else None for e in ev]
     elif name == "simdjson":
