@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -43,8 +45,7 @@ def discover(path: str | os.PathLike) -> list[Path]:
         raise UserInputError("no such file or directory", p)
     if p.is_file():
         if p.suffix == ".nsys-rep" or p.name.endswith(".qdrep"):
-            raise UserInputError("this is an Nsight Systems report; export it first: "
-                                 f"nsys export --type sqlite --output {p.with_suffix('.sqlite').name} {p.name}", p)
+            return [_export_nsys(p)]
         return [p]
     root = p / "traces" if (p / "manifest.json").exists() and (p / "traces").is_dir() else p
     files = sorted(f for f in root.rglob("*")
@@ -55,6 +56,30 @@ def discover(path: str | os.PathLike) -> list[Path]:
         hint = (f"; found {reps[0].name}: export it with nsys export --type sqlite" if reps else "")
         raise UserInputError(f"no trace files (*.json, *.json.gz, *.sqlite) in this directory{hint}", p)
     return files
+
+
+def _export_nsys(report: Path) -> Path:
+    """An .nsys-rep becomes SQLite through ``nsys export`` when nsys is installed.
+
+    The export goes to the cache directory (never beside the user's report),
+    keyed by the report's content, and is reused on the next load.
+    """
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        raise UserInputError("this is an Nsight Systems report and nsys is not on PATH; export it first: "
+                             f"nsys export --type sqlite --output {report.with_suffix('.sqlite').name} {report.name}",
+                             report)
+    out = trace_cache.cache_dir() / f"{trace_cache.cache_key(report, 'nsys-export')}.sqlite"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".partial.sqlite")
+        proc = subprocess.run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true",
+                               "--output", str(tmp), str(report)], capture_output=True, text=True)
+        if proc.returncode != 0 or not tmp.exists():
+            reason = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise UserInputError(f"nsys export failed: {reason[0]}", report)
+        os.replace(tmp, out)
+    return out
 
 
 def _expected_rank(f: Path, rank_override: int | None, single: bool) -> int | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from mfuscope import cli
-from mfuscope.tests.helpers import write_trace
+from mfuscope.tests.helpers import CORPUS, NO_CORPUS, write_trace
 
 GOOD_EVENTS = [
     {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 100.0, "dur": 50.0},
@@ -102,11 +103,32 @@ def test_nsys_export_of_unknown_schema(tmp_path, capsys):
     _assert_one_line_error(rc, err, str(db), "schema version 2.7.1 is not supported")
 
 
-def test_nsys_rep_asks_for_an_export(tmp_path, capsys):
+def test_nsys_rep_asks_for_an_export(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no nsys on PATH
     rep = tmp_path / "report1.nsys-rep"
     rep.write_bytes(b"\x00binary")
     rc, _, err = _run(capsys, rep)
-    _assert_one_line_error(rc, err, str(rep), "nsys export --type sqlite")
+    _assert_one_line_error(rc, err, str(rep), "nsys is not on PATH", "nsys export --type sqlite")
+
+
+def test_nsys_rep_is_exported_when_nsys_is_installed(tmp_path, capsys, monkeypatch):
+    """A stand-in `nsys` that copies a known SQLite export proves the call and its arguments."""
+    src = CORPUS / "nsys" / "nvfuser_64ee035_report1.sqlite"
+    if not src.exists():
+        pytest.skip(NO_CORPUS)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nsys"
+    fake.write_text("#!/bin/sh\n# nsys export --type sqlite --force-overwrite true --output OUT REPORT\n"
+                    f'[ "$1 $2 $3" = "export --type sqlite" ] || exit 3\ncp "{src}" "$7"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    rep = tmp_path / "report1.nsys-rep"
+    rep.write_bytes(b"\x00binary")
+    assert cli.main(["info", str(rep), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["devices"] == ["NVIDIA H200"] and info["events_by_kind"]["kernel"] == 19
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".sqlite"] == []  # nothing written beside it
 
 
 def test_skip_bad_loads_the_good_ranks_and_lists_the_rest(tmp_path, capsys):
