@@ -1,0 +1,32 @@
+"""Training data: synthetic tokens with a fixed seed, or the small text shipped in ``text/``.
+
+Every rank builds the same global batch for a step (cheap at these sizes) and
+takes its own rows and sequence chunks, so any layout sees exactly the tokens
+a single process would.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+
+TEXT = Path(__file__).resolve().parent / "text" / "tiny_corpus.txt"
+
+
+@lru_cache(maxsize=1)
+def _text_tokens() -> torch.Tensor:
+    return torch.tensor(list(TEXT.read_bytes()), dtype=torch.long)
+
+
+def global_batch(cfg: TrainConfig, step: int) -> torch.Tensor:
+    """(global_batch, seq_len + 1) token ids for ``step``; inputs are [:, :-1], targets [:, 1:]."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    n, length = cfg.global_batch, cfg.seq_len + 1
+    if cfg.data == "text":
+        text = _text_tokens() % cfg.model.vocab_size
+        starts = torch.randint(0, len(text) - length, (n,), generator=g)
+        return torch.stack([text[s:s + length] for s in starts.tolist()])
+    return torch.randint(0, cfg.model.vocab_size, (n, length), generator=g)

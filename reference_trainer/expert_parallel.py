@@ -1,0 +1,95 @@
+"""Expert parallelism, written here: experts sharded over an ``ep`` group, tokens moved by all-to-all.
+
+Each rank keeps ``n_experts / ep`` experts.  Routed rows are sorted by expert,
+sent to the rank that owns the expert (``all_to_all_single``, autograd-aware,
+so the backward pass sends gradients the same way back), run there, and sent
+home.  Expert groups are consecutive blocks of ``ep`` ranks along the
+flattened ``dp_shard x cp`` dimension; ranks in different blocks with the
+same position hold the same experts, and their expert gradients are
+averaged over that "expert data-parallel" group after backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm_labels import comm
+from .parallel_dims import DIMS, ParallelDims
+
+
+def expert_groups(dims: ParallelDims, rank: int):
+    """(ep group, ep rank, expert data-parallel group) for ``rank``; every rank must call this."""
+    ep_group = edp_group = None
+    mine = dims.coords(rank)
+    f_of = lambda c: c["dp_shard"] * dims.cp + c["cp"]  # noqa: E731
+    for r0 in range(dims.world_size):
+        c0 = dims.coords(r0)
+        # One set of groups per (pp, tp) coordinate; iterate deterministically on every rank.
+        if f_of(c0) != 0 or c0["dp_replicate"] != 0:
+            continue
+        same = [r for r in range(dims.world_size)
+                if all(dims.coords(r)[d] == c0[d] for d in DIMS if d not in ("dp_replicate", "dp_shard", "cp"))]
+        for block in range(dims.dp_replicate * dims.dp_shard * dims.cp // dims.ep):
+            members = [r for r in same if (dims.coords(r)["dp_replicate"] * dims.dp_shard * dims.cp
+                                           + f_of(dims.coords(r))) // dims.ep == block]
+            g = dist.new_group(members)
+            if rank in members:
+                ep_group = g
+        for slot in range(dims.ep):
+            members = [r for r in same if f_of(dims.coords(r)) % dims.ep == slot]
+            g = dist.new_group(members)
+            if rank in members:
+                edp_group = g
+    return ep_group, f_of(mine) % dims.ep, edp_group
+
+
+def apply_ep(model: nn.Module, ep_group, ep: int, ep_rank: int) -> list[nn.Parameter]:
+    """Keep this rank's experts; return the expert parameters (FSDP must ignore them)."""
+    expert_params = []
+    for block in model.layers.values():
+        moe = block.feed_forward
+        if moe.n_experts % ep:
+            raise ValueError(f"{moe.n_experts} experts do not split over ep={ep}")
+        local = moe.n_experts // ep
+        lo = ep_rank * local
+        for name in ("w1", "w2", "w3"):
+            p = nn.Parameter(getattr(moe, name).detach()[lo:lo + local].clone())
+            setattr(moe, name, p)
+            expert_params.append(p)
+        moe.expert_offset = lo
+        moe.dispatch = functools.partial(ep_dispatch, group=ep_group, ep=ep, local=local)
+    return expert_params
+
+
+def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int, local: int) -> torch.Tensor:
+    import torch.distributed.nn.functional as dist_fn
+
+    order = torch.argsort(expert, stable=True)
+    send_rows, send_expert = rows[order], expert[order]
+    send_counts = torch.bincount(send_expert // local, minlength=ep)
+    recv_counts = torch.empty_like(send_counts)
+    with comm("ep", "all_to_all"):
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
+        recv_expert = send_expert.new_empty(sum(recv_split))
+        dist.all_to_all_single(recv_expert, send_expert, recv_split, send_split, group=group)
+        received = dist_fn.all_to_all_single(rows.new_empty(sum(recv_split), rows.shape[1]), send_rows,
+                                             recv_split, send_split, group=group)
+    out = moe.experts(received, recv_expert - moe.expert_offset)
+    with comm("ep", "all_to_all"):
+        back = dist_fn.all_to_all_single(rows.new_empty(len(send_rows), rows.shape[1]), out,
+                                         send_split, recv_split, group=group)
+    return back[torch.argsort(order)]
+
+
+def reduce_expert_grads(expert_params: list[nn.Parameter], edp_group, dp: int) -> None:
+    """Sum expert gradients over the ranks holding the same experts, then average over all data ranks."""
+    for p in expert_params:
+        if p.grad is None:
+            continue
+        with comm("ep", "all_reduce"):
+            dist.all_reduce(p.grad, group=edp_group)
+        p.grad.div_(dp)

@@ -1,0 +1,210 @@
+"""Llama-style decoder with an optional MoE feed-forward.
+
+Embedding, RMSNorm, RoPE, grouped-query attention through
+``scaled_dot_product_attention`` (causal), SwiGLU MLP or top-k routed experts,
+untied LM head.  The structure is what the parallel plans expect:
+``tok_embeddings``, ``layers`` (a ModuleDict, so pipeline stages can drop the
+layers they do not own), ``norm``, ``output``; a stage without an embedding
+takes hidden states as input.
+
+Hooks the parallel dimensions use, and nothing else does:
+- ``Attention.attention_fn`` -- context parallel swaps in its ring-free
+  all-gather attention;
+- ``Transformer.positions`` -- context parallel sets the global positions of
+  the tokens this rank holds;
+- ``MoE.dispatch`` -- expert parallel swaps in all-to-all dispatch/combine;
+- ``MoE.balance_group`` -- the group whose token counts the load-balancing
+  loss uses, so the loss equals the single-process one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x`` (batch, seq, heads, head_dim) at ``positions`` (seq,)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, seq, head_dim) -> same; causal over the local sequence."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.attention_fn = causal_attention
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        k = k.repeat_interleave(self.n_rep, dim=2)
+        v = v.repeat_interleave(self.n_rep, dim=2)
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Adds d(aux)/d(params) to the backward pass without changing the forward value.
+
+    The load-balancing loss is produced deep inside the model (in any pipeline
+    stage); attaching its gradient to the activations lets every schedule
+    train with it while the reported loss stays the cross-entropy.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts with a Switch-style load-balancing loss."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, h = cfg.n_experts, cfg.dim, cfg.ffn_dim
+        self.n_experts, self.top_k, self.coef = e, cfg.top_k, cfg.aux_loss_coef
+        self.router = nn.Linear(d, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, d, h))
+        self.w3 = nn.Parameter(torch.empty(e, d, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, d))
+        self.expert_offset = 0          # first expert held here (expert parallel shards them)
+        self.dispatch = local_dispatch  # expert parallel swaps in all-to-all dispatch
+        self.balance_group = None       # process group whose tokens the balance loss counts
+
+    def experts(self, tokens: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
+        """Run tokens through the experts held here; ``local_expert`` indexes them."""
+        out = torch.zeros_like(tokens)
+        for e in range(self.w1.shape[0]):
+            rows = (local_expert == e).nonzero(as_tuple=True)[0]
+            if len(rows):
+                t = tokens[rows]
+                out[rows] = (F.silu(t @ self.w1[e]) * (t @ self.w3[e])) @ self.w2[e]
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        tokens = x.reshape(-1, d)
+        probs = F.softmax(self.router(tokens).float(), dim=-1)
+        weight, expert = probs.topk(self.top_k, dim=-1)
+        weight = (weight / weight.sum(-1, keepdim=True)).type_as(x)
+        # Each (token, choice) becomes one row routed to one expert.
+        flat_expert = expert.reshape(-1)
+        rows = tokens.repeat_interleave(self.top_k, dim=0)
+        routed = self.dispatch(self, rows, flat_expert)
+        out = (routed.view(-1, self.top_k, d) * weight.unsqueeze(-1)).sum(1)
+        return _AuxLoss.apply(out.view(b, s, d), self.coef * self._balance_loss(probs, flat_expert))
+
+    def _balance_loss(self, probs: torch.Tensor, flat_expert: torch.Tensor) -> torch.Tensor:
+        """E * sum_e f_e * P_e; f from token counts over ``balance_group`` (constant), P local."""
+        counts = torch.bincount(flat_expert, minlength=self.n_experts).to(probs.dtype)
+        if self.balance_group is not None:
+            import torch.distributed as dist
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.balance_group)
+        f = counts / counts.sum()
+        return self.n_experts * (f.detach() * probs.mean(0)).sum()
+
+
+def local_dispatch(moe: MoE, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """No expert parallelism: every expert is here."""
+    return moe.experts(rows, expert - moe.expert_offset)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = MoE(cfg) if cfg.n_experts else FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, seq_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("positions", torch.arange(seq_len), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Deterministic under a seed: every rank builds the same full model before sharding."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "w2")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.positions)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))

@@ -1,0 +1,311 @@
+"""One rank of the reference trainer: build, parallelize, train, write the run directory.
+
+Order of parallelization (as torchtitan does): build the full model under a
+fixed seed on every rank -> cut pipeline stages -> tensor parallel -> context
+parallel -> expert parallel -> activation recomputation -> torch.compile ->
+FSDP/DDP.  Every rank sees the same global batch of a step and takes its own
+rows (data ranks) and sequence chunks (context ranks).
+
+Run as a torchrun entry point (``python -m mfuscope.reference_trainer.train``)
+or through :func:`run_rank` from the fork launcher.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mfuscope import hardware
+from mfuscope.errors import UserInputError
+
+from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
+from .comm_labels import group_map
+from .config import TrainConfig, load_config
+from .data import global_batch
+from .inject import apply_faults, apply_paced, parse_faults, parse_paced
+from .model import Transformer, cross_entropy
+from .parallel_dims import ParallelDims
+
+
+@dataclass
+class RunOptions:
+    config: str = "tiny_dense"
+    layout: str = ""
+    schedule: str = "1f1b"
+    dp_mode: str = "fsdp"          # fsdp | ddp
+    reshard_after_forward: bool = True
+    steps: int | None = None
+    microbatches: int | None = None
+    inject: str | None = None
+    paced: str | None = None
+    out: str | None = None         # run directory (rank 0 writes the manifest)
+    result: str | None = None      # tests: where each rank saves losses and parameters
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _strip(name: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def run_rank(opts: RunOptions) -> dict[str, Any]:
+    """Train on this rank; returns {'losses': [...], 'step_times': [...]} (rank-local)."""
+    cfg: TrainConfig = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
+    device = _device()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # many ranks share few cores
+    dims = ParallelDims.parse(opts.layout, world)
+    coords = dims.coords(rank)
+    mesh = dims.mesh
+
+    torch.manual_seed(cfg.seed)
+    with torch.device("cpu"):
+        full = Transformer(cfg.model, cfg.seq_len)
+
+    # --- pipeline stages
+    if dims.pp > 1:
+        ids = pipeline_parallel.stage_ids(opts.schedule, dims.pp, coords["pp"])
+        n_stages = dims.pp * len(ids)
+        modules = [pipeline_parallel.stage_module(full, s, n_stages) for s in ids]
+    else:
+        ids, n_stages, modules = [0], 1, [full]
+    del full
+    modules = [m.to(device) for m in modules]
+
+    faults = parse_faults(opts.inject)
+    paced = parse_paced(opts.paced)
+    expert_params: list = []
+    edp_group = None
+    for m in modules:
+        if dims.tp > 1:
+            tensor_parallel.apply_tp(m, dims)
+        if dims.cp > 1:
+            context_parallel.apply_cp(m, mesh["cp"].get_group(), dims.cp, coords["cp"], cfg.seq_len)
+        if cfg.model.n_experts and dims.dp > 1:
+            for block in m.layers.values():
+                block.feed_forward.balance_group = mesh["dp_cp"].get_group()
+    if cfg.model.n_experts and dims.ep > 1:
+        ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, rank)
+        for m in modules:
+            expert_params += expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
+    apply_faults(modules, ids, faults, rank, coords)
+    if paced:
+        apply_paced(modules, *paced)
+    if cfg.recompute != "none":
+        _apply_recompute(modules, cfg.recompute)
+    if cfg.compile:
+        for m in modules:
+            for name, block in list(m.layers.items()):
+                m.layers[name] = torch.compile(block)
+    param_dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
+    if dims.dp > 1:
+        if opts.dp_mode == "ddp":
+            modules = [data_parallel.apply_ddp(m, dims) for m in modules]
+        else:
+            modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=opts.reshard_after_forward,
+                                                param_dtype=param_dtype, ignored_params=set(expert_params) or None)
+                       for m in modules]
+
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+
+    if dims.tp > 1:  # vocab-sharded logits: forward and backward of the loss under loss_parallel
+        from torch.distributed.tensor.parallel import loss_parallel as loss_context
+    else:
+        from contextlib import nullcontext as loss_context
+    loss_fn = cross_entropy
+
+    schedule = None
+    if dims.pp > 1:
+        stages = pipeline_parallel.pipeline_stages(modules, ids, dims, device)
+        schedule = pipeline_parallel.build_schedule(stages, opts.schedule, cfg.microbatches, loss_fn)
+    has_first, has_last = 0 in ids, n_stages - 1 in ids
+
+    dp_rows = dims.dp_replicate * dims.dp_shard
+    if cfg.global_batch % dp_rows:
+        raise UserInputError(f"global_batch {cfg.global_batch} does not split over {dp_rows} data ranks")
+    dp_index = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
+    losses, records = [], []
+    for step in range(cfg.steps):
+        tokens = global_batch(cfg, step)
+        rows = cfg.global_batch // dp_rows
+        tokens = tokens[dp_index * rows:(dp_index + 1) * rows]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if dims.cp > 1:
+            inputs = context_parallel.shard_sequence(inputs, dims.cp, coords["cp"])
+            targets = context_parallel.shard_sequence(targets, dims.cp, coords["cp"])
+        inputs, targets = inputs.to(device), targets.to(device)
+        start = time.time_ns()
+        with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context():
+            opt.zero_grad(set_to_none=True)
+            if schedule is not None:
+                mb_losses: list = []
+                kwargs = {"target": targets, "losses": mb_losses} if has_last else {}
+                if has_first:
+                    schedule.step(inputs, **kwargs)
+                else:
+                    schedule.step(**kwargs)
+                local = torch.stack([l.detach() for l in mb_losses]).mean() if has_last else None
+            else:
+                local = torch.zeros((), device=device)
+                micro = cfg.grad_accum
+                for chunk_in, chunk_t in zip(inputs.chunk(micro), targets.chunk(micro)):
+                    loss = loss_fn(modules[0](chunk_in), chunk_t) / micro
+                    loss.backward()
+                    local = local + loss.detach()
+            if expert_params:
+                expert_parallel.reduce_expert_grads(expert_params, edp_group, dims.dp)
+            opt.step()
+        end = time.time_ns()
+        loss_value = _global_loss(local, device)
+        losses.append(loss_value)
+        records.append({"rank": rank, "step": step, "start_ns": start, "end_ns": end,
+                        "tokens": cfg.global_batch * cfg.seq_len, "loss": loss_value, "device_time_ns": None})
+        if rank == 0:
+            print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
+
+    result = {"losses": losses, "step_times": [(r["end_ns"] - r["start_ns"]) / 1e9 for r in records]}
+    if opts.result:
+        _save_result(opts.result, rank, modules, expert_params, losses, result)
+    if opts.out:
+        _write_run(opts, cfg, dims, rank, world, records, mesh)
+    dist.barrier()
+    return result
+
+
+def _global_loss(local: torch.Tensor | None, device) -> float:
+    """Mean of the ranks that hold a loss (last pipeline stage): the loss of the global batch."""
+    buf = torch.zeros(2, device=device, dtype=torch.float64)
+    if local is not None:
+        value = local.full_tensor() if hasattr(local, "full_tensor") else local
+        buf[0], buf[1] = float(value), 1.0
+    dist.all_reduce(buf)
+    return float(buf[0] / buf[1])
+
+
+def _apply_recompute(modules, mode: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for m in modules:
+        for i, (name, block) in enumerate(list(m.layers.items())):
+            if mode == "full" or i % 2 == 0:  # selective: every other block
+                m.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def _save_result(path: str, rank: int, modules, expert_params, losses, result) -> None:
+    """Full parameter values (DTensors gathered) and losses, for equivalence tests."""
+    experts = {id(p) for p in expert_params}
+    params = {}
+    for m in modules:
+        moes = {}
+        for mod_name, mod in m.named_modules():
+            if hasattr(mod, "expert_offset"):
+                moes[_strip(mod_name)] = mod.expert_offset
+        for name, p in m.named_parameters():
+            value = p.full_tensor() if hasattr(p, "full_tensor") else p
+            key = _strip(name)
+            if id(p) in experts:
+                key = f"{key}@{moes[key.rsplit('.', 1)[0]]}"
+            params[key] = value.detach().cpu().clone()
+    Path(path).mkdir(parents=True, exist_ok=True)
+    torch.save({"losses": losses, "params": params, **result}, Path(path) / f"rank{rank}.pt")
+
+
+def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int, world: int, records, mesh) -> None:
+    import pyarrow as pa
+
+    from mfuscope import run_dir
+
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(records, gathered, dst=0)
+    groups = group_map(mesh)
+    if rank != 0:
+        return
+    out = Path(opts.out)
+    rows = [r for part in gathered for r in part]
+    run_dir.write_table(out, run_dir.STEPS, pa.Table.from_pylist(rows))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    acc = hardware.lookup(device) if torch.cuda.is_available() else None
+    manifest = run_dir.new_manifest(
+        os.environ.get("MFUSCOPE_RUN_ID") or out.name, world,
+        command=sys.argv, status="complete", end_time=run_dir.now_iso(), hosts=[socket.gethostname()],
+        hardware={"device_name": device, "device_count": world,
+                  "peak_flops": acc.peak_flops(cfg.dtype if cfg.dtype == "bf16" else "bf16") if acc else None,
+                  "peak_source": acc.source if acc else None},
+        software={"python": platform.python_version(), "torch": torch.__version__},
+        model=cfg.model.spec(),
+        layout={k: v for k, v in dims.sizes().items()},
+        schedule={"name": opts.schedule, "microbatches": cfg.microbatches,
+                  "virtual_stages": pipeline_parallel.virtual_stages(opts.schedule)} if dims.pp > 1 else None,
+        rank_coords={str(r): dims.coords(r) for r in range(world)},
+        process_groups=groups,
+        train={k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
+    )
+    run_dir.write_manifest(out, manifest)
+
+
+def parse_args(argv: list[str] | None = None) -> RunOptions:
+    p = argparse.ArgumentParser(prog="mfuscope.reference_trainer.train", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny_dense")
+    p.add_argument("--layout", default="")
+    p.add_argument("--schedule", default="1f1b", choices=pipeline_parallel.SCHEDULES)
+    p.add_argument("--dp-mode", default="fsdp", choices=("fsdp", "ddp"))
+    p.add_argument("--no-reshard-after-forward", action="store_true")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--microbatches", type=int)
+    p.add_argument("--inject")
+    p.add_argument("--paced")
+    p.add_argument("--out")
+    p.add_argument("--result")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a train setting, e.g. --set recompute=full --set dtype=bf16")
+    a = p.parse_args(argv)
+    overrides = {}
+    for item in a.set:
+        k, _, v = item.partition("=")
+        try:
+            overrides[k] = json.loads(v)
+        except ValueError:
+            overrides[k] = v
+    return RunOptions(a.config, a.layout, a.schedule, a.dp_mode, not a.no_reshard_after_forward, a.steps,
+                      a.microbatches, a.inject, a.paced, a.out, a.result, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    try:
+        run_rank(opts)
+    except UserInputError as e:
+        print(f"mfuscope train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
