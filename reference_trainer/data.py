@@ -30,3 +30,15 @@ def global_batch(cfg: TrainConfig, step: int) -> torch.Tensor:
         starts = torch.randint(0, len(text) - length, (n,), generator=g)
         return torch.stack([text[s:s + length] for s in starts.tolist()])
     return torch.randint(0, cfg.model.vocab_size, (n, length), generator=g)
+
+
+def shard_rows(tokens: torch.Tensor, chunks: int, dp: int, dp_index: int) -> torch.Tensor:
+    """The rows of the global batch data rank ``dp_index`` trains on.
+
+    The batch is cut into ``chunks`` (microbatches or accumulation steps), each
+    chunk into ``dp`` parts; a rank takes its part of every chunk, in order.
+    """
+    n = tokens.shape[0]
+    if n % (chunks * dp):
+        raise ValueError(f"global batch {n} does not split into {chunks} chunks x {dp} data ranks")
+    return tokens.view(chunks, dp, n // (chunks * dp), -1)[:, dp_index].reshape(n // dp, -1)

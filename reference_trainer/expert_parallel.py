@@ -64,9 +64,24 @@ def apply_ep(model: nn.Module, ep_group, ep: int, ep_rank: int) -> list[nn.Param
     return expert_params
 
 
-def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int, local: int) -> torch.Tensor:
-    import torch.distributed.nn.functional as dist_fn
+class _AllToAll(torch.autograd.Function):
+    """Rows out by ``send`` split sizes, in by ``recv``; backward sends gradients the reverse way."""
 
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int, local: int) -> torch.Tensor:
     order = torch.argsort(expert, stable=True)
     send_rows, send_expert = rows[order], expert[order]
     send_counts = torch.bincount(send_expert // local, minlength=ep)
@@ -76,12 +91,10 @@ def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
         recv_expert = send_expert.new_empty(sum(recv_split))
         dist.all_to_all_single(recv_expert, send_expert, recv_split, send_split, group=group)
-        received = dist_fn.all_to_all_single(rows.new_empty(sum(recv_split), rows.shape[1]), send_rows,
-                                             recv_split, send_split, group=group)
+        received = _AllToAll.apply(send_rows, send_split, recv_split, group)
     out = moe.experts(received, recv_expert - moe.expert_offset)
     with comm("ep", "all_to_all"):
-        back = dist_fn.all_to_all_single(rows.new_empty(len(send_rows), rows.shape[1]), out,
-                                         send_split, recv_split, group=group)
+        back = _AllToAll.apply(out, recv_split, send_split, group)
     return back[torch.argsort(order)]
 
 

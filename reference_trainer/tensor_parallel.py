@@ -15,7 +15,7 @@ from .parallel_dims import ParallelDims
 
 def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
 
     mesh = dims.mesh["tp"]
@@ -38,11 +38,7 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
             "ffn_norm": SequenceParallel(),
         }
         if model.cfg.n_experts:
-            # Experts run replicated over tp (expert parallelism shards them instead).
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                      use_local_output=True)
-            plan["feed_forward"] = [plan["feed_forward"],
-                                    PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))]
+            _replicate_moe(block.feed_forward, mesh)
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -52,3 +48,19 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
             })
         parallelize_module(block, mesh, plan)
     return model
+
+
+def _replicate_moe(moe: nn.Module, mesh) -> None:
+    """Experts run replicated over tp (expert parallelism shards them instead): gather the
+    sequence-sharded input to a plain tensor, and give back this rank's sequence shard of the
+    output, as the row-parallel layers of the dense MLP do."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def gather(module, args):
+        return (args[0].full_tensor(),)
+
+    def shard(module, args, out):
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+    moe.register_forward_pre_hook(gather)
+    moe.register_forward_hook(shard)

@@ -32,7 +32,7 @@ from mfuscope.errors import UserInputError
 from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
 from .comm_labels import group_map
 from .config import TrainConfig, load_config
-from .data import global_batch
+from .data import global_batch, shard_rows
 from .inject import apply_faults, apply_paced, parse_faults, parse_paced
 from .model import Transformer, cross_entropy
 from .parallel_dims import ParallelDims
@@ -51,6 +51,7 @@ class RunOptions:
     paced: str | None = None
     out: str | None = None         # run directory (rank 0 writes the manifest)
     result: str | None = None      # tests: where each rank saves losses and parameters
+    snapshot_step: int = 1         # tests: parameters are saved after this many optimizer steps
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -148,11 +149,12 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     if cfg.global_batch % dp_rows:
         raise UserInputError(f"global_batch {cfg.global_batch} does not split over {dp_rows} data ranks")
     dp_index = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
+    # Microbatch m of every data rank comes from chunk m of the global batch, so MoE routing
+    # statistics (taken per microbatch) are those of single-process gradient accumulation.
+    chunks = cfg.microbatches if dims.pp > 1 else cfg.grad_accum
     losses, records = [], []
     for step in range(cfg.steps):
-        tokens = global_batch(cfg, step)
-        rows = cfg.global_batch // dp_rows
-        tokens = tokens[dp_index * rows:(dp_index + 1) * rows]
+        tokens = shard_rows(global_batch(cfg, step), chunks, dp_rows, dp_index)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if dims.cp > 1:
             inputs = context_parallel.shard_sequence(inputs, dims.cp, coords["cp"])
@@ -186,10 +188,13 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                         "tokens": cfg.global_batch * cfg.seq_len, "loss": loss_value, "device_time_ns": None})
         if rank == 0:
             print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
+        if opts.result and step + 1 == opts.snapshot_step:
+            snapshot = _full_params(modules, expert_params)
 
     result = {"losses": losses, "step_times": [(r["end_ns"] - r["start_ns"]) / 1e9 for r in records]}
     if opts.result:
-        _save_result(opts.result, rank, modules, expert_params, losses, result)
+        Path(opts.result).mkdir(parents=True, exist_ok=True)
+        torch.save({"params": snapshot, **result}, Path(opts.result) / f"rank{rank}.pt")
     if opts.out:
         _write_run(opts, cfg, dims, rank, world, records, mesh)
     dist.barrier()
@@ -215,23 +220,19 @@ def _apply_recompute(modules, mode: str) -> None:
                 m.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def _save_result(path: str, rank: int, modules, expert_params, losses, result) -> None:
-    """Full parameter values (DTensors gathered) and losses, for equivalence tests."""
+def _full_params(modules, expert_params) -> dict[str, torch.Tensor]:
+    """Full parameter values by name (DTensors gathered; expert slices keyed ``name@first_expert``)."""
     experts = {id(p) for p in expert_params}
     params = {}
     for m in modules:
-        moes = {}
-        for mod_name, mod in m.named_modules():
-            if hasattr(mod, "expert_offset"):
-                moes[_strip(mod_name)] = mod.expert_offset
+        offsets = {_strip(n): mod.expert_offset for n, mod in m.named_modules() if hasattr(mod, "expert_offset")}
         for name, p in m.named_parameters():
             value = p.full_tensor() if hasattr(p, "full_tensor") else p
             key = _strip(name)
             if id(p) in experts:
-                key = f"{key}@{moes[key.rsplit('.', 1)[0]]}"
+                key = f"{key}@{offsets[key.rsplit('.', 1)[0]]}"
             params[key] = value.detach().cpu().clone()
-    Path(path).mkdir(parents=True, exist_ok=True)
-    torch.save({"losses": losses, "params": params, **result}, Path(path) / f"rank{rank}.pt")
+    return params
 
 
 def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int, world: int, records, mesh) -> None:
