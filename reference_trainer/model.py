@@ -128,12 +128,14 @@ class MoE(nn.Module):
 
     def experts(self, tokens: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         """Run tokens through the experts held here; ``local_expert`` indexes them."""
-        out = torch.zeros_like(tokens)
+        # tokens * 0, not zeros_like: the result stays in the autograd graph even when no row
+        # reaches these experts, so the backward all-to-all runs on every expert-parallel rank.
+        out = tokens * 0
         for e in range(self.w1.shape[0]):
             rows = (local_expert == e).nonzero(as_tuple=True)[0]
             if len(rows):
                 t = tokens[rows]
-                out[rows] = (F.silu(t @ self.w1[e]) * (t @ self.w3[e])) @ self.w2[e]
+                out = out.index_add(0, rows, (F.silu(t @ self.w1[e]) * (t @ self.w3[e])) @ self.w2[e])
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

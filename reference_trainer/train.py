@@ -175,9 +175,13 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                 local = torch.zeros((), device=device)
                 micro = cfg.grad_accum
                 for chunk_in, chunk_t in zip(inputs.chunk(micro), targets.chunk(micro)):
-                    loss = loss_fn(modules[0](chunk_in), chunk_t) / micro
+                    loss = loss_fn(modules[0](chunk_in), chunk_t)
                     loss.backward()
-                    local = local + loss.detach()
+                    local = local + loss.detach() / micro
+                if micro > 1:  # as the pipeline schedules do: the MoE balance-loss gradient scales too
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.div_(micro)
             if expert_params:
                 expert_parallel.reduce_expert_grads(expert_params, edp_group, dims.dp)
             opt.step()
