@@ -47,7 +47,55 @@ def build_parser() -> argparse.ArgumentParser:
                         "else ./mfuscope-report.json)")
     p.add_argument("--force", action="store_true", help="overwrite --out even if it is not an mfuscope report")
     p.set_defaults(func=cmd_analyze)
+    p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer through torchrun",
+                       description="Train the reference Llama/MoE model on N local ranks (gloo on CPU, NCCL on "
+                                   "CUDA) and write a run directory.")
+    p.add_argument("--config", default="tiny_dense", help="bundled config name (tiny_dense, tiny_moe, gpu_dense_1b, "
+                                                           "gpu_moe) or a TOML file")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per node")
+    p.add_argument("--layout", default="", help="e.g. dp_shard=2,tp=2,pp=2 (dp_shard fills what is left)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv")
+    p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--dp-mode", default="fsdp", choices=("fsdp", "ddp"))
+    p.add_argument("--inject", default=None, help="faults: compute:rank=3:ms=50; comm:dim=tp:ms=20; stage:stage=1:ms=30")
+    p.add_argument("--paced", default=None, help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
+    p.add_argument("--out", type=Path, required=True, help="run directory to create")
+    p.add_argument("--force", action="store_true", help="replace an existing run directory")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--rdzv-endpoint", default=None, help="host:port, for several nodes")
+    p.set_defaults(func=cmd_train)
     return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    from mfuscope.reference_trainer.launch import torchrun_command
+
+    out = args.out
+    if out.exists() and any(out.iterdir()):
+        if not args.force:
+            raise UserInputError("exists and is not empty; choose another --out or pass --force", out)
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_args = ["--config", args.config, "--schedule", args.schedule, "--dp-mode", args.dp_mode, "--out", str(out)]
+    for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
+                        ("--inject", args.inject), ("--paced", args.paced)):
+        if value not in (None, ""):
+            train_args += [flag, str(value)]
+    for item in args.set:
+        train_args += ["--set", item]
+    cmd = torchrun_command(args.nproc, train_args, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        print(f"mfuscope: error: training failed (torchrun exit {rc})", file=sys.stderr)
+        return rc
+    print(f"run directory: {out}")
+    return 0
 
 
 def _load(args: argparse.Namespace):

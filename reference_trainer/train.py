@@ -12,7 +12,9 @@ or through :func:`run_rank` from the fork launcher.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import platform
@@ -71,6 +73,7 @@ def _strip(name: str) -> str:
 
 def run_rank(opts: RunOptions) -> dict[str, Any]:
     """Train on this rank; returns {'losses': [...], 'step_times': [...]} (rank-local)."""
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cfg: TrainConfig = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
     device = _device()
     if not dist.is_initialized():
@@ -138,6 +141,9 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     else:
         from contextlib import nullcontext as loss_context
     loss_fn = cross_entropy
+    # bf16 on GPU: FSDP casts sharded parameters itself; autocast covers the matmuls in every case.
+    bf16 = cfg.dtype == "bf16" and device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
     schedule = None
     if dims.pp > 1:
@@ -161,7 +167,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             targets = context_parallel.shard_sequence(targets, dims.cp, coords["cp"])
         inputs, targets = inputs.to(device), targets.to(device)
         start = time.time_ns()
-        with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context():
+        with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context(), autocast():
             opt.zero_grad(set_to_none=True)
             if schedule is not None:
                 mb_losses: list = []
@@ -200,7 +206,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         Path(opts.result).mkdir(parents=True, exist_ok=True)
         torch.save({"params": snapshot, **result}, Path(opts.result) / f"rank{rank}.pt")
     if opts.out:
-        _write_run(opts, cfg, dims, rank, world, records, mesh)
+        _write_run(opts, cfg, dims, rank, world, records, mesh, started)
     dist.barrier()
     return result
 
@@ -239,7 +245,8 @@ def _full_params(modules, expert_params) -> dict[str, torch.Tensor]:
     return params
 
 
-def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int, world: int, records, mesh) -> None:
+def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int, world: int, records, mesh,
+               started: str) -> None:
     import pyarrow as pa
 
     from mfuscope import run_dir
@@ -256,7 +263,8 @@ def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int
     acc = hardware.lookup(device) if torch.cuda.is_available() else None
     manifest = run_dir.new_manifest(
         os.environ.get("MFUSCOPE_RUN_ID") or out.name, world,
-        command=sys.argv, status="complete", end_time=run_dir.now_iso(), hosts=[socket.gethostname()],
+        command=sys.argv, start_time=started, status="complete", end_time=run_dir.now_iso(),
+        hosts=[socket.gethostname()],
         hardware={"device_name": device, "device_count": world,
                   "peak_flops": acc.peak_flops(cfg.dtype if cfg.dtype == "bf16" else "bf16") if acc else None,
                   "peak_source": acc.source if acc else None},
