@@ -180,9 +180,12 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             else:
                 local = torch.zeros((), device=device)
                 micro = cfg.grad_accum
-                for chunk_in, chunk_t in zip(inputs.chunk(micro), targets.chunk(micro)):
-                    loss = loss_fn(modules[0](chunk_in), chunk_t)
-                    loss.backward()
+                for i, (chunk_in, chunk_t) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
+                    # DDP all-reduces once, after the last accumulation step.
+                    no_sync = getattr(modules[0], "no_sync", None) if i < micro - 1 else None
+                    with no_sync() if no_sync else contextlib.nullcontext():
+                        loss = loss_fn(modules[0](chunk_in), chunk_t)
+                        loss.backward()
                     local = local + loss.detach() / micro
                 if micro > 1:  # as the pipeline schedules do: the MoE balance-loss gradient scales too
                     for p in params:

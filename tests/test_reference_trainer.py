@@ -70,7 +70,9 @@ def _assert_equivalent(ref, got):
 LAYOUTS = [
     # (id, world, layout, options)
     ("ddp", 2, "dp_shard=2", {"dp_mode": "ddp"}),
+    ("ddp_accumulate", 2, "dp_shard=2", {"dp_mode": "ddp", "overrides": {"grad_accum": 2}}),
     ("fsdp2", 2, "dp_shard=2", {}),
+    ("fsdp2_no_reshard", 2, "dp_shard=2", {"reshard_after_forward": False}),
     ("hsdp", 4, "dp_replicate=2,dp_shard=2", {}),
     ("tp2_sp", 2, "tp=2", {}),
     ("cp2", 2, "cp=2", {}),

@@ -34,17 +34,36 @@ def test_mfuscope_train_through_torchrun_writes_a_valid_run_directory(tmp_path):
     assert again.returncode == 2 and "not empty" in again.stderr
 
 
-def _rank3_step_times(inject):
-    # 4 data ranks, 2 accumulation forwards per step, paced so CPU sharing does not blur the timing.
-    opts = RunOptions(config="tiny_dense", layout="dp_shard=4", steps=6, inject=inject, paced="fwd_ms=10,bwd_ms=20",
-                      overrides={"grad_accum": 2})
+MICRO = """
+[model]
+vocab_size = 64
+dim = 32
+n_layers = 1
+n_heads = 2
+n_kv_heads = 1
+ffn_dim = 64
+max_seq_len = 16
+[train]
+seq_len = 16
+global_batch = 8
+grad_accum = 2
+"""
+
+
+def _rank3_step_times(config, inject):
+    # 4 data ranks (DDP), 2 accumulation forwards per step; a micro model and paced stages, so the
+    # sleeps, not CPU sharing between 4 ranks on few cores, decide the timing.
+    opts = RunOptions(config=str(config), layout="dp_shard=4", dp_mode="ddp", steps=8, inject=inject,
+                      paced="fwd_ms=40,bwd_ms=80")
     results = fork_ranks(run_rank, 4, opts)
     return results[3]["step_times"][1:]  # step 0 includes warm-up
 
 
-def test_injected_compute_delay_shows_on_rank_3():
-    base = statistics.median(_rank3_step_times(None))
-    slow = statistics.median(_rank3_step_times("compute:rank=3:ms=50"))
+def test_injected_compute_delay_shows_on_rank_3(tmp_path):
+    config = tmp_path / "micro.toml"
+    config.write_text(MICRO)
+    base = statistics.median(_rank3_step_times(config, None))
+    slow = statistics.median(_rank3_step_times(config, "compute:rank=3:ms=50"))
     expected = 2 * 0.050  # one 50 ms sleep per forward, 2 forwards per step
     assert slow - base == pytest.approx(expected, rel=0.15)
 
