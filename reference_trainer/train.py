@@ -32,7 +32,7 @@ from mfuscope import hardware
 from mfuscope.errors import UserInputError
 
 from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
-from .comm_labels import group_map
+from .comm_labels import group_map, labelled_collectives
 from .config import TrainConfig, load_config
 from .data import global_batch, shard_rows
 from .inject import apply_faults, apply_paced, parse_faults, parse_paced
@@ -52,6 +52,7 @@ class RunOptions:
     inject: str | None = None
     paced: str | None = None
     out: str | None = None         # run directory (rank 0 writes the manifest)
+    profile: str | None = None     # directory for torch.profiler traces (traces/rank<N>.pt.trace.json.gz)
     result: str | None = None      # tests: where each rank saves losses and parameters
     snapshot_step: int = 1         # tests: parameters are saved after this many optimizer steps
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -111,10 +112,13 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         if cfg.model.n_experts and dims.dp > 1:
             for block in m.layers.values():
                 block.feed_forward.balance_group = mesh["dp_cp"].get_group()
+    extra_groups = {}
     if cfg.model.n_experts and dims.ep > 1:
         ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, rank)
         for m in modules:
             expert_params += expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
+        extra_groups = {"ep": ep_group, "ep_dp": edp_group}
+    groups = group_map(mesh, extra_groups)
     apply_faults(modules, ids, faults, rank, coords)
     if paced:
         apply_paced(modules, *paced)
@@ -159,59 +163,81 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     # statistics (taken per microbatch) are those of single-process gradient accumulation.
     chunks = cfg.microbatches if dims.pp > 1 else cfg.grad_accum
     losses, records = [], []
-    for step in range(cfg.steps):
-        tokens = shard_rows(global_batch(cfg, step), chunks, dp_rows, dp_index)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        if dims.cp > 1:
-            inputs = context_parallel.shard_sequence(inputs, dims.cp, coords["cp"])
-            targets = context_parallel.shard_sequence(targets, dims.cp, coords["cp"])
-        inputs, targets = inputs.to(device), targets.to(device)
-        start = time.time_ns()
-        with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context(), autocast():
-            opt.zero_grad(set_to_none=True)
-            if schedule is not None:
-                mb_losses: list = []
-                kwargs = {"target": targets, "losses": mb_losses} if has_last else {}
-                if has_first:
-                    schedule.step(inputs, **kwargs)
+    profiler = _profiler(opts.profile, rank, cfg.steps)
+    with labelled_collectives(groups), profiler as prof:
+        for step in range(cfg.steps):
+            tokens = shard_rows(global_batch(cfg, step), chunks, dp_rows, dp_index)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            if dims.cp > 1:
+                inputs = context_parallel.shard_sequence(inputs, dims.cp, coords["cp"])
+                targets = context_parallel.shard_sequence(targets, dims.cp, coords["cp"])
+            inputs, targets = inputs.to(device), targets.to(device)
+            start = time.time_ns()
+            with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context(), autocast():
+                opt.zero_grad(set_to_none=True)
+                if schedule is not None:
+                    mb_losses: list = []
+                    kwargs = {"target": targets, "losses": mb_losses} if has_last else {}
+                    if has_first:
+                        schedule.step(inputs, **kwargs)
+                    else:
+                        schedule.step(**kwargs)
+                    local = torch.stack([l.detach() for l in mb_losses]).mean() if has_last else None
                 else:
-                    schedule.step(**kwargs)
-                local = torch.stack([l.detach() for l in mb_losses]).mean() if has_last else None
-            else:
-                local = torch.zeros((), device=device)
-                micro = cfg.grad_accum
-                for i, (chunk_in, chunk_t) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
-                    # DDP all-reduces once, after the last accumulation step.
-                    no_sync = getattr(modules[0], "no_sync", None) if i < micro - 1 else None
-                    with no_sync() if no_sync else contextlib.nullcontext():
-                        loss = loss_fn(modules[0](chunk_in), chunk_t)
-                        loss.backward()
-                    local = local + loss.detach() / micro
-                if micro > 1:  # as the pipeline schedules do: the MoE balance-loss gradient scales too
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.div_(micro)
-            if expert_params:
-                expert_parallel.reduce_expert_grads(expert_params, edp_group, dims.dp)
-            opt.step()
-        end = time.time_ns()
-        loss_value = _global_loss(local, device)
-        losses.append(loss_value)
-        records.append({"rank": rank, "step": step, "start_ns": start, "end_ns": end,
-                        "tokens": cfg.global_batch * cfg.seq_len, "loss": loss_value, "device_time_ns": None})
-        if rank == 0:
-            print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
-        if opts.result and step + 1 == opts.snapshot_step:
-            snapshot = _full_params(modules, expert_params)
+                    local = torch.zeros((), device=device)
+                    micro = cfg.grad_accum
+                    for i, (chunk_in, chunk_t) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
+                        # DDP all-reduces once, after the last accumulation step.
+                        no_sync = getattr(modules[0], "no_sync", None) if i < micro - 1 else None
+                        with no_sync() if no_sync else contextlib.nullcontext():
+                            loss = loss_fn(modules[0](chunk_in), chunk_t)
+                            loss.backward()
+                        local = local + loss.detach() / micro
+                    if micro > 1:  # as the pipeline schedules do: the MoE balance-loss gradient scales too
+                        for p in params:
+                            if p.grad is not None:
+                                p.grad.div_(micro)
+                if expert_params:
+                    expert_parallel.reduce_expert_grads(expert_params, edp_group, dims.dp)
+                opt.step()
+            end = time.time_ns()
+            loss_value = _global_loss(local, device)
+            losses.append(loss_value)
+            records.append({"rank": rank, "step": step, "start_ns": start, "end_ns": end,
+                            "tokens": cfg.global_batch * cfg.seq_len, "loss": loss_value, "device_time_ns": None})
+            if rank == 0:
+                print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
+            if opts.result and step + 1 == opts.snapshot_step:
+                snapshot = _full_params(modules, expert_params)
+            prof.step()
 
     result = {"losses": losses, "step_times": [(r["end_ns"] - r["start_ns"]) / 1e9 for r in records]}
     if opts.result:
         Path(opts.result).mkdir(parents=True, exist_ok=True)
         torch.save({"params": snapshot, **result}, Path(opts.result) / f"rank{rank}.pt")
     if opts.out:
-        _write_run(opts, cfg, dims, rank, world, records, mesh, started)
+        _write_run(opts, cfg, dims, rank, world, records, groups, started)
     dist.barrier()
     return result
+
+
+def _profiler(directory: str | None, rank: int, steps: int):
+    """torch.profiler over every step after the first (warm-up), one gzip trace per rank."""
+    if not directory:
+        return contextlib.nullcontext(_NoProfiler())
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=activities, record_shapes=True,
+                   schedule=schedule(wait=0, warmup=1, active=max(1, steps - 1)),
+                   on_trace_ready=lambda p: p.export_chrome_trace(str(out / f"rank{rank}.pt.trace.json.gz")))
+
+
+class _NoProfiler:
+    def step(self) -> None:
+        pass
 
 
 def _global_loss(local: torch.Tensor | None, device) -> float:
@@ -248,7 +274,7 @@ def _full_params(modules, expert_params) -> dict[str, torch.Tensor]:
     return params
 
 
-def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int, world: int, records, mesh,
+def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int, world: int, records, groups,
                started: str) -> None:
     import pyarrow as pa
 
@@ -256,7 +282,6 @@ def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int
 
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(records, gathered, dst=0)
-    groups = group_map(mesh)
     if rank != 0:
         return
     out = Path(opts.out)
