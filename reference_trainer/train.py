@@ -67,9 +67,9 @@ def _device() -> torch.device:
 
 
 def _strip(name: str) -> str:
-    for prefix in ("module.", "_orig_mod."):
-        name = name.replace(prefix, "")
-    return name.replace("._checkpoint_wrapped_module", "")
+    """Parameter name without the wrappers' additions (DDP, torch.compile, checkpointing)."""
+    name = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+    return name.removeprefix("module.")
 
 
 def run_rank(opts: RunOptions) -> dict[str, Any]:

@@ -73,6 +73,8 @@ LAYOUTS = [
     ("ddp_accumulate", 2, "dp_shard=2", {"dp_mode": "ddp", "overrides": {"grad_accum": 2}}),
     ("fsdp2", 2, "dp_shard=2", {}),
     ("fsdp2_no_reshard", 2, "dp_shard=2", {"reshard_after_forward": False}),
+    ("fsdp2_recompute_full", 2, "dp_shard=2", {"overrides": {"recompute": "full"}}),
+    ("fsdp2_recompute_selective", 2, "dp_shard=2", {"overrides": {"recompute": "selective"}}),
     ("hsdp", 4, "dp_replicate=2,dp_shard=2", {}),
     ("tp2_sp", 2, "tp=2", {}),
     ("cp2", 2, "cp=2", {}),
@@ -101,3 +103,23 @@ def test_16_rank_5d_moe_smoke(tmp_path, tmp_path_factory):
     accumulating the same 2 microbatches."""
     ref = _reference(tmp_path_factory, "tiny_moe", grad_accum=2)
     _assert_equivalent(ref, _run(tmp_path, 16, "5d", config="tiny_moe", layout="pp=2,dp_shard=2,cp=2,tp=2,ep=2"))
+
+
+def test_torch_compile_trains_like_eager(tmp_path, tmp_path_factory):
+    ref_losses, _ = _reference(tmp_path_factory, "tiny_dense")
+    losses, _ = _run(tmp_path, 1, "compiled", config="tiny_dense", overrides={"compile": True})
+    for a, b in zip(ref_losses, losses):
+        assert math.isclose(a, b, rel_tol=TOL), (ref_losses, losses)
+
+
+def test_text_data_is_the_shipped_text():
+    from mfuscope.reference_trainer.config import load_config
+    from mfuscope.reference_trainer.data import TEXT, global_batch
+
+    cfg = load_config("tiny_dense", data="text")
+    batch = global_batch(cfg, 0)
+    text = TEXT.read_bytes()
+    assert batch.shape == (cfg.global_batch, cfg.seq_len + 1)
+    for row in batch.tolist():
+        assert bytes(row) in text  # every row is a contiguous slice of the file
+    assert torch.equal(batch, global_batch(cfg, 0)) and not torch.equal(batch, global_batch(cfg, 1))
