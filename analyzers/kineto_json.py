@@ -22,7 +22,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
 
 import msgspec
 import numpy as np
@@ -249,19 +249,12 @@ def load_kineto_file(path: str | os.PathLike, *, rank: int | None = None,
 
 
 def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTable:
-    raw = read_trace_bytes(path)
-    trace = _decode(raw, path)
-    events = trace.traceEvents
-    if events is None:
-        raise UserInputError("not a PyTorch profiler trace: no 'traceEvents' list", path)
-    if not events:
-        raise UserInputError("'traceEvents' is empty: the profiler recorded nothing", path)
-
+    try:
+        trace, work = _load_streaming(path)
+    except _NotStreamable:
+        trace, work = _load_whole(path)
     dist = trace.distributedInfo
     meta = _rank_meta(path, trace, rank)
-    del trace
-    work = _collect_events(events, path)
-    del events, raw  # the decompressed JSON: every value we need is now copied out
     if work.n == 0:
         raise UserInputError("no complete events ('ph': 'X') in 'traceEvents'", path)
 
@@ -273,6 +266,108 @@ def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTab
     meta["pg_config"] = _pg_config(dist)
     order = pc.sort_indices(table, sort_keys=[("ts_ns", "ascending")])
     return EventTable(table.take(order), {meta["rank"]: meta})
+
+
+def _load_whole(path: Path) -> tuple[_Trace, _Work]:
+    """Decompress the whole file, split ``traceEvents`` into raw events, decode them in batches."""
+    raw = read_trace_bytes(path)
+    trace = _decode(raw, path)
+    events = trace.traceEvents
+    if events is None:
+        raise UserInputError("not a PyTorch profiler trace: no 'traceEvents' list", path)
+    if not events:
+        raise UserInputError("'traceEvents' is empty: the profiler recorded nothing", path)
+    work = _collect_events(_raw_batches(events), path)
+    trace.traceEvents = None  # drop the raw slices, and with them the decompressed JSON
+    return trace, work
+
+
+class _NotStreamable(Exception):
+    """The file is not laid out as the streaming splitter expects; use the whole-buffer path."""
+
+
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[([ \t\r\n]*)')
+
+
+def _load_streaming(path: Path) -> tuple[_Trace, _Work]:
+    """Decode a pretty-printed trace (Kineto's own layout) while it is being decompressed.
+
+    In a pretty-printed ``traceEvents`` array every event starts and ends on
+    its own line at one indentation, and JSON strings cannot hold a raw
+    newline, so ``"\\n" + indent + "},"`` can only end an event.  The file is
+    cut there into batches as it streams in; only a few MB are ever held.
+    Anything unexpected raises _NotStreamable, and the whole-buffer path
+    (which also reports errors precisely) takes over.
+    """
+    holder: dict[str, bytes] = {}
+    try:
+        work = _collect_events(_stream_batches(_decompressed_chunks(path), holder), path)
+    except (UserInputError, EOFError, OSError, zlib.error, ValueError):
+        raise _NotStreamable from None
+    try:
+        trace = _DECODER.decode(holder["meta"])
+    except (msgspec.DecodeError, KeyError):
+        raise _NotStreamable from None
+    return trace, work
+
+
+def _decompressed_chunks(path: Path, size: int = 1 << 22) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+        f.seek(0)
+        if not gz:
+            while chunk := f.read(size):
+                yield chunk
+            return
+        d = _zlib.decompressobj(wbits=31)
+        while comp := f.read(1 << 20):
+            while comp:
+                out = d.decompress(comp, size)
+                if out:
+                    yield out
+                comp = d.unconsumed_tail
+                if d.eof:
+                    comp, d = d.unused_data, _zlib.decompressobj(wbits=31) if d.unused_data else d
+                    if not comp:
+                        break
+        if not d.eof:
+            raise EOFError("compressed file ended before the end-of-stream marker")
+
+
+def _stream_batches(chunks: Iterator[bytes], holder: dict[str, bytes]) -> Iterator[bytes]:
+    buf = b""
+    for chunk in chunks:
+        buf += chunk
+        m = _EVENTS_KEY.search(buf)
+        if m or len(buf) > (64 << 20):
+            break
+    else:
+        m = None
+    if m is None:
+        raise _NotStreamable
+    head, ws, buf = buf[:m.start()], m.group(1), buf[m.end():]
+    newline = ws.rfind(b"\n")
+    if newline < 0 or not buf.startswith(b"{"):
+        raise _NotStreamable  # minified or unusual layout
+    indent = ws[newline + 1:]
+    sep = b"\n" + indent + b"},"
+    end = re.compile(rb"\n" + re.escape(indent) + rb"\}\s*\]")
+    while True:
+        last = end.search(buf)
+        if last is not None:
+            close = last.start() + len(indent) + 2  # just past the last event's "}"
+            yield b"[" + buf[:close] + b"]"
+            holder["meta"] = head + b'"traceEvents": []' + buf[last.end():] + b"".join(chunks)
+            return
+        cut = buf.rfind(sep)
+        if cut >= 0:
+            comma = cut + len(sep) - 1
+            yield b"[" + buf[:comma] + b"]"
+            buf = buf[comma + 1:].lstrip()
+        chunk = next(chunks, None)
+        if chunk is None:
+            raise _NotStreamable  # no end of the array: let the whole-buffer path report it
+        buf += chunk
 
 
 def _decode(raw: bytes, path: Path) -> _Trace:
@@ -384,20 +479,27 @@ def _needs_args(name: str) -> bool:
             or bool(_SHAPE_OPS.match(name)))
 
 
-def _collect_events(raw_events: list, path: Path) -> _Work:
+def _raw_batches(raw_events: list) -> Iterator[bytes]:
+    for start in range(0, len(raw_events), _BATCH):
+        yield b"[" + b",".join(raw_events[start:start + _BATCH]) + b"]"
+
+
+def _collect_events(batches: Iterable[bytes], path: Path) -> _Work:
     needs: dict[str, bool] = {}
     chunks: dict[str, list] = {k: [] for k in ("names", "cats", "pid", "tid", "tid_labels", "ts", "dur", "dev",
                                                "stream", "corr", "ext")}
     args: dict[int, _KeptArgs] = {}
     thread_names: dict = {}
     string_tids = False
-    n = 0
-    for start in range(0, len(raw_events), _BATCH):
+    n = seen = 0
+    for data in batches:
         try:
-            batch = _EVENTS_DECODER.decode(b"[" + b",".join(raw_events[start:start + _BATCH]) + b"]")
+            batch = _EVENTS_DECODER.decode(data)
         except msgspec.ValidationError as e:
-            where = re.sub(r"`\$\[(\d+)\]", lambda m: f"`$.traceEvents[{start + int(m.group(1))}]", str(e))
+            where = re.sub(r"`\$\[(\d+)\]", lambda m: f"`$.traceEvents[{seen + int(m.group(1))}]", str(e))
             raise UserInputError(f"unexpected trace content: {where}", path) from None
+        del data
+        seen += len(batch)
         for e in [e for e in batch if e.ph == "M"]:
             if e.name == "thread_name" and e.args is not None and e.args.name:
                 thread_names[e.tid] = e.args.name
