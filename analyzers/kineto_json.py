@@ -27,7 +27,6 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
 import msgspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
@@ -264,8 +263,7 @@ def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTab
     meta["steps"] = [int(s) for s in steps.number]
     meta["threads"] = {str(k): v for k, v in work.thread_names.items()}
     meta["pg_config"] = _pg_config(dist)
-    order = pc.sort_indices(table, sort_keys=[("ts_ns", "ascending")])
-    return EventTable(table.take(order), {meta["rank"]: meta})
+    return EventTable(table, {meta["rank"]: meta})
 
 
 def _load_whole(path: Path) -> tuple[_Trace, _Work]:
@@ -651,28 +649,19 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
                       op, dim, pg, group_ranks, nbytes, seq)
 
-    table = build_table({
-        "rank": np.full(n, rank, dtype=np.int32),
-        "lane": lane,
-        "device": device.astype(np.int16),
-        "stream": stream.astype(np.int32),
-        "tid": tid_col,
-        "kind": kind,
-        "name": name_arr,
-        "ts_ns": ts_ns,
-        "dur_ns": dur_ns,
-        "step": step_col,
-        "correlation": correlation,
-        "external_id": external_id,
-        "op": op,
-        "dim": dim,
-        "pg": pg,
-        "group_ranks": group_ranks,
-        "bytes": nbytes,
-        "seq": seq,
-        "peer": np.full(n, -1, dtype=np.int32),
-        "shapes": shapes,
-    })
+    columns = {
+        "lane": lane, "device": device.astype(np.int16), "stream": stream.astype(np.int32), "tid": tid_col,
+        "kind": kind, "ts_ns": ts_ns, "dur_ns": dur_ns, "step": step_col, "correlation": correlation,
+        "external_id": external_id, "op": op, "dim": dim, "pg": pg, "group_ranks": group_ranks, "bytes": nbytes,
+        "seq": seq, "shapes": shapes,
+    }
+    # Rows in time order: reorder the arrays (pointer copies for strings) before building the table.
+    order = np.argsort(ts_ns, kind="stable")
+    columns = {k: v[order] for k, v in columns.items()}
+    columns["name"] = pa.DictionaryArray.from_arrays(pa.array(name_idx[order]), name_arr.dictionary)
+    columns["rank"] = np.full(n, rank, dtype=np.int32)
+    columns["peer"] = np.full(n, -1, dtype=np.int32)
+    table = build_table(columns)
     return table, steps
 
 

@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mfuscope import atomic
 from mfuscope.event_table import EventTable
@@ -43,6 +42,8 @@ def cache_key(path: Path, *extra: object) -> str:
 
 
 def get(key: str) -> EventTable | None:
+    import pyarrow.parquet as pq  # only when there is something to read
+
     entry = cache_dir() / f"{key}.parquet"
     if not entry.exists():
         return None
