@@ -351,21 +351,22 @@ def _stream_batches(chunks: Iterator[bytes], holder: dict[str, bytes]) -> Iterat
     sep = b"\n" + indent + b"},"
     end = re.compile(rb"\n" + re.escape(indent) + rb"\}\s*\]")
     while True:
+        # One copy per chunk into the batch (join takes a memoryview); the remainder is a partial event.
         last = end.search(buf)
         if last is not None:
             close = last.start() + len(indent) + 2  # just past the last event's "}"
-            yield b"[" + buf[:close] + b"]"
+            yield b"".join((b"[", memoryview(buf)[:close], b"]"))
             holder["meta"] = head + b'"traceEvents": []' + buf[last.end():] + b"".join(chunks)
             return
         cut = buf.rfind(sep)
         if cut >= 0:
             comma = cut + len(sep) - 1
-            yield b"[" + buf[:comma] + b"]"
+            yield b"".join((b"[", memoryview(buf)[:comma], b"]"))
             buf = buf[comma + 1:].lstrip()
         chunk = next(chunks, None)
         if chunk is None:
             raise _NotStreamable  # no end of the array: let the whole-buffer path report it
-        buf += chunk
+        buf = buf + chunk if buf else chunk
 
 
 def _decode(raw: bytes, path: Path) -> _Trace:
