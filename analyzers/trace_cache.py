@@ -1,7 +1,8 @@
 """Parquet cache of normalized traces, keyed by file content.
 
 A second load of the same trace reads a compact parquet file instead of
-re-parsing JSON.  The key is a hash of the file's bytes plus everything that
+re-parsing JSON.  An index maps each file's stat signature to its content
+key, so an unchanged file is found without hashing it again.  The key is a hash of the file's bytes plus everything that
 changes the result (loader version, step annotation, rank override), so an
 edited trace or a new loader never returns stale data.
 
@@ -12,6 +13,7 @@ treated as a miss and replaced.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -39,6 +41,35 @@ def cache_key(path: Path, *extra: object) -> str:
             h.update(chunk)
     h.update(repr((LOADER_VERSION,) + extra).encode())
     return h.hexdigest()
+
+
+def stat_signature(path: Path, *extra: object) -> str:
+    """Who the file is right now (path, size, mtime, inode) -- a git-index-style shortcut.
+
+    A file whose signature is unchanged has unchanged content, so a second
+    load need not read and hash every byte to find its cache entry.
+    """
+    st = os.stat(path)
+    return repr((str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino, LOADER_VERSION) + extra)
+
+
+def read_index() -> dict[str, str]:
+    """stat signature -> content key, for files loaded before."""
+    try:
+        return json.loads((cache_dir() / "index.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def update_index(new: dict[str, str]) -> None:
+    if not new:
+        return
+    index = read_index()
+    index.update(new)
+    try:
+        atomic.write_json(cache_dir() / "index.json", index)
+    except OSError:
+        pass  # a read-only cache directory only costs the next load a hash
 
 
 def get(key: str) -> EventTable | None:

@@ -100,15 +100,20 @@ def _parse(f: Path, rank: int | None, step_annotation: str | None) -> EventTable
 
 
 def _worker(job):
-    """Parse one file (in a pool process); cache the result when a key is given."""
-    f, rank, step_annotation, key = job
+    """Load one file in a pool process: from the cache by content key if there, else parse (and cache)."""
+    f, rank, step_annotation, use_cache = job
+    key = trace_cache.cache_key(f, rank, step_annotation) if use_cache else None
+    if key is not None:
+        hit = trace_cache.get(key)
+        if hit is not None:
+            return f, hit, None, key, True
     try:
         events = _parse(f, rank, step_annotation)
     except UserInputError as e:
-        return f, None, str(e)
+        return f, None, str(e), key, False
     if key is not None:
         trace_cache.put(key, events)
-    return f, events, None
+    return f, events, None, key, False
 
 
 def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
@@ -146,29 +151,44 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     results: list[tuple[Path, EventTable]] = []
     bar = tqdm(total=len(jobs), desc="loading traces", unit="file", disable=not show, file=sys.stderr)
     pending = []
-    for f, r in jobs:  # cache hits are read here, with no worker process
-        key = trace_cache.cache_key(f, r, step_annotation) if use_cache else None
+    index = trace_cache.read_index() if use_cache else {}
+    signatures = {f: trace_cache.stat_signature(f, r, step_annotation) for f, r in jobs} if use_cache else {}
+    cached = 0
+    for f, r in jobs:  # files seen before, unchanged: read here, no hashing, no worker process
+        key = index.get(signatures[f]) if use_cache else None
         hit = trace_cache.get(key) if key is not None else None
         if hit is not None:
             results.append((f, hit))
+            cached += 1
             bar.update()
         else:
-            pending.append((f, r, step_annotation, key))
-    cached = len(results)
+            pending.append((f, r, step_annotation, use_cache))
+    learned: dict[str, str] = {}
+
+    def collect(outcome) -> None:
+        nonlocal cached
+        f, events, error, key, was_cached = outcome
+        if key is not None and error is None:
+            learned[signatures[f]] = key
+        cached += was_cached
+        _collect((f, events, error), results, skipped, skip_bad)
+        bar.update()
+
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(pending)))
     try:
         if n_workers == 1:
             for job in pending:
-                _collect(_worker(job), results, skipped, skip_bad)
-                bar.update()
+                collect(_worker(job))
         else:
+            if use_cache:
+                import pyarrow.parquet  # noqa: F401  (imported once here, inherited by the forked workers)
             ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
                 for fut in as_completed([pool.submit(_worker, job) for job in pending]):
-                    _collect(fut.result(), results, skipped, skip_bad)
-                    bar.update()
+                    collect(fut.result())
     finally:
         bar.close()
+        trace_cache.update_index(learned)
     if not results:
         reasons = "; ".join(r for _, r in skipped)
         raise UserInputError(f"no trace could be loaded: {reasons}", Path(path))
