@@ -84,3 +84,23 @@ def test_coordinates_are_row_major_over_pp_dp_cp_tp():
     assert dims.coords(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
     assert dims.coords(1)["tp"] == 1 and dims.coords(2)["cp"] == 1 and dims.coords(4)["dp_shard"] == 1
     assert dims.coords(8)["pp"] == 1 and dims.coords(15) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 1}
+
+
+def _median_step(world, layout, inject, rank, **kw):
+    opts = RunOptions(config="tiny_dense", layout=layout, steps=6, inject=inject, paced="fwd_ms=30,bwd_ms=60", **kw)
+    return statistics.median(fork_ranks(run_rank, world, opts)[rank]["step_times"][1:])
+
+
+def test_heavier_pipeline_stage_slows_the_step_by_its_forwards():
+    # pp=2, 2 microbatches: stage 1's forward runs twice per step, each 40 ms heavier; stage 1's
+    # forwards are on the critical path of a 2-stage 1F1B schedule.
+    base = _median_step(2, "pp=2", None, 0, microbatches=2)
+    slow = _median_step(2, "pp=2", "stage:stage=1:ms=40", 0, microbatches=2)
+    assert slow - base == pytest.approx(2 * 0.040, rel=0.2)
+
+
+def test_late_tensor_parallel_rank_makes_its_peer_wait():
+    # tp=2: tp rank 1 arrives 10 ms late at the attention and MLP input gathers of each of 4 layers.
+    base = _median_step(2, "tp=2", None, 0)
+    slow = _median_step(2, "tp=2", "comm:dim=tp:ms=10:rank=1", 0)
+    assert slow - base == pytest.approx(4 * 2 * 0.010, rel=0.2)
