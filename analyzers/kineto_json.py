@@ -352,13 +352,14 @@ def _stream_batches(chunks: Iterator[bytes], holder: dict[str, bytes]) -> Iterat
     end = re.compile(rb"\n" + re.escape(indent) + rb"\}\s*\]")
     while True:
         # One copy per chunk into the batch (join takes a memoryview); the remainder is a partial event.
-        last = end.search(buf)
+        # The array can only end after the last event separator, so only that tail is searched.
+        cut = buf.rfind(sep)
+        last = end.search(buf, max(cut, 0))
         if last is not None:
             close = last.start() + len(indent) + 2  # just past the last event's "}"
             yield b"".join((b"[", memoryview(buf)[:close], b"]"))
             holder["meta"] = head + b'"traceEvents": []' + buf[last.end():] + b"".join(chunks)
             return
-        cut = buf.rfind(sep)
         if cut >= 0:
             comma = cut + len(sep) - 1
             yield b"".join((b"[", memoryview(buf)[:comma], b"]"))
