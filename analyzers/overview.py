@@ -53,15 +53,21 @@ def build_report(events: EventTable, *, source: str, files: list[str]) -> dict[s
         })
     kernels = kernel_time.top_kernels(events, n=20)
     return new_report(source, files, summary, ranks=ranks, comm=_comm_by_op(events),
+                      comm_calls=_comm_by_op(events, calls=True),
                       kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count),
                                 "total_s": k.total_ns / 1e9, "mean_us": k.mean_ns / 1e3,
                                 "median_us": k.median_ns / 1e3, "share": float(k.share)}
                                for k in kernels.itertuples()])
 
 
-def _comm_by_op(events: EventTable) -> list[dict[str, Any]]:
-    df = events.to_pandas(["rank", "kind", "op", "dim", "bytes", "dur_ns"])
-    df = df[df["kind"].astype(str) == "comm"]
+def _comm_by_op(events: EventTable, calls: bool = False) -> list[dict[str, Any]]:
+    """Communication per (dimension, op): the work itself (NCCL kernels, gloo threads), or with
+    ``calls`` the labelled call regions on the training thread (``mfuscope.comm/<dim>/<op>``)."""
+    df = events.to_pandas(["rank", "kind", "name", "op", "dim", "bytes", "dur_ns"])
+    if calls:
+        df = df[df["name"].astype(str).str.startswith("mfuscope.comm/")]
+    else:
+        df = df[df["kind"].astype(str) == "comm"]
     if df.empty:
         return []
     df = df.assign(op=df["op"].fillna("unknown"), dim=df["dim"].fillna("unknown"),
@@ -88,11 +94,13 @@ def format_text(report: dict[str, Any]) -> str:
         st = f"{r['step_time_s'] * 1e3:10.3f}" if r["step_time_s"] is not None else f"{'-':>10}"
         lines.append(f"{r['rank']:>5} {r['steps']:>6} {st} {r['compute_kernel_s'] * 1e3:11.3f} "
                      f"{r['comm_s'] * 1e3:10.3f} {r['memory_s'] * 1e3:10.3f}")
-    if report.get("comm"):
-        lines += ["", "communication (all ranks):"]
-        for c in report["comm"]:
-            lines.append(f"  {c['dim']:<8} {c['op']:<15} {c['count']:>7} calls {c['total_s'] * 1e3:10.3f} ms "
-                         f"{c['bytes'] / 1e6:12.2f} MB")
+    for key, title in (("comm_calls", "communication calls by parallel dimension (training thread, all ranks):"),
+                       ("comm", "communication work (NCCL kernels / gloo threads, all ranks):")):
+        if report.get(key):
+            lines += ["", title]
+            for c in report[key]:
+                lines.append(f"  {c['dim']:<12} {c['op']:<15} {c['count']:>7} calls {c['total_s'] * 1e3:10.3f} ms "
+                             f"{c['bytes'] / 1e6:12.2f} MB")
     if report.get("kernels"):
         lines += ["", "top kernels (all ranks):"]
         for k in report["kernels"][:5]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from mfuscope.errors import UserInputError
 
-STEP_RE = re.compile(r"^(?:ProfilerStep|mfuscope\.step)#(\d+)$")
+STEP_RE = re.compile(r"^(ProfilerStep|mfuscope\.step)#(\d+)$")
 
 
 @dataclass
@@ -29,38 +29,38 @@ class Steps:
 
 
 def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, ts_ns: np.ndarray,
-                dur_ns: np.ndarray, step_annotation: str | None, path: Path) -> Steps:
-    step_num = np.full(len(name_values), -1, dtype=np.int64)
-    source = "ProfilerStep"
-    for i, s in enumerate(name_values):
-        m = STEP_RE.match(s)
-        if m:
-            step_num[i] = int(m.group(1))
-    is_step = (step_num[name_idx] >= 0) & np.isin(kind, ("annotation", "cpu_op", "nvtx"))
-    numbers = step_num[name_idx][is_step]
+               dur_ns: np.ndarray, step_annotation: str | None, path: Path) -> Steps:
+    """The step markers, in time order; marks their rows ``kind="step"``.
+
+    Precedence: the user's ``--step-annotation``; else mfuscope's own
+    ``mfuscope.step#N`` (numbered by training step); else ``ProfilerStep#N``;
+    else the whole trace as step 0.
+    """
+    markers = ("annotation", "cpu_op", "python", "nvtx")
     if step_annotation is not None:
         try:
             pattern = re.compile(step_annotation)
         except re.error as e:
             raise UserInputError(f"--step-annotation {step_annotation!r} is not a valid regular expression: {e}") from None
         match = np.array([bool(pattern.search(s)) for s in name_values] or [False])
-        is_step = match[name_idx] & np.isin(kind, ("annotation", "cpu_op", "python", "nvtx"))
-        if not is_step.any():
+        rows = np.flatnonzero(match[name_idx] & np.isin(kind, markers))
+        if len(rows) == 0:
             raise UserInputError(f"no annotation matches --step-annotation {step_annotation!r}", path)
-        numbers = np.arange(int(is_step.sum()))
-        source = f"annotation {step_annotation!r}"
-    rows = np.flatnonzero(is_step)
-    if len(rows) == 0:
-        # No step markers: the whole trace is one window, numbered 0.
-        start, end = int(ts_ns.min()), int((ts_ns + dur_ns).max())
-        return Steps(np.array([0]), np.array([start]), np.array([end]), "whole trace")
-    order = np.argsort(ts_ns[rows], kind="stable")
-    rows = rows[order]
-    kind[rows] = "step"
-    if step_annotation is not None:
-        numbers = np.arange(len(rows))
+        rows = rows[np.argsort(ts_ns[rows], kind="stable")]
+        numbers, source = np.arange(len(rows)), f"annotation {step_annotation!r}"
     else:
-        numbers = numbers[order]
+        parsed = [STEP_RE.match(s) for s in name_values]
+        for prefix in ("mfuscope.step", "ProfilerStep"):
+            step_num = np.array([int(m.group(2)) if m and m.group(1) == prefix else -1 for m in parsed] or [-1])
+            rows = np.flatnonzero((step_num[name_idx] >= 0) & np.isin(kind, markers))
+            if len(rows):
+                break
+        if len(rows) == 0:
+            start, end = int(ts_ns.min()), int((ts_ns + dur_ns).max())
+            return Steps(np.array([0]), np.array([start]), np.array([end]), "whole trace")
+        rows = rows[np.argsort(ts_ns[rows], kind="stable")]
+        numbers, source = step_num[name_idx][rows], prefix
+    kind[rows] = "step"
     return Steps(numbers, ts_ns[rows], ts_ns[rows] + dur_ns[rows], source)
 
 

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mfuscope import atomic
 from mfuscope.event_table import EventTable
@@ -73,8 +74,6 @@ def update_index(new: dict[str, str]) -> None:
 
 
 def get(key: str) -> EventTable | None:
-    import pyarrow.parquet as pq  # only when there is something to read
-
     entry = cache_dir() / f"{key}.parquet"
     if not entry.exists():
         return None
@@ -85,13 +84,12 @@ def get(key: str) -> EventTable | None:
         return None  # damaged or from another schema: re-parse and overwrite
 
 
-def put(key: str, events: EventTable) -> bool:
-    """Store ``events``; False when the cache directory cannot be written (never an error)."""
+def put(key: str, events: EventTable) -> None:
+    """Store ``events``; a cache directory that cannot be written is not an error."""
     try:
         # Dictionary-encode only the columns that are dictionaries, and skip statistics:
         # 40% faster to write, 4x faster to read, smaller than parquet's defaults.
         atomic.write_parquet(cache_dir() / f"{key}.parquet", events.with_metadata(),
                              use_dictionary=["lane", "kind", "name"], write_statistics=False)
     except OSError:
-        return False  # a read-only or full cache directory must not fail the analysis
-    return True
+        pass  # a read-only or full cache directory must not fail the analysis

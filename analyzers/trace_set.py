@@ -102,7 +102,7 @@ def _parse(f: Path, rank: int | None, step_annotation: str | None) -> EventTable
 def _worker(job):
     """Load one file in a pool process: from the cache by content key if there, else parse (and cache).
 
-    Returns (file, events or None when the parent should read them from the cache, error, key, was cached).
+    Returns (file, events, error, content key, whether it came from the cache).
     """
     f, rank, step_annotation, use_cache = job
     key = trace_cache.cache_key(f, rank, step_annotation) if use_cache else None
@@ -114,10 +114,8 @@ def _worker(job):
         events = _parse(f, rank, step_annotation)
     except UserInputError as e:
         return f, None, str(e), key, False
-    if key is not None and trace_cache.put(key, events):
-        # The parent reads the cache file (while this worker parses the next file)
-        # instead of this worker pickling the table through a pipe.
-        return f, None, None, key, False
+    if key is not None:
+        trace_cache.put(key, events)
     return f, events, None, key, False
 
 
@@ -175,10 +173,6 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
         f, events, error, key, was_cached = outcome
         if key is not None and error is None:
             learned[signatures[f]] = key
-            if events is None:
-                events = trace_cache.get(key)
-                if events is None:  # the entry vanished: parse here
-                    events = _parse(f, dict(jobs)[f], step_annotation)
         cached += was_cached
         _collect((f, events, error), results, skipped, skip_bad)
         bar.update()
@@ -189,8 +183,6 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
             for job in pending:
                 collect(_worker(job))
         else:
-            if use_cache:
-                import pyarrow.parquet  # noqa: F401  (imported once here, inherited by the forked workers)
             ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
                 for fut in as_completed([pool.submit(_worker, job) for job in pending]):

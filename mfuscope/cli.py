@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", default=None, help="faults: compute:rank=3:ms=50; comm:dim=tp:ms=20; stage:stage=1:ms=30")
     p.add_argument("--paced", default=None, help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
+    p.add_argument("--profile", action="store_true",
+                   help="record torch.profiler traces of every step after the first into RUN_DIR/traces")
     p.add_argument("--out", type=Path, required=True, help="run directory to create")
     p.add_argument("--force", action="store_true", help="replace an existing run directory")
     p.add_argument("--nnodes", type=int, default=1)
@@ -88,6 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             train_args += [flag, str(value)]
     for item in args.set:
         train_args += ["--set", item]
+    if args.profile:
+        train_args += ["--profile", str(out / "traces")]
     cmd = torchrun_command(args.nproc, train_args, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd)

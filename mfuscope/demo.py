@@ -1,8 +1,8 @@
-"""``make demo``: profile a real multi-rank job on this machine, analyze it, say where to look.
+"""``make demo``: train and profile the reference trainer on this machine, analyze it, say where to look.
 
-1. runs a 4-rank DistributedDataParallel job over gloo on the CPU under
-   torch.profiler (a genuine multi-rank Kineto trace set, made here);
-2. ``mfuscope info`` and ``mfuscope analyze`` on it, writing report.json;
+1. ``mfuscope train``: 4 ranks of the tiny Llama (FSDP2 x tensor parallel, gloo
+   on the CPU) through torchrun, profiled, into a run directory;
+2. ``mfuscope info`` and ``mfuscope analyze`` on that run, writing report.json;
 3. if the real-trace corpus is beside the repository, the same on its 8-rank
    NCCL DLRM set.
 """
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import time
 from pathlib import Path
 
 from mfuscope import cli
@@ -26,42 +24,38 @@ def _banner(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Profile and analyze a real multi-rank job end to end.")
+    p = argparse.ArgumentParser(description="Train, profile and analyze the reference trainer end to end.")
     p.add_argument("--out", type=Path, default=Path("artifacts/demo"))
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--layout", default="dp_shard=2,tp=2")
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args(argv)
 
-    from mfuscope.reference_trainer import demo_workload
-
-    out = args.out
-    traces = out / "traces"
-    if traces.exists():
-        shutil.rmtree(traces)  # the demo's own output from an earlier run
-    _banner(f"profiling a {args.ranks}-rank DDP job (gloo, CPU) for {args.steps} steps")
-    t0 = time.perf_counter()
-    demo_workload.run(out, ranks=args.ranks, steps=args.steps)
-    print(f"traces in {traces}  ({time.perf_counter() - t0:.1f} s)")
-
-    _banner(f"mfuscope info {traces}")
-    rc = cli.main(["info", str(traces)])
-    _banner(f"mfuscope analyze {traces}")
-    report = out / "report.json"
-    rc = rc or cli.main(["analyze", str(traces), "--out", str(report), "--force"])
+    run = args.out / "run"
+    _banner(f"mfuscope train: tiny Llama, {args.nproc} ranks, {args.layout}, {args.steps} steps, profiled")
+    rc = cli.main(["train", "--config", "tiny_dense", "--nproc", str(args.nproc), "--layout", args.layout,
+                   "--steps", str(args.steps), "--profile", "--out", str(run), "--force"])
+    if rc:
+        return rc
+    _banner(f"mfuscope info {run}")
+    rc = cli.main(["info", str(run)])
+    _banner(f"mfuscope analyze {run}")
+    rc = rc or cli.main(["analyze", str(run)])
 
     corpus = Path(os.environ.get("MFUSCOPE_CORPUS", REPO.parent / "shared" / "corpus"))
     dlrm_report = None
     if (corpus / DLRM).is_dir():
         _banner("mfuscope analyze on the corpus 8-rank NCCL DLRM trace set")
-        dlrm_report = out / "dlrm-report.json"
+        dlrm_report = args.out / "dlrm-report.json"
         rc = rc or cli.main(["analyze", str(corpus / DLRM), "--out", str(dlrm_report), "--force"])
 
     _banner("where to look")
-    print(f"  report (4-rank gloo run):  {report}")
+    print(f"  run directory:             {run}  (manifest.json, steps.parquet, traces/)")
+    print(f"  report:                    {run / 'report.json'}")
     if dlrm_report:
         print(f"  report (8-rank DLRM set):  {dlrm_report}")
-    print(f"  traces (open in Perfetto): {traces}/rank*.pt.trace.json.gz")
-    print(f"  explore:  {sys.executable} -m mfuscope info {traces} --json")
+    print(f"  traces (open in Perfetto): {run}/traces/rank*.pt.trace.json.gz")
+    print(f"  explore:  {sys.executable} -m mfuscope info {run} --json")
     return rc
 
 

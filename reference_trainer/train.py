@@ -320,6 +320,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--inject")
     p.add_argument("--paced")
     p.add_argument("--out")
+    p.add_argument("--profile", help="directory for per-rank torch.profiler traces")
     p.add_argument("--result")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a train setting, e.g. --set recompute=full --set dtype=bf16")
@@ -331,8 +332,10 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
             overrides[k] = json.loads(v)
         except ValueError:
             overrides[k] = v
-    return RunOptions(a.config, a.layout, a.schedule, a.dp_mode, not a.no_reshard_after_forward, a.steps,
-                      a.microbatches, a.inject, a.paced, a.out, a.result, overrides)
+    return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
+                      reshard_after_forward=not a.no_reshard_after_forward, steps=a.steps,
+                      microbatches=a.microbatches, inject=a.inject, paced=a.paced, out=a.out, profile=a.profile,
+                      result=a.result, overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

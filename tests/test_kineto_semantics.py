@@ -177,3 +177,19 @@ def test_amd_style_string_streams(tmp_path):
     assert (k["device"], k["stream"], k["lane"]) == (2, 1, "gpu2/stream1")
     assert next(iter(events.ranks.values()))["device_name"] == "AMD Instinct MI300X VF"
     assert np.all(df["dur_ns"] >= 0)
+
+
+def test_mfuscope_step_markers_win_over_profiler_steps(tmp_path):
+    # The trainer marks mfuscope.step#N inside torch.profiler's ProfilerStep#M: one set of steps, the trainer's.
+    f = write_trace(tmp_path / "t.json", [
+        _x("ProfilerStep#11", 0.0, 100.0, cat="user_annotation"),
+        _x("mfuscope.step#4", 1.0, 98.0, cat="user_annotation"),
+        _x("ProfilerStep#12", 100.0, 100.0, cat="user_annotation"),
+        _x("mfuscope.step#5", 101.0, 98.0, cat="user_annotation"),
+        _x("aten::mm", 150.0, 1.0),
+    ])
+    events = load_kineto_file(f, rank=0)
+    meta = events.ranks[0]
+    assert meta["steps"] == [4, 5] and meta["steps_source"] == "mfuscope.step"
+    df = _df(events)
+    assert df.loc[df["name"] == "aten::mm", "step"].tolist() == [5]
