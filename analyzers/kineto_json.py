@@ -309,7 +309,7 @@ def _load_streaming(path: Path) -> tuple[_Trace, _Work]:
     return trace, work
 
 
-def _decompressed_chunks(path: Path, size: int = 1 << 22) -> Iterator[bytes]:
+def _decompressed_chunks(path: Path, size: int = 1 << 21) -> Iterator[bytes]:
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
         f.seek(0)

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,9 +157,12 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     index = trace_cache.read_index() if use_cache else {}
     signatures = {f: trace_cache.stat_signature(f, r, step_annotation) for f, r in jobs} if use_cache else {}
     cached = 0
-    for f, r in jobs:  # files seen before, unchanged: read here, no hashing, no worker process
-        key = index.get(signatures[f]) if use_cache else None
-        hit = trace_cache.get(key) if key is not None else None
+    # Files seen before, unchanged: read here (parquet decoding releases the GIL, so threads
+    # overlap), with no hashing and no worker process.
+    keys = [index.get(signatures[f]) if use_cache else None for f, _ in jobs]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as readers:
+        hits = list(readers.map(lambda k: trace_cache.get(k) if k is not None else None, keys))
+    for (f, r), hit in zip(jobs, hits):
         if hit is not None:
             results.append((f, hit))
             cached += 1
