@@ -1,9 +1,10 @@
-"""A small real multi-rank job to profile: DDP over gloo on CPU, under torch.profiler.
+"""A plain multi-rank training script, with no mfuscope in it: DDP over gloo on CPU, under torch.profiler.
 
-``make demo`` runs it to produce a genuine multi-rank Kineto trace set on any
-machine (no GPU, no downloads), then analyzes it.  Each rank trains a small
-MLP with DistributedDataParallel for a few steps and writes
-``<out>/traces/rank<N>.pt.trace.json.gz`` for the profiled steps.
+The reference trainer is what mfuscope profiles and optimizes; this is the
+other kind of workload users bring -- an ordinary PyTorch loop.  Each rank
+trains a small MLP with DistributedDataParallel for a few steps and writes
+``<out>/traces/rank<N>.pt.trace.json.gz``; tests use those genuine gloo
+traces.
 
     python -m mfuscope.reference_trainer.demo_workload --out /tmp/demo --ranks 4
 """
