@@ -141,51 +141,17 @@ _EPOCH_US_MIN = 1e14
 
 # --------------------------------------------------------------------------- file reading
 
-def read_trace_bytes(path: Path) -> bytes | bytearray:
-    """File bytes, gunzipped if the file is gzip (by magic, not by name).
-
-    Gunzip streams into a buffer sized from the gzip trailer, so the peak is
-    the decompressed size, not twice it.
-    """
+def read_trace_bytes(path: Path) -> bytearray:
+    """File bytes, gunzipped if the file is gzip (by magic, not by name), by the same
+    chunked reader the streaming decoder uses (:func:`_decompressed_chunks`)."""
+    if not os.access(path, os.R_OK):
+        raise UserInputError("cannot read: permission denied or missing", path)
+    out = bytearray()
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise UserInputError(f"cannot read: {e.strerror}", path) from None
-    if raw[:2] != b"\x1f\x8b":
-        return raw
-    try:
-        return _gunzip(raw)
+        for chunk in _decompressed_chunks(path):
+            out += chunk
     except (EOFError, OSError, zlib.error, ValueError) as e:
         raise UserInputError(f"truncated or corrupt gzip ({e})", path) from None
-
-
-def _gunzip(data: bytes) -> bytearray:
-    size = int.from_bytes(data[-4:], "little")  # ISIZE: uncompressed size mod 2**32
-    out = bytearray(size)
-    view = memoryview(out)
-    pos = 0
-    d = _zlib.decompressobj(wbits=31)
-    pending = data
-    while pending:
-        chunk = d.decompress(pending, 1 << 22)
-        pending = d.unconsumed_tail
-        if pos + len(chunk) > len(view):  # multi-member gzip or > 4 GiB: grow
-            view.release()
-            out.extend(bytes(pos + len(chunk) - len(out)))
-            view = memoryview(out)
-        view[pos:pos + len(chunk)] = chunk
-        pos += len(chunk)
-        if d.eof:
-            if d.unused_data:  # another gzip member follows
-                pending = d.unused_data
-                d = _zlib.decompressobj(wbits=31)
-                continue
-            break
-    if not d.eof:
-        raise EOFError("compressed file ended before the end-of-stream marker was reached")
-    view.release()
-    del out[pos:]
     return out
 
 

@@ -177,8 +177,13 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
         if key is not None and error is None:
             learned[signatures[f]] = key
         cached += was_cached
-        _collect((f, events, error), results, skipped, skip_bad)
         bar.update()
+        if error is None:
+            results.append((f, events))
+        elif skip_bad:
+            skipped.append((str(f), error))
+        else:
+            raise UserInputError(error.split(": ", 1)[1] if error.startswith(str(f)) else error, f)
 
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(pending)))
     try:
@@ -206,13 +211,3 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     results.sort(key=lambda fe: min(fe[1].ranks))
     events = EventTable.concat([ev for _, ev in results])
     return LoadResult(events, [f for f, _ in results], skipped, cached)
-
-
-def _collect(outcome, results, skipped, skip_bad) -> None:
-    f, events, error = outcome
-    if error is not None:
-        if not skip_bad:
-            raise UserInputError(error.split(": ", 1)[1] if error.startswith(str(f)) else error, f)
-        skipped.append((str(f), error))
-        return
-    results.append((f, events))

@@ -89,7 +89,3 @@ def lookup(device_name: str | None) -> Accelerator | None:
         log.warning("mfuscope: unknown accelerator %r: no peak FLOP/s in the hardware table, "
                     "so no MFU is reported for it", device_name)
     return None
-
-
-def known_keys() -> list[str]:
-    return [acc.key for _, acc in _TABLE]
