@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -62,27 +63,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paced", default=None, help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
     p.add_argument("--profile", action="store_true",
-                   help="record torch.profiler traces of every step after the first into RUN_DIR/traces")
+                   help="record torch.profiler traces of every step after the first into RUN_DIR/traces "
+                        "(same as --window 1:)")
+    p.add_argument("--window", default=None, metavar="START:STEPS",
+                   help="record torch.profiler traces of these steps, e.g. 5:3")
     p.add_argument("--out", type=Path, required=True, help="run directory to create")
     p.add_argument("--force", action="store_true", help="replace an existing run directory")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--rdzv-endpoint", default=None, help="host:port, for several nodes")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("profile", help="run a training command with every rank profiled (no code change)",
+                       description="Run COMMAND (torchrun ..., python train.py ...) with a profiling session in "
+                                   "each rank: steps (optimizer steps), communication per process group, GPU "
+                                   "samples, and a Kineto trace window, into a run directory.",
+                       usage="mfuscope profile --out RUN_DIR [options] -- COMMAND ...")
+    p.add_argument("--out", type=Path, required=True, help="run directory to create")
+    p.add_argument("--window", default="5:3", metavar="START:STEPS",
+                   help="steps to trace with torch.profiler (default 5:3; 'none' for no trace)")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="tokens of one step over all data-parallel ranks (global batch x sequence length), for MFU")
+    p.add_argument("--nsys", action="store_true", help="also run under Nsight Systems, capturing the window")
+    p.add_argument("--no-nvml", action="store_true", help="do not sample GPUs with NVML")
+    p.add_argument("--force", action="store_true", help="replace an earlier run directory")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
+    p.set_defaults(func=cmd_profile)
     return parser
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from mfuscope.collectors import wrap_command
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    rc = wrap_command.run(command, args.out, window=args.window, force=args.force,
+                          tokens_per_step=args.tokens_per_step, nvml=not args.no_nvml, nsys=args.nsys)
+    print(f"run directory: {args.out}  (next: mfuscope info {args.out}; mfuscope analyze {args.out})",
+          file=sys.stderr)
+    return rc
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    import shutil
     import subprocess
 
     from mfuscope.reference_trainer.launch import torchrun_command
 
-    out = args.out
-    if out.exists() and any(out.iterdir()):
-        if not args.force:
-            raise UserInputError("exists and is not empty; choose another --out or pass --force", out)
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    from mfuscope import run_dir
+    from mfuscope.collectors.kineto_window import parse_window
+    from mfuscope.collectors.session import ENV_PREPARED
+
+    out = run_dir.prepare(args.out, args.force)
+    window = args.window or ("1:" if args.profile else None)
+    parse_window(window)  # a bad window fails here, once, not in every rank
     train_args = ["--config", args.config, "--schedule", args.schedule, "--dp-mode", args.dp_mode, "--out", str(out)]
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
                         ("--inject", args.inject), ("--paced", args.paced)):
@@ -90,11 +121,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             train_args += [flag, str(value)]
     for item in args.set:
         train_args += ["--set", item]
-    if args.profile:
-        train_args += ["--profile", str(out / "traces")]
+    if window:
+        train_args += ["--window", window]
     cmd = torchrun_command(args.nproc, train_args, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    rc = subprocess.call(cmd)
+    rc = subprocess.call(cmd, env={**os.environ, ENV_PREPARED: str(out.resolve())})
     if rc != 0:
         print(f"mfuscope: error: training failed (torchrun exit {rc})", file=sys.stderr)
         return rc
@@ -113,14 +144,24 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from mfuscope.analyzers import trace_info
+    from mfuscope.analyzers import run_info, trace_info
+    from mfuscope.run_dir import TRACES, is_run_dir
 
+    run = run_info.summarize(args.path) if is_run_dir(args.path) else None
+    if run is not None and not (Path(args.path) / TRACES).is_dir():
+        info = {"run": run}  # no window was recorded (or the run ended before it)
+        print(json.dumps(info, indent=2) if args.json else run_info.format_text(run) + "\ntraces       none")
+        return 0
     result = _load(args)
     info = trace_info.summarize(result.events)
     info["skipped"] = [{"file": f, "reason": r} for f, r in result.skipped]
+    if run is not None:
+        info = {"run": run, **info}
     if args.json:
         print(json.dumps(info, indent=2))
     else:
+        if run is not None:
+            print(run_info.format_text(run))
         print(trace_info.format_text(info))
         for f, r in result.skipped:
             print(f"skipped      {r}")

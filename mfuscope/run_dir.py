@@ -4,21 +4,28 @@
 
     RUN_DIR/
       manifest.json                 the run: layout, hardware, model, groups (schema-validated)
-      steps.parquet                 one row per (rank, step): wall-clock span, tokens, loss
-      comm.parquet                  one row per collective call per rank
-      nvml.parquet                  GPU samples (utilization, clocks, power, memory)
+      steps.parquet/                one row per (rank, step): wall-clock span, tokens, loss
+      comm.parquet/                 one row per collective call per rank
+      nvml.parquet/                 GPU samples (utilization, clocks, power, memory)
       traces/rank<N>.pt.trace.json.gz   Kineto window, one file per rank
       nsys/                         optional Nsight Systems export
       report.json                   written by ``mfuscope analyze``
 
-Every file is written atomically; a run that crashes keeps every file it had
-finished.  See docs/run_directory.md.
+Each table is a parquet dataset: a directory of files, one or more per rank
+(``rank00003-0000.parquet``), because every rank writes its own rows and no
+rank waits for another -- a run where one rank died still has the others'
+rows.  A single ``NAME.parquet`` file is read the same way.  Every file is
+written atomically; a run that crashes keeps every file it had finished.
+See docs/run_directory.md.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -85,9 +92,71 @@ def read_manifest(run_dir: str | Path) -> dict[str, Any]:
     return read_json("manifest", Path(run_dir) / MANIFEST)
 
 
-def write_table(run_dir: str | Path, name: str, table: pa.Table) -> Path:
-    """Write one of the run directory's parquet tables, cast to its contract schema."""
+@contextmanager
+def _manifest_lock(run_dir: Path) -> Iterator[None]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".manifest.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def update_manifest(run_dir: str | Path, change: Callable[[dict[str, Any] | None], dict[str, Any] | None]) -> None:
+    """Read, change, write the manifest under a lock, so ranks that end early and rank 0's
+    final write never undo each other.  ``change`` gets None when there is no manifest yet and
+    may return None to write nothing."""
+    run_dir = Path(run_dir)
+    with _manifest_lock(run_dir):
+        current = read_manifest(run_dir) if (run_dir / MANIFEST).is_file() else None
+        new = change(current)
+        if new is not None:
+            write_manifest(run_dir, new)
+
+
+def mark_ended_early(run_dir: str | Path, reason: str) -> None:
+    """Record that the run stopped before its end (the first reason given wins)."""
+    def change(manifest):
+        if manifest is None or manifest["status"] == "ended_early":
+            return None
+        return {**manifest, "status": "ended_early", "ended_reason": reason, "end_time": now_iso()}
+    update_manifest(run_dir, change)
+
+
+RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, TRACES, "nsys", REPORT, ".manifest.lock")
+
+
+def prepare(run_dir: str | Path, force: bool = False) -> Path:
+    """Make ``run_dir`` ready for a new run.  A non-empty directory is refused unless ``force``;
+    with ``force`` an earlier run directory is replaced, but a directory that holds anything
+    else is never deleted."""
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise UserInputError("exists and is not a directory", path)
+    if path.is_dir() and any(path.iterdir()):
+        if not force:
+            raise UserInputError("exists and is not empty; choose another --out or pass --force", path)
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in RUN_ENTRIES)
+        if foreign:
+            raise UserInputError(f"holds files that are not a run's ({', '.join(foreign[:3])}); "
+                                 "not replacing it even with --force", path)
+        for entry in path.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_rank_table(run_dir: str | Path, name: str, rank: int, part: int, rows: list[dict]) -> Path:
+    """Write one rank's rows of a table as part ``part`` of the ``name`` dataset."""
     schema = TABLE_SCHEMAS[name]
+    table = pa.Table.from_pylist(rows, schema=schema)
+    return write_table(run_dir, f"{name}/rank{rank:05d}-{part:04d}.parquet", table, schema)
+
+
+def write_table(run_dir: str | Path, name: str, table: pa.Table, schema: pa.Schema | None = None) -> Path:
+    """Write one of the run directory's parquet tables, cast to its contract schema."""
+    schema = schema or TABLE_SCHEMAS[name]
     path = Path(run_dir) / name
     try:
         table = table.select(schema.names).cast(schema)
@@ -98,11 +167,16 @@ def write_table(run_dir: str | Path, name: str, table: pa.Table) -> Path:
 
 
 def read_table(run_dir: str | Path, name: str) -> pa.Table:
-    """Read a run-directory table and check it has the contract's columns."""
+    """Read a run-directory table (a dataset directory or a single file) and check it has the
+    contract's columns."""
     path = Path(run_dir) / name
     schema = TABLE_SCHEMAS[name]
     try:
-        table = pq.read_table(path)
+        if path.is_dir():
+            parts = sorted(p for p in path.glob("*.parquet") if not p.name.startswith("."))
+            table = pa.concat_tables([_read_part(p, schema) for p in parts]) if parts else schema.empty_table()
+        else:
+            table = pq.read_table(path)
     except FileNotFoundError:
         raise UserInputError(f"no {name} in this run directory", path.parent) from None
     except (OSError, pa.ArrowException) as e:
@@ -111,3 +185,13 @@ def read_table(run_dir: str | Path, name: str) -> pa.Table:
     if missing:
         raise UserInputError(f"missing column(s) {', '.join(missing)}", path)
     return table.select(schema.names).cast(schema)
+
+
+def _read_part(path: Path, schema: pa.Schema) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+        return table.select(schema.names).cast(schema)
+    except KeyError as e:
+        raise UserInputError(f"missing column {e}", path) from None
+    except (OSError, pa.ArrowException) as e:
+        raise UserInputError(f"unreadable parquet: {e}", path) from None

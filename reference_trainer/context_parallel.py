@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm_labels import comm
 
 
 def chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -55,9 +54,8 @@ def make_attention(group, cp: int, seq_len: int, cp_rank: int):
     mask = k_pos[None, :] <= q_pos[:, None]  # (local seq, global seq)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        with comm("cp", "all_gather"):
-            ks = _AllGather.apply(k, group)  # (cp, batch, heads, local seq, head_dim)
-            vs = _AllGather.apply(v, group)
+        ks = _AllGather.apply(k, group)  # (cp, batch, heads, local seq, head_dim)
+        vs = _AllGather.apply(v, group)
         k_all, v_all = torch.cat(ks.unbind(0), dim=2), torch.cat(vs.unbind(0), dim=2)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask.to(q.device))
 

@@ -34,10 +34,5 @@ def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
         raise ValueError("DDP here is for pure data (+context) parallelism; use FSDP with tp/pp/ep")
     from torch.nn.parallel import DistributedDataParallel
 
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    group = dims.mesh["dp_cp"].get_group()
-    ddp = DistributedDataParallel(model, process_group=group)
-    # The stock all-reduce, but issued from Python, so the trainer's comm labels see it.
-    ddp.register_comm_hook(group, default_hooks.allreduce_hook)
-    return ddp
+    # Profiled runs see DDP's all-reduces through the collectors' comm hook (collectors/comm_timer.py).
+    return DistributedDataParallel(model, process_group=dims.mesh["dp_cp"].get_group())

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm_labels import comm
 from .parallel_dims import DIMS, ParallelDims
 
 
@@ -86,15 +85,13 @@ def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int
     send_rows, send_expert = rows[order], expert[order]
     send_counts = torch.bincount(send_expert // local, minlength=ep)
     recv_counts = torch.empty_like(send_counts)
-    with comm("ep", "all_to_all"):
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-        recv_expert = send_expert.new_empty(sum(recv_split))
-        dist.all_to_all_single(recv_expert, send_expert, recv_split, send_split, group=group)
-        received = _AllToAll.apply(send_rows, send_split, recv_split, group)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
+    recv_expert = send_expert.new_empty(sum(recv_split))
+    dist.all_to_all_single(recv_expert, send_expert, recv_split, send_split, group=group)
+    received = _AllToAll.apply(send_rows, send_split, recv_split, group)
     out = moe.experts(received, recv_expert - moe.expert_offset)
-    with comm("ep", "all_to_all"):
-        back = _AllToAll.apply(out, recv_split, send_split, group)
+    back = _AllToAll.apply(out, recv_split, send_split, group)
     return back[torch.argsort(order)]
 
 
@@ -103,6 +100,5 @@ def reduce_expert_grads(expert_params: list[nn.Parameter], edp_group, dp: int) -
     for p in expert_params:
         if p.grad is None:
             continue
-        with comm("ep", "all_reduce"):
-            dist.all_reduce(p.grad, group=edp_group)
+        dist.all_reduce(p.grad, group=edp_group)
         p.grad.div_(dp)

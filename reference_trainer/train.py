@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
-import platform
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,11 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mfuscope import hardware
+from mfuscope.collectors.session import ProfileSession
 from mfuscope.errors import UserInputError
 
 from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
-from .comm_labels import group_map, labelled_collectives
 from .config import TrainConfig, load_config
 from .data import global_batch, shard_rows
 from .inject import apply_faults, apply_paced, parse_faults, parse_paced
@@ -51,10 +47,13 @@ class RunOptions:
     microbatches: int | None = None
     inject: str | None = None
     paced: str | None = None
-    out: str | None = None         # run directory (rank 0 writes the manifest)
-    profile: str | None = None     # directory for torch.profiler traces (traces/rank<N>.pt.trace.json.gz)
+    out: str | None = None         # run directory: steps, communication, GPU samples (the collectors)
+    window: str | None = None      # Kineto window "START:STEPS" into RUN_DIR/traces; None: no traces
+    force: bool = False            # replace an earlier run directory at ``out``
     result: str | None = None      # tests: where each rank saves losses and parameters
     snapshot_step: int = 1         # tests: parameters are saved after this many optimizer steps
+    # benchmarks: rank -> a context manager with .step(tokens, loss), used instead of the collectors
+    instrument: Any = None
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -74,7 +73,6 @@ def _strip(name: str) -> str:
 
 def run_rank(opts: RunOptions) -> dict[str, Any]:
     """Train on this rank; returns {'losses': [...], 'step_times': [...]} (rank-local)."""
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cfg: TrainConfig = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
     device = _device()
     if not dist.is_initialized():
@@ -118,7 +116,6 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         for m in modules:
             expert_params += expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
         extra_groups = {"ep": ep_group, "ep_dp": edp_group}
-    groups = group_map(mesh, extra_groups)
     apply_faults(modules, ids, faults, rank, coords)
     if paced:
         apply_paced(modules, *paced)
@@ -162,10 +159,14 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     # Microbatch m of every data rank comes from chunk m of the global batch, so MoE routing
     # statistics (taken per microbatch) are those of single-process gradient accumulation.
     chunks = cfg.microbatches if dims.pp > 1 else cfg.grad_accum
-    losses, records = [], []
-    profiler = _profiler(opts.profile, rank, cfg.steps)
-    with labelled_collectives(groups), profiler as prof:
+    losses, step_times = [], []
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    session = (opts.instrument(rank) if opts.instrument else
+               _session(opts, cfg, dims, modules[0], extra_groups, tokens_per_step))
+    loop_starts = []
+    with session:
         for step in range(cfg.steps):
+            loop_starts.append(time.perf_counter())
             tokens = shard_rows(global_batch(cfg, step), chunks, dp_rows, dp_index)
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
             if dims.cp > 1:
@@ -203,41 +204,41 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             end = time.time_ns()
             loss_value = _global_loss(local, device)
             losses.append(loss_value)
-            records.append({"rank": rank, "step": step, "start_ns": start, "end_ns": end,
-                            "tokens": cfg.global_batch * cfg.seq_len, "loss": loss_value, "device_time_ns": None})
+            step_times.append((end - start) / 1e9)
             if rank == 0:
                 print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
             if opts.result and step + 1 == opts.snapshot_step:
                 snapshot = _full_params(modules, expert_params)
-            prof.step()
+            session.step(tokens=tokens_per_step, loss=loss_value)
 
-    result = {"losses": losses, "step_times": [(r["end_ns"] - r["start_ns"]) / 1e9 for r in records]}
+    loop_starts.append(time.perf_counter())
+    # step_times: the training step itself; loop_times: the whole iteration, instrumentation included
+    result = {"losses": losses, "step_times": step_times,
+              "loop_times": [b - a for a, b in zip(loop_starts, loop_starts[1:])]}
     if opts.result:
         Path(opts.result).mkdir(parents=True, exist_ok=True)
         torch.save({"params": snapshot, **result}, Path(opts.result) / f"rank{rank}.pt")
-    if opts.out:
-        _write_run(opts, cfg, dims, rank, world, records, groups, started)
     dist.barrier()
     return result
 
 
-def _profiler(directory: str | None, rank: int, steps: int):
-    """torch.profiler over every step after the first (warm-up), one gzip trace per rank."""
-    if not directory:
-        return contextlib.nullcontext(_NoProfiler())
-    from torch.profiler import ProfilerActivity, profile, schedule
+def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extra_groups: dict,
+             tokens_per_step: int):
+    """The collectors' session for a run with ``--out``; otherwise a stand-in that does nothing."""
+    if not opts.out:
+        return _NoSession()
+    train = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
+    schedule = ({"name": opts.schedule, "microbatches": cfg.microbatches,
+                 "virtual_stages": pipeline_parallel.virtual_stages(opts.schedule)} if dims.pp > 1 else None)
+    return ProfileSession(opts.out, model=model, mesh=dims, window=opts.window, tokens_per_step=tokens_per_step,
+                          extra_groups=extra_groups, dtype=cfg.dtype, force=opts.force,
+                          manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
+                                    "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
 
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    return profile(activities=activities, record_shapes=True,
-                   schedule=schedule(wait=0, warmup=1, active=max(1, steps - 1)),
-                   on_trace_ready=lambda p: p.export_chrome_trace(str(out / f"rank{rank}.pt.trace.json.gz")))
 
-
-class _NoProfiler:
-    def step(self) -> None:
-        pass
+class _NoSession(contextlib.nullcontext):
+    def step(self, tokens=None, loss=None) -> int:
+        return -1
 
 
 def _global_loss(local: torch.Tensor | None, device) -> float:
@@ -274,40 +275,6 @@ def _full_params(modules, expert_params) -> dict[str, torch.Tensor]:
     return params
 
 
-def _write_run(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, rank: int, world: int, records, groups,
-               started: str) -> None:
-    import pyarrow as pa
-
-    from mfuscope import run_dir
-
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(records, gathered, dst=0)
-    if rank != 0:
-        return
-    out = Path(opts.out)
-    rows = [r for part in gathered for r in part]
-    run_dir.write_table(out, run_dir.STEPS, pa.Table.from_pylist(rows))
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    acc = hardware.lookup(device) if torch.cuda.is_available() else None
-    manifest = run_dir.new_manifest(
-        os.environ.get("MFUSCOPE_RUN_ID") or out.name, world,
-        command=sys.argv, start_time=started, status="complete", end_time=run_dir.now_iso(),
-        hosts=[socket.gethostname()],
-        hardware={"device_name": device, "device_count": world,
-                  "peak_flops": acc.peak_flops(cfg.dtype if cfg.dtype == "bf16" else "bf16") if acc else None,
-                  "peak_source": acc.source if acc else None},
-        software={"python": platform.python_version(), "torch": torch.__version__},
-        model=cfg.model.spec(),
-        layout={k: v for k, v in dims.sizes().items()},
-        schedule={"name": opts.schedule, "microbatches": cfg.microbatches,
-                  "virtual_stages": pipeline_parallel.virtual_stages(opts.schedule)} if dims.pp > 1 else None,
-        rank_coords={str(r): dims.coords(r) for r in range(world)},
-        process_groups=groups,
-        train={k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"},
-    )
-    run_dir.write_manifest(out, manifest)
-
-
 def parse_args(argv: list[str] | None = None) -> RunOptions:
     p = argparse.ArgumentParser(prog="mfuscope.reference_trainer.train", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny_dense")
@@ -319,8 +286,9 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--microbatches", type=int)
     p.add_argument("--inject")
     p.add_argument("--paced")
-    p.add_argument("--out")
-    p.add_argument("--profile", help="directory for per-rank torch.profiler traces")
+    p.add_argument("--out", help="run directory (steps, communication, GPU samples)")
+    p.add_argument("--window", help="Kineto trace window START:STEPS into RUN_DIR/traces, e.g. 1:3")
+    p.add_argument("--force", action="store_true", help="replace an earlier run directory at --out")
     p.add_argument("--result")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a train setting, e.g. --set recompute=full --set dtype=bf16")
@@ -334,7 +302,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
             overrides[k] = v
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
                       reshard_after_forward=not a.no_reshard_after_forward, steps=a.steps,
-                      microbatches=a.microbatches, inject=a.inject, paced=a.paced, out=a.out, profile=a.profile,
+                      microbatches=a.microbatches, inject=a.inject, paced=a.paced, out=a.out, window=a.window, force=a.force,
                       result=a.result, overrides=overrides)
 
 

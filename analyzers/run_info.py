@@ -1,0 +1,64 @@
+"""What a run directory holds, before any trace is parsed: how the run went (complete or
+ended early, and why), its layout, and what the always-on collectors recorded.
+
+Backs the run section of ``mfuscope info``; reads the manifest and the small parquet tables only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+
+from mfuscope import run_dir
+
+
+def summarize(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    m = run_dir.read_manifest(path)
+    info: dict[str, Any] = {
+        "run_id": m["run_id"], "status": m["status"], "ended_reason": m.get("ended_reason"),
+        "start_time": m["start_time"], "end_time": m.get("end_time"), "world_size": m["world_size"],
+        "layout": m.get("layout"), "window": m.get("window"),
+        "device": (m.get("hardware") or {}).get("device_name"),
+        "tables": {}, "steps": None, "comm_by_dim": {},
+    }
+    for name in (run_dir.STEPS, run_dir.COMM, run_dir.NVML):
+        info["tables"][name] = run_dir.read_table(path, name).num_rows if (path / name).exists() else 0
+    if info["tables"][run_dir.STEPS]:
+        steps = run_dir.read_table(path, run_dir.STEPS)
+        durations = pc.subtract(steps.column("end_ns"), steps.column("start_ns"))
+        per_rank = steps.group_by("rank").aggregate([("step", "max")])
+        info["steps"] = {
+            "ranks": sorted(per_rank.column("rank").to_pylist()),
+            "last_step_by_rank": {str(r): s for r, s in zip(per_rank.column("rank").to_pylist(),
+                                                             per_rank.column("step_max").to_pylist())},
+            "median_step_s": pc.approximate_median(durations).as_py() / 1e9,
+        }
+    if info["tables"][run_dir.COMM]:
+        comm = run_dir.read_table(path, run_dir.COMM)
+        by_dim = comm.group_by("dim").aggregate([("bytes", "sum"), ("bytes", "count")])
+        info["comm_by_dim"] = {d: {"calls": n, "bytes": b} for d, b, n in zip(
+            by_dim.column("dim").to_pylist(), by_dim.column("bytes_sum").to_pylist(),
+            by_dim.column("bytes_count").to_pylist())}
+    return info
+
+
+def format_text(info: dict[str, Any]) -> str:
+    status = info["status"] + (f" ({info['ended_reason']})" if info.get("ended_reason") else "")
+    layout = ", ".join(f"{k}={v}" for k, v in (info.get("layout") or {}).items() if v != 1) or "-"
+    lines = [f"run          {info['run_id']}: {status}",
+             f"world size   {info['world_size']}   layout {layout}   device {info.get('device') or '-'}"]
+    s = info.get("steps")
+    if s:
+        last = s["last_step_by_rank"]
+        span = f"{min(last.values()) + 1}" if len(set(last.values())) == 1 else \
+            f"{min(last.values()) + 1}..{max(last.values()) + 1} (ranks differ)"
+        lines.append(f"steps        {span} recorded on {len(s['ranks'])} rank(s), median {s['median_step_s'] * 1e3:.1f} ms")
+    for dim, c in sorted(info["comm_by_dim"].items()):
+        lines.append(f"  comm {dim:<12} {c['calls']:>8,} calls {c['bytes'] / 2**20:>12,.2f} MiB")
+    w = info.get("window")
+    lines.append("window       " + (f"steps {w['start_step']}.." + (f"{w['start_step'] + w['num_steps'] - 1}"
+                                                                   if w.get("num_steps") else "end")
+                                  if w else "none"))
+    return "\n".join(lines)

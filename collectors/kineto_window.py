@@ -1,0 +1,100 @@
+"""The windowed layer: ``torch.profiler`` over a few chosen steps, one trace per rank.
+
+``window="5:3"`` records steps 5, 6 and 7 (with step 4 as the profiler's
+warm-up), writes ``traces/rank<N>.pt.trace.json.gz`` atomically, and costs
+nothing outside the window.  Shapes are always recorded (FLOPs and bytes come
+from them); Python stacks and memory are optional because they are expensive.
+
+On GPU the window is also a CUDA profiler range (``cudaProfilerStart/Stop``),
+so ``nsys profile --capture-range=cudaProfilerApi`` records the same steps.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mfuscope.errors import UserInputError
+
+
+def parse_window(text: str | None) -> tuple[int, int | None] | None:
+    """"START:STEPS" -> (start, steps); "START:" -> (start, None), to the end of the run;
+    "none"/"" -> None."""
+    if text is None or str(text).strip().lower() in ("", "none", "off"):
+        return None
+    try:
+        start_text, colon, count_text = str(text).partition(":")
+        start = int(start_text)
+        count = int(count_text) if count_text else (None if colon else 1)
+    except ValueError:
+        raise UserInputError(f"--window: cannot read {text!r}; write START:STEPS, e.g. 5:3 "
+                             "(START: for every step from START on, none for no trace)") from None
+    if start < 0 or (count is not None and count < 1):
+        raise UserInputError(f"--window {text!r}: START must be >= 0 and STEPS >= 1")
+    return start, count
+
+
+_UNTIL_THE_END = 2**31 - 1  # steps; the window is then exported when the session closes
+
+
+class KinetoWindow:
+    def __init__(self, trace_dir: str | Path, rank: int, start: int, steps: int | None, *,
+                 with_stack: bool = False, profile_memory: bool = False, cuda_range: bool = False):
+        self.path = Path(trace_dir) / f"rank{rank}.pt.trace.json.gz"
+        self.start_step, self.steps = start, steps or _UNTIL_THE_END
+        self.cuda_range = cuda_range and torch.cuda.is_available()
+        self.exported = False
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        warmup = min(1, start)
+        self._prof = profile(activities=activities, record_shapes=True, with_stack=with_stack,
+                             profile_memory=profile_memory,
+                             schedule=schedule(wait=start - warmup, warmup=warmup, active=self.steps, repeat=1),
+                             on_trace_ready=self._export)
+        self._step = 0
+        self._running = False
+
+    def start(self) -> None:
+        self._prof.start()
+        self._running = True
+        self._cuda_range_at(0)
+
+    def step(self) -> None:
+        """The current step ended."""
+        if not self._running:
+            return
+        self._step += 1
+        self._prof.step()
+        self._cuda_range_at(self._step)
+        if self._step >= self.start_step + self.steps:  # window done: stop paying for the profiler
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop; a window cut short (the run ended or crashed inside it) is exported as far as it got."""
+        if self._running:
+            self._running = False
+            self._prof.stop()
+            if self.cuda_range and self.start_step <= self._step < self.start_step + self.steps:
+                torch.cuda.profiler.stop()
+
+    def _cuda_range_at(self, step: int) -> None:
+        if not self.cuda_range:
+            return
+        if step == self.start_step:
+            torch.cuda.profiler.start()
+        elif step == self.start_step + self.steps:
+            torch.cuda.profiler.stop()
+
+    def _export(self, prof) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # export_chrome_trace gzips when the name ends in .gz; a hidden temporary name keeps
+        # loaders from picking up a half-written file.
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial.gz")
+        try:
+            prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.exported = True
