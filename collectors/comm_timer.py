@@ -24,7 +24,8 @@ all_reduce/broadcast/send/recv the tensor, all_gather the gathered output
 all_to_all the input, a send/recv batch the sum of its tensors.
 
 While ``torch.profiler`` records, each call also runs under
-``record_function("mfuscope.comm/<dim>/<op>")`` so traces carry the label.
+``record_function("mfuscope.comm/<dim>/<op>")`` so traces carry the label; on
+GPU an NVTX range of the same name marks it for Nsight Systems.
 
 DDP reduces gradients in C++ with no Python call to wrap; the timer
 registers torch's own default all-reduce comm hook (``allreduce_hook``, the
@@ -210,11 +211,14 @@ class CommTimer:
             region = record_function(f"mfuscope.comm/{info['dim']}/{op}")
             region.__enter__()
         if self.cuda:
+            torch.cuda.nvtx.range_push(f"mfuscope.comm/{info['dim']}/{op}")
             row[START] = self.clock.event()
         row[ENQUEUE] = time.time_ns()
         try:
             result = fn(*args, **kwargs)
         finally:
+            if self.cuda:
+                torch.cuda.nvtx.range_pop()
             if labelled:
                 region.__exit__(None, None, None)
         returned = time.time_ns()

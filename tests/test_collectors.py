@@ -201,6 +201,13 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_nsys_without_nsys_on_path_is_a_clear_error(tmp_path):
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # the venv's bin: python, no nsys
+    proc = _profile(tmp_path, "--nsys", env=env)
+    assert proc.returncode == 2 and "nsys" in proc.stderr and "not on PATH" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------------------- in-process API
 
 def test_exception_inside_the_window_ends_the_run_early_with_a_partial_trace(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ def test_wheel_imports_every_subpackage(tmp_path):
         names = z.namelist()
         z.extractall(site)
     assert "mfuscope/schemas/manifest.schema.json" in names
+    assert "mfuscope/collectors/_site/sitecustomize.py" in names  # the no-code wrap needs it installed
     code = (
         "import sys, importlib; sys.path.insert(0, sys.argv[1]);"
         "import mfuscope; assert mfuscope.__file__.startswith(sys.argv[1]), mfuscope.__file__;"
