@@ -36,6 +36,7 @@ ENV_RUN_DIR = "MFUSCOPE_RUN_DIR"
 ENV_WINDOW = "MFUSCOPE_WINDOW"
 ENV_TOKENS = "MFUSCOPE_TOKENS_PER_STEP"
 ENV_NVML = "MFUSCOPE_NVML"
+ENV_TRACE_EXTRAS = "MFUSCOPE_TRACE_EXTRAS"  # comma-separated: stack, memory
 ENV_LAUNCHER = "MFUSCOPE_LAUNCHER"       # "1": the command is a launcher; profile its workers only
 ENV_COMMAND = "MFUSCOPE_COMMAND"         # the user's command line, as JSON
 ENV_OWNER = "MFUSCOPE_SESSION_OWNER"     # pid of the process that profiles; children stay out
@@ -128,11 +129,13 @@ def _start_session():
     from .session import ProfileSession
 
     tokens = os.environ.get(ENV_TOKENS)
+    extras = os.environ.get(ENV_TRACE_EXTRAS, "").split(",")
     command = os.environ.get(ENV_COMMAND)
     try:
         session = ProfileSession(os.environ[ENV_RUN_DIR], window=os.environ.get(ENV_WINDOW, "5:3"),
                                  tokens_per_step=int(tokens) if tokens else None,
                                  nvml=os.environ.get(ENV_NVML, "1") == "1",
+                                 with_stack="stack" in extras, profile_memory="memory" in extras,
                                  manifest={"command": json.loads(command)} if command else None)
         session.start()
     except UserInputError as e:

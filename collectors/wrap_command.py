@@ -38,7 +38,8 @@ def is_launcher(command: list[str]) -> bool:
 
 
 def run(command: list[str], out: Path, *, window: str | None = "5:3", force: bool = False,
-        tokens_per_step: int | None = None, nvml: bool = True, nsys: bool = False) -> int:
+        tokens_per_step: int | None = None, nvml: bool = True, nsys: bool = False, with_stack: bool = False,
+        profile_memory: bool = False) -> int:
     if not command:
         raise UserInputError("no command to profile; e.g. mfuscope profile --out runs/a -- torchrun train.py")
     parse_window(window)
@@ -51,6 +52,7 @@ def run(command: list[str], out: Path, *, window: str | None = "5:3", force: boo
         autowrap.ENV_RUN_DIR: str(out), ENV_PREPARED: str(out), autowrap.ENV_WINDOW: window or "none",
         autowrap.ENV_NVML: "1" if nvml else "0", autowrap.ENV_COMMAND: json.dumps(command),
         autowrap.ENV_LAUNCHER: "1" if is_launcher(command) else "0",
+        autowrap.ENV_TRACE_EXTRAS: ",".join(x for x, on in (("stack", with_stack), ("memory", profile_memory)) if on),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE_DIR), env.get("PYTHONPATH")])),
     })
     env.pop(autowrap.ENV_OWNER, None)

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps to trace with torch.profiler (default 5:3; 'none' for no trace)")
     p.add_argument("--tokens-per-step", type=int, default=None,
                    help="tokens of one step over all data-parallel ranks (global batch x sequence length), for MFU")
+    p.add_argument("--with-stack", action="store_true", help="record Python stacks in the window (costly)")
+    p.add_argument("--profile-memory", action="store_true", help="record allocations in the window (costly)")
     p.add_argument("--nsys", action="store_true", help="also run under Nsight Systems, capturing the window")
     p.add_argument("--no-nvml", action="store_true", help="do not sample GPUs with NVML")
     p.add_argument("--force", action="store_true", help="replace an earlier run directory")
@@ -96,7 +98,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     rc = wrap_command.run(command, args.out, window=args.window, force=args.force,
-                          tokens_per_step=args.tokens_per_step, nvml=not args.no_nvml, nsys=args.nsys)
+                          tokens_per_step=args.tokens_per_step, nvml=not args.no_nvml, nsys=args.nsys,
+                          with_stack=args.with_stack, profile_memory=args.profile_memory)
     print(f"run directory: {args.out}  (next: mfuscope info {args.out}; mfuscope analyze {args.out})",
           file=sys.stderr)
     return rc

@@ -190,7 +190,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                     for i, (chunk_in, chunk_t) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
                         # DDP all-reduces once, after the last accumulation step.
                         no_sync = getattr(modules[0], "no_sync", None) if i < micro - 1 else None
-                        with no_sync() if no_sync else contextlib.nullcontext():
+                        with no_sync() if no_sync else contextlib.nullcontext(), _nvtx(f"microbatch {i}"):
                             loss = loss_fn(modules[0](chunk_in), chunk_t)
                             loss.backward()
                         local = local + loss.detach() / micro
@@ -234,6 +234,11 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                           extra_groups=extra_groups, dtype=cfg.dtype, force=opts.force,
                           manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
+
+
+def _nvtx(name: str):
+    """An NVTX range on GPU (Nsight Systems shows microbatches); nothing on CPU."""
+    return torch.cuda.nvtx.range(name) if torch.cuda.is_available() else contextlib.nullcontext()
 
 
 class _NoSession(contextlib.nullcontext):

@@ -141,7 +141,7 @@ def _profile(tmp_path, *args, steps=4, extra=(), timeout=300, **popen):
 
 def test_no_code_wrap_profiles_a_plain_torchrun_script(tmp_path):
     assert "import mfuscope" not in PLAIN_DDP.read_text() and "from mfuscope" not in PLAIN_DDP.read_text()
-    proc = _profile(tmp_path, "--window", "1:2", "--tokens-per-step", "32")
+    proc = _profile(tmp_path, "--window", "1:2", "--tokens-per-step", "32", "--with-stack")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "run"
     manifest = run_dir.read_manifest(out)
@@ -161,6 +161,8 @@ def test_no_code_wrap_profiles_a_plain_torchrun_script(tmp_path):
     found = json.loads(info.stdout)
     assert found["ranks"] == [0, 1] and found["steps"] == [1, 2]  # the window's steps
     assert found["run"]["status"] == "complete"
+    with gzip.open(out / "traces" / "rank1.pt.trace.json.gz") as f:  # --with-stack reached the ranks
+        assert any(e.get("cat") == "python_function" for e in json.load(f)["traceEvents"])
 
 
 def test_sigterm_to_one_rank_leaves_a_readable_run_marked_ended_early(tmp_path):
