@@ -1,63 +1,125 @@
-"""The first report: step times, device time per rank by kind, communication per op, top kernels.
+"""``mfuscope analyze``: every analysis over one run, into report.json, and its text summary.
 
-This is what the loader alone can tell; MFU, the top-down breakdown, bubbles
-and stragglers are separate analyses that add their sections to the report.
+Inputs: the EventTable of the traces, and, for a run directory, the
+collectors' manifest and tables.  Step times and tokens come from
+``steps.parquet`` when the run has it (every step; the first step is warm-up
+and left out when there are three or more), else from the trace's step
+markers (the slowest rank's span: everyone waits for it).  The breakdown,
+bubbles and stragglers need the traces; communication uses ``comm.parquet``
+when present, else the trace's communication work.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mfuscope import hardware
+from mfuscope import run_dir
 from mfuscope.event_table import EventTable
 from mfuscope.report import new_report
 
-from . import kernel_time
+from . import breakdown, bubbles, comm_stats, findings, kernel_time, mfu, stragglers
 
 
-def build_report(events: EventTable, *, source: str, files: list[str]) -> dict[str, Any]:
-    spans = kernel_time.step_spans(events)
-    # The job's step time is the slowest rank's: everyone waits for it at the next collective.
-    per_step = spans.groupby("step")["dur_ns"].max() / 1e9 if not spans.empty else pd.Series(dtype=float)
-    dev = kernel_time.device_time(events)
+def build_report(events: EventTable, *, source: str, files: list[str], run: str | Path | None = None) -> dict[str, Any]:
+    manifest = run_dir.read_manifest(run) if run is not None else None
+    step_s, tokens = _step_times(events, run)
     metas = events.ranks
     device = next((m.get("device_name") for m in metas.values() if m.get("device_name")), None)
-    acc = hardware.lookup(device)
-    world = max((m.get("world_size") or 0 for m in metas.values()), default=0) or None
+    if device is None and manifest:
+        device = (manifest.get("hardware") or {}).get("device_name")
+    world = (manifest or {}).get("world_size") or max((m.get("world_size") or 0 for m in metas.values()),
+                                                      default=0) or None
+    flops = mfu.compute(step_s, tokens, manifest, events, devices=world)
 
+    leaves = breakdown.step_leaves(events)
+    tree = breakdown.tree(leaves)
+    rank_steps = breakdown.per_rank_step(leaves)
+    strag, matrix = stragglers.find(rank_steps, (manifest or {}).get("rank_coords"))
+    bub = bubbles.analyze(leaves, rank_steps, manifest)
+
+    if run is not None and (Path(run) / run_dir.COMM).exists():
+        calls = comm_stats.calls_from_run(run_dir.read_table(run, run_dir.COMM).to_pandas())
+        calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
+    else:
+        calls = comm_stats.calls_from_trace(events)
+    calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(events))
+    skew, offsets = comm_stats.matched(calls)
+
+    step_time = float(step_s.mean()) if len(step_s) else None
     summary = {
-        "mfu": None, "hfu": None,
-        "mfu_note": "MFU needs the model FLOPs (model spec or GEMM shapes), which this analysis does not compute",
-        "step_time_s": float(per_step.mean()) if len(per_step) else None,
-        "step_time_p50_s": float(np.percentile(per_step, 50)) if len(per_step) else None,
-        "step_time_p90_s": float(np.percentile(per_step, 90)) if len(per_step) else None,
-        "tokens_per_s": None, "tflops_per_device": None,
-        "device": device, "world_size": world, "ranks": len(metas), "steps": int(len(per_step)),
-        "peak_flops_bf16": acc.peak_flops("bf16") if acc else None,
+        "mfu": flops["mfu"], "hfu": flops["hfu"], "mfu_note": flops["mfu_note"],
+        "flops_source": flops["flops_source"], "peak_flops": flops["peak_flops"], "peak_source": flops["peak_source"],
+        "step_time_s": step_time,
+        "step_time_p50_s": float(np.percentile(step_s, 50)) if len(step_s) else None,
+        "step_time_p90_s": float(np.percentile(step_s, 90)) if len(step_s) else None,
+        "tokens_per_s": flops["tokens_per_s"], "tflops_per_device": flops["tflops_per_device"],
+        "device": device, "world_size": world, "ranks": len(metas), "steps": int(len(step_s)),
+        "status": (manifest or {}).get("status"),
     }
+    kernels = kernel_time.top_kernels(events, n=20)
+    overlap = comm_stats.overlap_by_rank(events)
+    return new_report(
+        source, files, summary, breakdown=tree, bubbles=[bub] if bub else [],
+        comm=comm_stats.summarize(calls),
+        stragglers=strag,
+        kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count), "total_s": k.total_ns / 1e9,
+                  "mean_us": k.mean_ns / 1e3, "median_us": k.median_ns / 1e3, "share": float(k.share)}
+                 for k in kernels.itertuples()],
+        findings=findings.derive(tree, bub, strag, float(rank_steps["step_s"].mean()) if len(rank_steps) else step_time),
+        per_step=flops["per_step"],
+        comm_skew=skew, clock_offsets=offsets,
+        comm_overlap=overlap.to_dict("records"),
+        straggler_matrix=matrix.to_dict("records"),
+        breakdown_by_rank=_by_rank(leaves),
+        ranks=_ranks(events, rank_steps),
+        comm_calls=_comm_by_op(events, calls=True),
+    )
+
+
+def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None]:
+    if run is not None and (Path(run) / run_dir.STEPS).exists():
+        steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
+        if len(steps):
+            g = steps.assign(dur=(steps["end_ns"] - steps["start_ns"]) / 1e9).groupby("step")
+            step_s, tokens = g["dur"].max(), g["tokens"].max()
+            if len(step_s) >= 3:
+                step_s, tokens = step_s.iloc[1:], tokens.iloc[1:]
+            return step_s, (tokens if tokens.notna().all() else None)
+    spans = kernel_time.step_spans(events)
+    if spans.empty:
+        return pd.Series(dtype=float), None
+    return spans.groupby("step")["dur_ns"].max() / 1e9, None
+
+
+def _by_rank(leaves: pd.DataFrame) -> list[dict[str, Any]]:
+    if leaves.empty:
+        return []
+    n = leaves.groupby("rank")["step"].nunique()
+    g = leaves.groupby(["rank", "leaf"])["seconds"].sum().reset_index()
+    g["seconds"] = g["seconds"] / g["rank"].map(n)
+    return g.to_dict("records")
+
+
+def _ranks(events: EventTable, rank_steps: pd.DataFrame) -> list[dict[str, Any]]:
+    dev = kernel_time.device_time(events)
     comm = events.to_pandas(["rank", "kind", "dur_ns"])
     comm_ns = comm[comm["kind"].astype(str) == "comm"].groupby("rank")["dur_ns"].sum()
-    ranks = []
+    out = []
     for r in events.rank_ids:
-        rs = spans[spans["rank"] == r]
+        rs = rank_steps[rank_steps["rank"] == r]
         dr = dev[dev["rank"] == r].groupby("kind")["total_ns"].sum()
-        ranks.append({
+        out.append({
             "rank": r, "steps": int(len(rs)),
-            "step_time_s": float(rs["dur_ns"].median() / 1e9) if len(rs) else None,
+            "step_time_s": float(rs["step_s"].median()) if len(rs) else None,
+            "wait_s": float(rs["wait_s"].median()) if len(rs) else None,
             "compute_kernel_s": float(dr.get("kernel", 0) / 1e9),
-            # GPU communication kernels, or gloo work on CPU threads.
-            "comm_s": float(comm_ns.get(r, 0) / 1e9),
+            "comm_s": float(comm_ns.get(r, 0) / 1e9),  # GPU communication kernels, or gloo work on CPU threads
             "memory_s": float((dr.get("memcpy", 0) + dr.get("memset", 0)) / 1e9),
         })
-    kernels = kernel_time.top_kernels(events, n=20)
-    return new_report(source, files, summary, ranks=ranks, comm=_comm_by_op(events),
-                      comm_calls=_comm_by_op(events, calls=True),
-                      kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count),
-                                "total_s": k.total_ns / 1e9, "mean_us": k.mean_ns / 1e3,
-                                "median_us": k.median_ns / 1e3, "share": float(k.share)}
-                               for k in kernels.itertuples()])
+    return out
 
 
 def _comm_by_op(events: EventTable, calls: bool = False) -> list[dict[str, Any]]:
@@ -80,27 +142,45 @@ def _comm_by_op(events: EventTable, calls: bool = False) -> list[dict[str, Any]]
 
 def format_text(report: dict[str, Any]) -> str:
     s = report["summary"]
-    fmt = lambda v, unit="s", scale=1.0: f"{v * scale:.4g} {unit}" if v is not None else "-"  # noqa: E731
+    ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "-"  # noqa: E731
     lines = [
-        f"device        {s.get('device') or 'unknown'}   ranks {s['ranks']}   world size {s.get('world_size') or '?'}",
-        f"steps         {s['steps']}",
-        f"step time     mean {fmt(s['step_time_s'], 'ms', 1e3)}   p50 {fmt(s.get('step_time_p50_s'), 'ms', 1e3)}"
-        f"   p90 {fmt(s.get('step_time_p90_s'), 'ms', 1e3)}",
-        f"MFU           {_pct(s['mfu'])}" + (f"   ({s['mfu_note']})" if s.get("mfu_note") else ""),
-        "",
-        f"{'rank':>5} {'steps':>6} {'step ms':>10} {'kernels ms':>11} {'comm ms':>10} {'memory ms':>10}",
+        f"device        {s.get('device') or 'unknown'}   ranks {s['ranks']}   world size {s.get('world_size') or '?'}"
+        + (f"   run {s['status']}" if s.get("status") else ""),
+        f"steps         {s['steps']}   step time mean {ms(s['step_time_s'])}   p50 {ms(s.get('step_time_p50_s'))}"
+        f"   p90 {ms(s.get('step_time_p90_s'))}",
+        f"MFU           {_pct(s['mfu'])}   HFU {_pct(s['hfu'])}"
+        + (f"   tokens/s {s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "")
+        + (f"   ({s['mfu_note']})" if s.get("mfu_note") else ""),
     ]
-    for r in report.get("ranks", []):
-        st = f"{r['step_time_s'] * 1e3:10.3f}" if r["step_time_s"] is not None else f"{'-':>10}"
-        lines.append(f"{r['rank']:>5} {r['steps']:>6} {st} {r['compute_kernel_s'] * 1e3:11.3f} "
-                     f"{r['comm_s'] * 1e3:10.3f} {r['memory_s'] * 1e3:10.3f}")
-    for key, title in (("comm_calls", "communication calls by parallel dimension (training thread, all ranks):"),
-                       ("comm", "communication work (NCCL kernels / gloo threads, all ranks):")):
-        if report.get(key):
-            lines += ["", title]
-            for c in report[key]:
-                lines.append(f"  {c['dim']:<12} {c['op']:<15} {c['count']:>7} calls {c['total_s'] * 1e3:10.3f} ms "
-                             f"{c['bytes'] / 1e6:12.2f} MB")
+    if s.get("peak_source"):
+        lines.append(f"peak          {s['peak_flops'] / 1e12:.3g} TFLOP/s per device ({s['peak_source']})")
+    tree = report.get("breakdown")
+    if tree and tree["seconds"]:
+        lines += ["", f"where a step's time went (mean of ranks and steps, {ms(tree['seconds'])}):"]
+        for c in tree["children"]:
+            lines.append(f"  {c['name']:<28} {c['seconds'] * 1e3:9.1f} ms  {c['seconds'] / tree['seconds']:6.1%}")
+            for g in c["children"][:4]:
+                if g["name"] != c["name"]:
+                    lines.append(f"    {g['name']:<26} {g['seconds'] * 1e3:9.1f} ms  {g['seconds'] / tree['seconds']:6.1%}")
+    for b in report.get("bubbles") or []:
+        lines.append(f"pipeline      bubble {b['bubble_fraction']:.1%} of the step (theory {b['theory_fraction']:.1%}, "
+                     f"p={b['stages']} m={b['microbatches']} v={b['virtual_stages']}), stage imbalance "
+                     f"{b['imbalance']:.1%}")
+    if report.get("stragglers"):
+        lines.append("stragglers    " + ", ".join(f"rank {x['rank']} (+{x['cost_s'] * 1e3:.1f} ms/step)"
+                                              for x in report["stragglers"]))
+    if report.get("comm"):
+        lines += ["", f"communication  {'dim':<12} {'op':<15} {'size':<11} {'calls':>7} {'total ms':>10} "
+                      f"{'exposed ms':>11} {'busbw GB/s':>11}"]
+        for c in report["comm"][:8]:
+            exposed = f"{c['exposed_s'] * 1e3:11.1f}" if c["exposed_s"] is not None else f"{'-':>11}"
+            bw = f"{c['busbw_gbps']:11.3f}" if c["busbw_gbps"] is not None else f"{'-':>11}"
+            lines.append(f"               {c['dim']:<12} {c['op']:<15} {c['size']:<11} {c['count']:>7} "
+                         f"{c['total_s'] * 1e3:10.1f} {exposed} {bw}")
+    if report.get("findings"):
+        lines += ["", "top findings (estimated gain per step):"]
+        for f in report["findings"][:5]:
+            lines.append(f"  {f['gain_s'] * 1e3:8.1f} ms  {f['gain_fraction']:6.1%}  {f['title']}  [fix: {f['fix']}]")
     if report.get("kernels"):
         lines += ["", "top kernels (all ranks):"]
         for k in report["kernels"][:5]:

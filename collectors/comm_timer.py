@@ -13,7 +13,9 @@ enqueue/start/end times.
 When does a call end?  A synchronous call ends when it returns.  An async
 c10d call returns a ``Work``: it ends when its future completes (gloo
 completes it on its own thread) or, for work without a future (gloo
-send/recv), when ``Work.wait`` returns.  A functional collective returns an
+send/recv), when ``Work.wait`` returns.  While profiling, waits run under
+``record_function("mfuscope.wait/<dim>/<op>")`` so the trace shows what the
+training thread is blocked on.  A functional collective returns an
 ``AsyncCollectiveTensor``: it ends when ``wait_tensor`` returns for it.  On
 GPU the end is a CUDA event recorded on the compute stream at that point,
 read back at the next flush, off the critical path.
@@ -241,28 +243,42 @@ class CommTimer:
             row[END] = self.clock.event() if self.cuda else returned
 
     def _await_work(self, work: Any, row: list) -> None:
+        # Known by id until waited on, so the wait can carry the call's label (see _labelled_wait).
+        self._waiting[id(work)] = (work, row)
         if not self.cuda:
             try:
                 work.get_future().then(lambda _f, row=row: row.__setitem__(END, time.time_ns()))
-                return
-            except RuntimeError:  # Work::getFuture not implemented (gloo send/recv)
+            except RuntimeError:  # Work::getFuture not implemented (gloo send/recv): ends at wait
                 pass
-        self._waiting[id(work)] = (work, row)
 
     def _finish(self, key: Any, obj: Any = None) -> None:
         entry = self._waiting.pop(key, None)
         if entry is not None and entry[0] is obj and entry[1][END] is None:
             entry[1][END] = self.clock.event() if self.cuda else time.time_ns()
 
+    def _labelled_wait(self, wait: Callable, key: Any, obj: Any, *args, **kwargs):
+        """Run a wait; while profiling, under ``mfuscope.wait/<dim>/<op>`` of the call it waits for,
+        so traces show which dimension the training thread is blocked on."""
+        entry = self._waiting.get(key)
+        if entry is None:
+            return wait(*args, **kwargs)
+        row = entry[1]
+        if _profiler_enabled():
+            with record_function(f"mfuscope.wait/{row[DIM]}/{row[OP]}"):
+                out = wait(*args, **kwargs)
+        else:
+            out = wait(*args, **kwargs)
+        self._finish(key, obj)
+        return out
+
     def _wrap_work_wait(self, wait: Callable) -> Callable:
         timer = self
 
         @functools.wraps(wait)
         def timed_wait(work, *args, **kwargs):
-            out = wait(work, *args, **kwargs)
-            if timer._waiting:
-                timer._finish(id(work), work)
-            return out
+            if not timer._waiting:
+                return wait(work, *args, **kwargs)
+            return timer._labelled_wait(wait, id(work), work, work, *args, **kwargs)
 
         return timed_wait
 
@@ -271,10 +287,9 @@ class CommTimer:
 
         @functools.wraps(wait_tensor)
         def timed_wait_tensor(tensor):
-            out = wait_tensor(tensor)
-            if timer._waiting:
-                timer._finish(_storage_key(tensor))
-            return out
+            if not timer._waiting:
+                return wait_tensor(tensor)
+            return timer._labelled_wait(wait_tensor, _storage_key(tensor), None, tensor)
 
         return timed_wait_tensor
 
@@ -334,6 +349,8 @@ class CommTimer:
             kept = {id(r) for r in done}
             self.rows = [r for r in self.rows if id(r) not in kept]
             taken = done
+            # Work nobody waits for from Python (DDP's hook futures) must not pile up.
+            self._waiting = {k: v for k, v in self._waiting.items() if v[1][STEP] >= upto_step - 1}
         if self.cuda:
             for r in taken:
                 r[START], r[END] = self.clock.to_ns(r[START]), self.clock.to_ns(r[END])

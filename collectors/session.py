@@ -39,6 +39,7 @@ from mfuscope.errors import UserInputError
 
 from .comm_timer import COLUMNS as COMM_COLUMNS
 from .comm_timer import CommTimer
+from .cpu_peak import measured_matmul_peak
 from .group_dims import GroupDims, mesh_groups
 from .kineto_window import KinetoWindow, parse_window
 from .nvml_sampler import NvmlSampler
@@ -185,11 +186,14 @@ class ProfileSession:
         device = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine() or "cpu")
         acc = hardware.lookup(device) if cuda else None
         peak_dtype = self.dtype if self.dtype in ("bf16", "fp16", "fp8") else "bf16"  # fp32 runs: vs bf16 peak
+        if cuda:
+            peak, source = (acc.peak_flops(peak_dtype), acc.source) if acc else (None, None)
+        else:
+            peak, source = measured_matmul_peak()
         fields = {
             "command": sys.argv, "hosts": [socket.gethostname()],
-            "hardware": {"device_name": device, "device_count": self.world,
-                         "peak_flops": acc.peak_flops(peak_dtype) if acc else None,
-                         "peak_source": acc.source if acc else None},
+            "hardware": {"device_name": device, "device_count": self.world, "peak_flops": peak,
+                         "peak_source": source},
             "software": {"python": platform.python_version(), "torch": torch.__version__,
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None},
             "model": _model_spec(self.model),

@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", default=None, help="host:port, for several nodes")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("compare", help="compare two runs' reports; fail on an MFU regression (for CI)",
+                       description="Side-by-side summary and per-leaf deltas of two reports (report.json files, "
+                                   "or run directories, analyzed if they have no report yet).")
+    p.add_argument("base", help="baseline report.json or run directory")
+    p.add_argument("new", help="new report.json or run directory")
+    p.add_argument("--fail-on-mfu-drop", type=float, default=None, metavar="FRACTION",
+                   help="exit 1 if NEW's MFU is more than FRACTION below BASE's (e.g. 0.05)")
+    p.add_argument("--format", choices=("text", "markdown", "json", "junit"), default="text")
+    p.set_defaults(func=cmd_compare)
+
     p = sub.add_parser("profile", help="run a training command with every rank profiled (no code change)",
                        description="Run COMMAND (torchrun ..., python train.py ...) with a profiling session in "
                                    "each rank: steps (optimizer steps), communication per process group, GPU "
@@ -91,6 +101,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     p.set_defaults(func=cmd_profile)
     return parser
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from mfuscope.analyzers.compare import compare, render
+
+    if args.fail_on_mfu_drop is not None and not 0 <= args.fail_on_mfu_drop < 1:
+        raise UserInputError(f"--fail-on-mfu-drop {args.fail_on_mfu_drop}: give a fraction between 0 and 1")
+    result = compare(_report_of(args.base), _report_of(args.new), args.fail_on_mfu_drop)
+    print(render(result, args.format))
+    return 1 if result["gate"] and result["gate"]["failed"] else 0
+
+
+def _report_of(path: str) -> dict:
+    """A report.json, or a run directory's (analyzed now if it has none)."""
+    from mfuscope.report import read_report
+    from mfuscope.run_dir import REPORT, is_run_dir
+
+    p = Path(path)
+    if is_run_dir(p):
+        if not (p / REPORT).exists():
+            from mfuscope.analyzers import overview, trace_set
+            from mfuscope.report import write_report
+
+            result = trace_set.load(p)
+            write_report(p / REPORT, overview.build_report(result.events, source=str(p),
+                                                           files=[str(f) for f in result.files], run=p))
+        p = p / REPORT
+    if not p.is_file():
+        raise UserInputError("not a report.json or a run directory", p)
+    return read_report(p)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -179,7 +219,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     out = args.out or (Path(args.path) / REPORT if is_run_dir(args.path) else Path("mfuscope-report.json"))
     _check_overwrite(out, args.force)
     result = _load(args)
-    report = overview.build_report(result.events, source=str(args.path), files=[str(f) for f in result.files])
+    report = overview.build_report(result.events, source=str(args.path), files=[str(f) for f in result.files],
+                                   run=args.path if is_run_dir(args.path) else None)
     write_report(out, report)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from mfuscope.errors import UserInputError
 
@@ -61,9 +62,11 @@ def parse_paced(text: str | None) -> tuple[float, float] | None:
         raise UserInputError(f"--paced: cannot read {text!r}; e.g. fwd_ms=20,bwd_ms=40") from None
 
 
-def _sleep_hook(ms: float):
+def _sleep_hook(ms: float, label: str):
+    # Labelled, so the breakdown counts the sleep as the compute it stands for.
     def hook(module, args):
-        time.sleep(ms / 1e3)
+        with record_function(label):
+            time.sleep(ms / 1e3)
     return hook
 
 
@@ -75,7 +78,8 @@ class _SleepInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.ms / 1e3)
+        with record_function("mfuscope.paced/backward"):
+            time.sleep(ctx.ms / 1e3)
         return grad, None
 
 
@@ -84,17 +88,18 @@ def apply_faults(modules: list[nn.Module], stage_ids: list[int], faults: list[Fa
     for f in faults:
         if f.kind == "compute" and f.rank == rank:
             for m in modules:
-                m.register_forward_pre_hook(_sleep_hook(f.ms))
+                m.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/compute"))
         elif f.kind == "stage":
             for m, sid in zip(modules, stage_ids):
                 if sid == f.stage:
-                    m.register_forward_pre_hook(_sleep_hook(f.ms))
+                    m.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/stage"))
         elif f.kind == "comm" and f.dim == "tp" and coords.get("tp") == f.rank:
             # Late to the sequence-parallel all-gathers in front of attention and MLP.
             for m in modules:
                 for block in m.layers.values():
-                    block.attention.register_forward_pre_hook(_sleep_hook(f.ms))
-                    block.feed_forward.register_forward_pre_hook(_sleep_hook(f.ms))
+                    # The late rank is busy elsewhere (compute/other); its peers wait in the collective.
+                    block.attention.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/late"))
+                    block.feed_forward.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/late"))
         elif f.kind == "comm" and f.dim != "tp":
             raise UserInputError(f"--inject comm: dimension {f.dim!r} is not supported yet (tp is)")
 
@@ -102,5 +107,5 @@ def apply_faults(modules: list[nn.Module], stage_ids: list[int], faults: list[Fa
 def apply_paced(modules: list[nn.Module], fwd_ms: float, bwd_ms: float) -> None:
     """Each stage module's forward takes ``fwd_ms`` more, its backward ``bwd_ms`` more."""
     for m in modules:
-        m.register_forward_pre_hook(_sleep_hook(fwd_ms))
+        m.register_forward_pre_hook(_sleep_hook(fwd_ms, "mfuscope.paced/forward"))
         m.register_forward_hook(lambda mod, args, out: _SleepInBackward.apply(out, bwd_ms))

@@ -1,0 +1,210 @@
+"""Top-down breakdown: where each step's time went, per rank, with leaves that add up exactly.
+
+Every instant of a step (its marker's span on the training thread) goes to
+exactly one leaf, by priority:
+
+On a GPU rank (device work in the trace), the device's view:
+  1. compute/<kind>   a compute kernel runs (gemm, attention, norm_elementwise,
+                      optimizer, other -- from the kernel name)
+  2. memory           only copies / fills run
+  3. comm/<dim>/<op>  only communication runs: exposed communication
+     bubble           ...of the pipeline dimension: a stage waiting on its neighbour
+  4. data_loading     the device is idle while the host is in a DataLoader
+  5. host_bound       idle while the host is busy in operators or launches
+  6. idle             idle otherwise (host blocked in a sync, or nothing to do)
+
+On a CPU-only rank (gloo training), the training thread's view: the thread
+blocked in a collective or its wait (``mfuscope.comm/...``,
+``mfuscope.wait/...``, c10d operators) is exposed communication (bubble for
+the pipeline dimension); operators are compute by kind (the reference
+trainer's paced and injected compute, ``mfuscope.paced``/``mfuscope.inject``
+regions, count as compute/other); DataLoader regions are
+data_loading; the rest -- Python between operators -- is idle.
+
+Output of :func:`step_leaves`: rank, step, leaf, seconds (a row per non-zero leaf).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mfuscope.event_table import EventTable
+
+from . import intervals as iv
+
+COMPUTE_KINDS = ("gemm", "attention", "norm_elementwise", "optimizer", "other")
+
+_KERNEL_RULES = [
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax_warp_forward.*causal", re.I)),
+    ("gemm", re.compile(r"gemm|sgemm|hgemm|cutlass|cublas|Cijk_|nvjet|xmma|matmul|_mm_|wgmma|\bmm\b", re.I)),
+    ("optimizer", re.compile(r"adam|sgd|multi_tensor_apply|foreach|lamb|optimizer", re.I)),
+    ("norm_elementwise", re.compile(r"norm|elementwise|vectorized|reduce|softmax|silu|gelu|relu|swiglu|rope|"
+                                    r"triton_|unrolled|index|cat|copy|fill|where|cross_entropy|embedding", re.I)),
+]
+_OP_RULES = [
+    ("attention", re.compile(r"scaled_dot_product|flash|attention|_efficient_attention")),
+    ("gemm", re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|addmv|mv)$")),
+    ("norm_elementwise", re.compile(r"^aten::")),
+]
+_COMM_LABEL = re.compile(r"^mfuscope\.(comm|wait)/([^/]+)/([^/]+)$")
+_COMM_OP = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::|gloo:|nccl:|record_param_comms)")
+
+
+def kernel_kind(name: str) -> str:
+    for kind, rule in _KERNEL_RULES:
+        if rule.search(name):
+            return kind
+    return "other"
+
+
+def op_kind(name: str) -> str:
+    for kind, rule in _OP_RULES:
+        if rule.search(name):
+            return kind
+    return "other"
+
+
+def _comm_leaf(dim: Any, op: Any) -> str:
+    dim = dim if isinstance(dim, str) and dim else "unknown"
+    op = op if isinstance(op, str) and op else "unknown"
+    return "bubble" if dim == "pp" else f"comm/{dim}/{op}"
+
+
+def _sets(frame: pd.DataFrame, keys: pd.Series) -> list[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+    out = []
+    start = frame["ts_ns"].to_numpy()
+    end = start + frame["dur_ns"].to_numpy()
+    for key, idx in frame.groupby(keys.to_numpy(), sort=True).indices.items():
+        out.append((key, iv.union(start[idx], end[idx])))
+    return out
+
+
+def step_leaves(events: EventTable) -> pd.DataFrame:
+    """Leaves of every (rank, step); see the module docstring."""
+    cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim"]
+    df = events.to_pandas(cols)
+    df["kind"] = df["kind"].astype(str)
+    df["name"] = df["name"].astype(str)
+    df["lane"] = df["lane"].astype(str)
+    rows = []
+    for rank, rdf in df.groupby("rank", sort=True):
+        steps = rdf[rdf["kind"] == "step"]
+        if steps.empty:
+            continue
+        device = rdf[(rdf["device"] >= 0) & rdf["kind"].isin(["kernel", "comm", "memcpy", "memset"])]
+        plan = _device_plan(rdf, device) if len(device) else _cpu_plan(rdf, steps)
+        for st in steps.itertuples():
+            window = (int(st.ts_ns), int(st.ts_ns + st.dur_ns))
+            step = _step_number(st.name, events.ranks.get(rank, {}), st.Index, steps)
+            for leaf, ns in _split(window, plan).items():
+                if ns > 0:
+                    rows.append((rank, step, leaf, ns / 1e9))
+    return pd.DataFrame(rows, columns=["rank", "step", "leaf", "seconds"])
+
+
+def _step_number(name: str, meta: dict, index: int, steps: pd.DataFrame) -> int:
+    m = re.search(r"#(\d+)$", name)
+    return int(m.group(1)) if m else int(steps.index.get_loc(index))
+
+
+def _split(window: tuple[int, int], plan: list) -> dict[str, int]:
+    categories, idle_split = plan  # idle_split: what idle device time is spent on, lowest priority
+    return iv.assign_by_priority(window, categories + idle_split, rest="idle")
+
+
+def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):
+    kinds = device["kind"]
+    compute = device[kinds == "kernel"]
+    memory = device[kinds.isin(["memcpy", "memset"])]
+    comm = device[kinds == "comm"]
+    categories = []
+    if len(compute):
+        names = compute["name"]
+        kind_of = {n: kernel_kind(n) for n in names.unique()}
+        keys = names.map(kind_of)
+        by_kind = dict(_sets(compute, keys))
+        categories += [(f"compute/{k}", by_kind[k]) for k in COMPUTE_KINDS if k in by_kind]
+    if len(memory):
+        categories += _sets(memory, pd.Series("memory", index=memory.index))
+    if len(comm):
+        leaves = [_comm_leaf(d, o) for d, o in zip(comm["dim"], comm["op"])]
+        categories += _sets(comm, pd.Series(leaves, index=comm.index))
+    host = rdf[(rdf["device"] < 0) & rdf["kind"].isin(["cpu_op", "runtime", "driver"])
+               & ~rdf["name"].str.contains("Synchronize|cudaStreamWaitEvent|hipStreamSynchronize", regex=True)]
+    loading = rdf[rdf["name"].str.contains("DataLoader", regex=False)]
+    idle_split = []
+    if len(loading):
+        idle_split += _sets(loading, pd.Series("data_loading", index=loading.index))
+    if len(host):
+        idle_split += _sets(host, pd.Series("host_bound", index=host.index))
+    return categories, idle_split
+
+
+def _cpu_plan(rdf: pd.DataFrame, steps: pd.DataFrame):
+    main = rdf[rdf["lane"] == steps["lane"].iloc[0]]
+    name = main["name"]
+    label = name.str.extract(_COMM_LABEL)
+    labelled = main[label[1].notna()]
+    raw_comm = main[name.str.match(_COMM_OP) & main["kind"].isin(["cpu_op", "annotation"]) & label[1].isna()]
+    categories = []
+    if len(labelled):
+        lab = label.loc[labelled.index]
+        leaves = [_comm_leaf(d, o) for d, o in zip(lab[1], lab[2])]
+        categories += _sets(labelled, pd.Series(leaves, index=labelled.index))
+    if len(raw_comm):
+        categories += _sets(raw_comm, pd.Series("comm/unknown/unknown", index=raw_comm.index))
+    optimizer = main[name.str.startswith("Optimizer.step#")]
+    if len(optimizer):
+        categories += _sets(optimizer, pd.Series("compute/optimizer", index=optimizer.index))
+    simulated = name.str.startswith(("mfuscope.paced", "mfuscope.inject"))
+    ops = main[(main["kind"] == "cpu_op") | simulated]
+    if len(ops):
+        kind_of = {n: ("other" if n.startswith("mfuscope.") else op_kind(n)) for n in ops["name"].unique()}
+        by_kind = dict(_sets(ops, ops["name"].map(kind_of)))
+        categories += [(f"compute/{k}", by_kind[k]) for k in COMPUTE_KINDS if k in by_kind]
+    loading = main[name.str.contains("DataLoader", regex=False)]
+    idle_split = _sets(loading, pd.Series("data_loading", index=loading.index)) if len(loading) else []
+    return categories, idle_split
+
+
+def tree(leaves: pd.DataFrame) -> dict[str, Any]:
+    """The breakdown as a tree of {name, seconds, children}: mean seconds per (rank, step)."""
+    if leaves.empty:
+        return {"name": "step", "seconds": 0.0, "children": []}
+    n = leaves.groupby(["rank", "step"]).ngroups
+    totals = leaves.groupby("leaf")["seconds"].sum() / n
+    root: dict[str, Any] = {"name": "step", "seconds": 0.0, "children": []}
+    for leaf, seconds in totals.items():
+        node = root
+        node["seconds"] += seconds
+        parts = leaf.split("/")
+        for depth in range(len(parts)):
+            name = "/".join(parts[:depth + 1])
+            child = next((c for c in node["children"] if c["name"] == name), None)
+            if child is None:
+                child = {"name": name, "seconds": 0.0, "children": []}
+                node["children"].append(child)
+            child["seconds"] += seconds
+            node = child
+    _sort(root)
+    return root
+
+
+def _sort(node: dict) -> None:
+    node["children"].sort(key=lambda c: -c["seconds"])
+    for c in node["children"]:
+        _sort(c)
+
+
+def per_rank_step(leaves: pd.DataFrame) -> pd.DataFrame:
+    """Columns: rank, step, step_s, wait_s (exposed communication + bubble), busy_s (the rest)."""
+    if leaves.empty:
+        return pd.DataFrame(columns=["rank", "step", "step_s", "wait_s", "busy_s"])
+    wait = leaves["leaf"].str.startswith("comm/") | (leaves["leaf"] == "bubble")
+    g = leaves.assign(wait=leaves["seconds"].where(wait, 0.0)).groupby(["rank", "step"])
+    out = g.agg(step_s=("seconds", "sum"), wait_s=("wait", "sum")).reset_index()
+    out["busy_s"] = out["step_s"] - out["wait_s"]
+    return out

@@ -1,0 +1,89 @@
+"""Findings: what to fix first, each with its evidence, the step time it would save, and the id
+of the optimizer that fixes it.  Ranked by estimated gain.
+
+Rules (gains are per step, estimates, and say how they were made):
+
+- ``overlap_dp_grads``     exposed data-parallel communication (dp*, fsdp): overlap it with
+                           backward; gain: the exposed time.
+- ``overlap_tp_comm``      exposed tensor/sequence-parallel communication; gain: half of it
+                           (async TP overlaps about that much).
+- ``more_microbatches``    bubble above 5% of the step; gain: the bubble minus the theory
+                           at twice the microbatches.
+- ``interleaved_schedule`` a non-interleaved schedule with a bubble; gain: bubble x (1 - 1/2).
+- ``rebalance_stages``     pipeline stage imbalance above 10%; gain: the excess of the slowest.
+- ``straggler_rank``       a rank holds the others up; gain: its cost.
+- ``fuse_elementwise``     norm/elementwise compute above 15% of the step; gain: half of it
+                           (fused kernels read memory once).
+- ``reduce_host_overhead`` device idle while the host works, above 10%; gain: that time.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .bubbles import theory
+
+
+def _leaf(tree: dict, name: str) -> float:
+    if tree["name"] == name:
+        return tree["seconds"]
+    return sum(_leaf(c, name) for c in tree["children"] if name.startswith(c["name"]))
+
+
+def _leaves(tree: dict) -> dict[str, float]:
+    if not tree["children"]:
+        return {tree["name"]: tree["seconds"]}
+    out: dict[str, float] = {}
+    for c in tree["children"]:
+        out.update(_leaves(c))
+    return out
+
+
+def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: float | None) -> list[dict[str, Any]]:
+    if not step_s:
+        return []
+    found = []
+
+    def add(fix: str, title: str, gain: float, evidence: dict):
+        if gain > 0:
+            subject = evidence.get("rank", evidence.get("leaf", ""))
+            found.append({"id": f"{fix}:{subject}" if subject != "" else fix, "fix": fix, "title": title,
+                          "gain_s": gain, "gain_fraction": gain / step_s, "evidence": evidence})
+
+    leaves = _leaves(tree)
+    for leaf, seconds in leaves.items():
+        if not leaf.startswith("comm/") or seconds < 0.05 * step_s:
+            continue
+        dim = leaf.split("/")[1]
+        if dim.startswith("dp") or dim in ("fsdp", "world", "inner", "outer"):
+            add("overlap_dp_grads", f"exposed {dim} communication ({leaf.split('/')[2]})", seconds,
+                {"leaf": leaf, "seconds_per_step": seconds, "share_of_step": seconds / step_s})
+        elif dim in ("tp", "cp", "ep"):
+            add("overlap_tp_comm", f"exposed {dim} communication ({leaf.split('/')[2]})", seconds / 2,
+                {"leaf": leaf, "seconds_per_step": seconds, "share_of_step": seconds / step_s})
+    bubble = leaves.get("bubble", 0.0)
+    if bubbles and bubble > 0.05 * step_s:
+        p, m, v = bubbles["stages"], bubbles["microbatches"], bubbles["virtual_stages"]
+        better = theory(p, 2 * m, v) * step_s
+        add("more_microbatches", f"pipeline bubble {bubble / step_s:.0%} of the step (theory "
+            f"{bubbles['theory_fraction']:.0%} at m={m})", bubble - better,
+            {"bubble_s": bubble, "microbatches": m, "stages": p, "theory_at_2m_s": better})
+        if v == 1:
+            add("interleaved_schedule", "pipeline bubble with a non-interleaved schedule", bubble / 2,
+                {"bubble_s": bubble, "schedule": bubbles.get("schedule")})
+    if bubbles and bubbles["imbalance"] > 0.10:
+        slowest = max(bubbles["per_stage"], key=lambda s: s["busy_s"])
+        add("rebalance_stages", f"pipeline stage {slowest['stage']} is {bubbles['imbalance']:.0%} busier than the "
+            "mean stage", slowest["busy_s"] * bubbles["imbalance"] / (1 + bubbles["imbalance"]),
+            {"per_stage": bubbles["per_stage"]})
+    for s in stragglers:
+        add("straggler_rank", f"rank {s['rank']} holds the others up", s["cost_s"],
+            {"rank": s["rank"], "cost_s": s["cost_s"], "steps": s["steps"]})
+    elementwise = leaves.get("compute/norm_elementwise", 0.0)
+    if elementwise > 0.15 * step_s:
+        add("fuse_elementwise", f"norm/elementwise kernels take {elementwise / step_s:.0%} of the step",
+            elementwise / 2, {"seconds_per_step": elementwise})
+    host = leaves.get("host_bound", 0.0)
+    if host > 0.10 * step_s:
+        add("reduce_host_overhead", f"device idle {host / step_s:.0%} of the step while the host works", host,
+            {"seconds_per_step": host})
+    return sorted(found, key=lambda f: -f["gain_s"])

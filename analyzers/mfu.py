@@ -1,0 +1,93 @@
+"""MFU and HFU: the FLOPs the model needed (and the hardware ran) over what the devices could do.
+
+Per step: MFU = model FLOPs per token x tokens / (step time x devices x peak).
+Model FLOPs come from the run's model spec (:mod:`mfuscope.flops`: dense, GQA,
+SwiGLU, MoE active experts, causal attention) and HFU adds what activation
+recomputation runs again.  With no model spec, FLOPs are estimated from the
+GEMM shapes the trace recorded (``aten::mm/addmm/bmm/baddbmm``: 2*M*N*K each,
+forward and backward alike, so this is hardware FLOPs, and attention is not
+counted) -- the report says which.  The peak is the manifest's (hardware
+table, or on CPU a measured matmul peak, labelled as such); without one there
+is no MFU, never a guessed peak.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mfuscope.event_table import EventTable
+from mfuscope.flops import train_flops_per_token
+
+_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | None,
+            events: EventTable | None = None, devices: int | None = None) -> dict[str, Any]:
+    """``step_times``/``tokens``: per step (index = step), seconds and global tokens.
+    Returns summary fields and ``per_step`` rows."""
+    manifest = manifest or {}
+    hw = manifest.get("hardware") or {}
+    peak = hw.get("peak_flops")
+    devices = devices or manifest.get("world_size")
+    spec = manifest.get("model") or {}
+    train = manifest.get("train") or {}
+    seq_len = train.get("seq_len") or spec.get("max_seq_len")
+    out: dict[str, Any] = {"mfu": None, "hfu": None, "tokens_per_s": None, "tflops_per_device": None,
+                           "flops_source": None, "peak_flops": peak, "peak_source": hw.get("peak_source"),
+                           "mfu_note": None, "per_step": []}
+    have_tokens = tokens is not None and tokens.notna().all() and len(tokens) == len(step_times)
+    if have_tokens and len(step_times):
+        out["tokens_per_s"] = float(tokens.sum() / step_times.sum())
+    model_flops = hw_flops = None
+    if {"dim", "n_layers", "n_heads", "ffn_dim", "vocab_size"} <= spec.keys() and seq_len and have_tokens:
+        per_token = train_flops_per_token(spec, seq_len, train.get("recompute") or "none")
+        model_flops, hw_flops = tokens * per_token[0], tokens * per_token[1]
+        out["flops_source"] = "model spec"
+    elif events is not None:
+        gemm = gemm_flops_per_step(events)
+        if len(gemm):
+            hw_flops = gemm.reindex(step_times.index)
+            out["flops_source"] = "GEMM shapes in the trace (hardware FLOPs; attention not counted)"
+    if hw_flops is None:
+        out["mfu_note"] = "no model spec with tokens, and no GEMM shapes in the trace"
+        return out
+    achieved = (hw_flops if model_flops is None else model_flops) / step_times
+    out["tflops_per_device"] = float((achieved / devices).median() / 1e12) if devices else None
+    if not peak or not devices:
+        out["mfu_note"] = "no peak FLOP/s for this device (unknown to the hardware table)"
+        return out
+    capacity = step_times.sum() * devices * peak
+    if model_flops is not None:
+        out["mfu"] = float(model_flops.sum() / capacity)
+    out["hfu"] = float(hw_flops.sum() / capacity)
+    if model_flops is None:
+        out["mfu_note"] = "estimated from GEMM shapes: this is HFU of the GEMMs, not MFU"
+    for step, seconds in step_times.items():
+        out["per_step"].append({
+            "step": int(step), "step_time_s": float(seconds),
+            "mfu": None if model_flops is None else float(model_flops[step] / (seconds * devices * peak)),
+            "hfu": float(hw_flops[step] / (seconds * devices * peak)) if pd.notna(hw_flops[step]) else None})
+    return out
+
+
+def gemm_flops_per_step(events: EventTable) -> pd.Series:
+    """2*M*N*K of every GEMM operator, summed per step over all ranks."""
+    df = events.to_pandas(["kind", "name", "step", "shapes"])
+    df = df[(df["kind"].astype(str) == "cpu_op") & df["name"].astype(str).isin(_GEMMS) & df["shapes"].notna()]
+    if df.empty:
+        return pd.Series(dtype=float)
+    flops = np.array([_gemm_flops(n, s) for n, s in zip(df["name"].astype(str), df["shapes"])], dtype=float)
+    return pd.Series(flops, index=df["step"].to_numpy()).groupby(level=0).sum()
+
+
+def _gemm_flops(name: str, shapes: str) -> float:
+    try:
+        dims = json.loads(shapes)
+        a, b = (dims[1], dims[2]) if name in ("aten::addmm", "aten::baddbmm") else (dims[0], dims[1])
+        batch = float(np.prod(a[:-2])) if len(a) > 2 else 1.0
+        return 2.0 * batch * a[-2] * a[-1] * b[-1]
+    except (ValueError, IndexError, TypeError, KeyError):
+        return 0.0
