@@ -16,7 +16,9 @@ On a GPU rank (device work in the trace), the device's view:
 On a CPU-only rank (gloo training), the training thread's view: the thread
 blocked in a collective or its wait (``mfuscope.comm/...``,
 ``mfuscope.wait/...``, c10d operators) is exposed communication (bubble for
-the pipeline dimension); operators are compute by kind (the reference
+the pipeline dimension), and so is its idle time while one of its collectives
+is in flight on a gloo thread (DDP waits for its gradients that way, inside
+C++); operators are compute by kind (the reference
 trainer's paced and injected compute, ``mfuscope.paced``/``mfuscope.inject``
 regions, count as compute/other); DataLoader regions are
 data_loading; the rest -- Python between operators -- is idle.
@@ -167,6 +169,12 @@ def _cpu_plan(rdf: pd.DataFrame, steps: pd.DataFrame):
         categories += [(f"compute/{k}", by_kind[k]) for k in COMPUTE_KINDS if k in by_kind]
     loading = main[name.str.contains("DataLoader", regex=False)]
     idle_split = _sets(loading, pd.Series("data_loading", index=loading.index)) if len(loading) else []
+    # Blocked where nothing shows: the thread is idle while its collective is in flight on a gloo
+    # thread (DDP waits for its gradient all-reduce inside C++, with no operator to see).
+    inflight = rdf[(rdf["kind"] == "comm") & (rdf["lane"] != steps["lane"].iloc[0])]
+    if len(inflight):
+        leaves = [_comm_leaf(d, o) for d, o in zip(inflight["dim"], inflight["op"])]
+        idle_split += _sets(inflight, pd.Series(leaves, index=inflight.index))
     return categories, idle_split
 
 

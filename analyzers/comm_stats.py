@@ -130,8 +130,8 @@ def overlap_by_rank(events: EventTable) -> pd.DataFrame:
       split into compute running / only communication or memory work running / nothing running
       (HTA's temporal breakdown)."""
     df = events.to_pandas(["rank", "device", "kind", "ts_ns", "dur_ns"])
-    df = df[df["device"] >= 0]
     df["kind"] = df["kind"].astype(str)
+    df = df[(df["device"] >= 0) & df["kind"].isin(["kernel", "comm", "memcpy", "memset"])]
     rows = []
     for rank, rdf in df.groupby("rank"):
         ends = rdf["ts_ns"] + rdf["dur_ns"]
