@@ -189,4 +189,6 @@ def format_text(report: dict[str, Any]) -> str:
 
 
 def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1%}"
+    if v is None:
+        return "-"
+    return f"{v:.1%}" if v >= 0.01 or v == 0 else f"{v * 100:.2g}%"  # tiny CPU-run MFUs keep two digits

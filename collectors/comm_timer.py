@@ -121,6 +121,7 @@ class CommTimer:
         self.rows: list[list] = []
         self._seq: dict[str, int] = {}
         self._waiting: dict[int, tuple[Any, list]] = {}   # id(work or tensor) -> (object, row)
+        self._batch_rows: set[int] = set()                # rows of p2p batches (several works)
         self._local = threading.local()
         self._patched: list[tuple[Any, str, Any]] = []
         self._ddp_hooks: dict[int, Any] = {}   # id(DDP module) -> its first-forward hook
@@ -234,7 +235,10 @@ class CommTimer:
         if isinstance(result, dist.Work):
             self._await_work(result, row)
         elif isinstance(result, list) and result and all(isinstance(w, dist.Work) for w in result):
-            self._await_work(result[-1], row)  # a batch: the last op to be issued
+            # A batch ends when its last op does; each op's wait is labelled.
+            self._batch_rows.add(id(row))
+            for work in result:
+                self._waiting[id(work)] = (work, row)
         elif type(result).__name__ == "AsyncCollectiveTensor" and not result.completed:
             # Waited on later, maybe through a view of it (AsyncCollectiveTensor re-wraps views):
             # known by its storage.
@@ -253,8 +257,11 @@ class CommTimer:
 
     def _finish(self, key: Any, obj: Any = None) -> None:
         entry = self._waiting.pop(key, None)
-        if entry is not None and entry[0] is obj and entry[1][END] is None:
-            entry[1][END] = self.clock.event() if self.cuda else time.time_ns()
+        if entry is None or entry[0] is not obj:
+            return
+        row = entry[1]
+        if row[END] is None or id(row) in self._batch_rows:
+            row[END] = self.clock.event() if self.cuda else time.time_ns()
 
     def _labelled_wait(self, wait: Callable, key: Any, obj: Any, *args, **kwargs):
         """Run a wait; while profiling, under ``mfuscope.wait/<dim>/<op>`` of the call it waits for,
@@ -344,6 +351,7 @@ class CommTimer:
         if upto_step is None:
             taken, self.rows = self.rows, []
             self._waiting.clear()
+            self._batch_rows.clear()
         else:
             done = [r for r in self.rows if r[STEP] < upto_step - 1 or (r[STEP] < upto_step and r[END] is not None)]
             kept = {id(r) for r in done}
@@ -351,6 +359,7 @@ class CommTimer:
             taken = done
             # Work nobody waits for from Python (DDP's hook futures) must not pile up.
             self._waiting = {k: v for k, v in self._waiting.items() if v[1][STEP] >= upto_step - 1}
+            self._batch_rows &= {id(v[1]) for v in self._waiting.values()}
         if self.cuda:
             for r in taken:
                 r[START], r[END] = self.clock.to_ns(r[START]), self.clock.to_ns(r[END])

@@ -99,7 +99,7 @@ vocab_size = 64
 dim = 32
 n_layers = 4
 n_heads = 2
-n_kv_heads = 1
+n_kv_heads = 2
 ffn_dim = 64
 max_seq_len = 16
 [train]
@@ -193,7 +193,8 @@ def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
 def test_pipeline_bubbles_follow_1f1b_theory(tmp_path):
     fractions = {}
     for m in (4, 16):
-        _, report = _run(tmp_path, f"pp4_m{m}", "pp=4,dp_shard=2", microbatches=m, steps=3)
+        _, report = _run(tmp_path, f"pp4_m{m}", "pp=4,dp_shard=2", microbatches=m, steps=3,
+                         overrides={"global_batch": 2 * m})  # one row per microbatch per data rank
         b = report["bubbles"][0]
         assert b["theory_fraction"] == pytest.approx(theory(4, m))
         assert b["bubble_fraction"] == pytest.approx(theory(4, m), rel=0.2), (m, b)
