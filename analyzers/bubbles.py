@@ -1,8 +1,10 @@
 """Pipeline bubbles: each stage's time waiting on its neighbours, against the schedule's theory.
 
 Measured: the breakdown's ``bubble`` leaf (the training thread or device
-blocked on pipeline sends/receives) over the step time, per stage (mean of its
-ranks, median over steps).  Theory for p stages and m microbatches:
+blocked on pipeline sends/receives) over the pipeline's time -- the step minus
+its other exposed communication (data-parallel gathers, ...), which the
+theory does not model -- per stage (mean of its ranks, median over steps).
+``share_of_step`` is the bubble over the whole step.  Theory for p stages and m microbatches:
 (p-1)/(m+p-1) of the step for GPipe and 1F1B, divided by the virtual stages v
 for interleaved 1F1B (Narayanan et al. 2021); zero-bubble schedules aim lower,
 and are compared with the 1F1B figure.  Stage imbalance: the slowest stage's
@@ -32,16 +34,19 @@ def analyze(leaves: pd.DataFrame, per_rank_step: pd.DataFrame, manifest: dict | 
     bubble = leaves[leaves["leaf"] == "bubble"].groupby(["rank", "step"])["seconds"].sum()
     df = per_rank_step.set_index(["rank", "step"]).assign(bubble_s=bubble).fillna({"bubble_s": 0.0}).reset_index()
     df["stage"] = df["rank"].map(stage_of)
-    df["fraction"] = df["bubble_s"] / df["step_s"]
+    df["fraction"] = df["bubble_s"] / (df["busy_s"] + df["bubble_s"])
+    df["share"] = df["bubble_s"] / df["step_s"]
     stages = []
     for stage, g in df.groupby("stage"):
-        per_step = g.groupby("step")[["fraction", "busy_s"]].mean()
+        per_step = g.groupby("step")[["fraction", "share", "busy_s"]].mean()
         stages.append({"stage": int(stage), "bubble_fraction": float(per_step["fraction"].median()),
+                       "share_of_step": float(per_step["share"].median()),
                        "busy_s": float(per_step["busy_s"].median())})
     busy = [s["busy_s"] for s in stages]
     measured = sum(s["bubble_fraction"] for s in stages) / len(stages)
     expected = theory(p, m, v)
     return {"schedule": sched.get("name"), "stages": p, "microbatches": m, "virtual_stages": v,
             "bubble_fraction": measured, "theory_fraction": expected,
+            "share_of_step": sum(s["share_of_step"] for s in stages) / len(stages),
             "vs_theory": measured / expected if expected else None,
             "imbalance": max(busy) / (sum(busy) / len(busy)) - 1 if sum(busy) else 0.0, "per_stage": stages}
