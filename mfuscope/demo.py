@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = rc or cli.main(["analyze", str(corpus / DLRM), "--out", str(dlrm_report), "--force"])
 
     _banner("where to look")
-    print(f"  run directory:             {run}  (manifest.json, steps.parquet, traces/)")
+    print(f"  run directory:             {run}  (manifest.json, steps.parquet/, comm.parquet/, traces/)")
     print(f"  report:                    {run / 'report.json'}")
     if dlrm_report:
         print(f"  report (8-rank DLRM set):  {dlrm_report}")
