@@ -86,7 +86,7 @@ def _sets(frame: pd.DataFrame, keys: pd.Series) -> list[tuple[str, tuple[np.ndar
 
 def step_leaves(events: EventTable) -> pd.DataFrame:
     """Leaves of every (rank, step); see the module docstring."""
-    cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim"]
+    cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim", "step"]
     df = events.to_pandas(cols)
     df["kind"] = df["kind"].astype(str)
     df["name"] = df["name"].astype(str)
@@ -100,16 +100,10 @@ def step_leaves(events: EventTable) -> pd.DataFrame:
         plan = _device_plan(rdf, device) if len(device) else _cpu_plan(rdf, steps)
         for st in steps.itertuples():
             window = (int(st.ts_ns), int(st.ts_ns + st.dur_ns))
-            step = _step_number(st.name, events.ranks.get(rank, {}), st.Index, steps)
             for leaf, ns in _split(window, plan).items():
                 if ns > 0:
-                    rows.append((rank, step, leaf, ns / 1e9))
+                    rows.append((rank, int(st.step), leaf, ns / 1e9))
     return pd.DataFrame(rows, columns=["rank", "step", "leaf", "seconds"])
-
-
-def _step_number(name: str, meta: dict, index: int, steps: pd.DataFrame) -> int:
-    m = re.search(r"#(\d+)$", name)
-    return int(m.group(1)) if m else int(steps.index.get_loc(index))
 
 
 def _split(window: tuple[int, int], plan: list) -> dict[str, int]:
@@ -145,12 +139,19 @@ def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):
     return categories, idle_split
 
 
+def blocked_in_comm(events: pd.DataFrame) -> pd.Series:
+    """Which training-thread events are the thread blocked in communication: mfuscope's call
+    and wait labels, and c10d / gloo / nccl operators (``name`` and ``kind`` as strings)."""
+    name = events["name"]
+    return name.str.match(_COMM_LABEL) | (name.str.match(_COMM_OP) & events["kind"].isin(["cpu_op", "annotation"]))
+
+
 def _cpu_plan(rdf: pd.DataFrame, steps: pd.DataFrame):
     main = rdf[rdf["lane"] == steps["lane"].iloc[0]]
     name = main["name"]
     label = name.str.extract(_COMM_LABEL)
     labelled = main[label[1].notna()]
-    raw_comm = main[name.str.match(_COMM_OP) & main["kind"].isin(["cpu_op", "annotation"]) & label[1].isna()]
+    raw_comm = main[blocked_in_comm(main) & label[1].isna()]
     categories = []
     if len(labelled):
         lab = label.loc[labelled.index]

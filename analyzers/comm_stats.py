@@ -70,9 +70,7 @@ def exposure_sets(events: EventTable) -> dict[int, tuple[str, tuple[np.ndarray, 
             continue
         steps = rdf[rdf["kind"] == "step"]
         main = rdf["lane"].astype(str) == (str(steps["lane"].iloc[0]) if len(steps) else "")
-        names = rdf["name"].astype(str)
-        blocked = main & (names.str.match(breakdown._COMM_LABEL) | (names.str.match(breakdown._COMM_OP)
-                                                                    & (rdf["kind"] == "cpu_op")))
+        blocked = main & breakdown.blocked_in_comm(rdf.assign(name=rdf["name"].astype(str)))
         out[rank] = ("blocked", iv.union(rdf["ts_ns"][blocked].to_numpy(), ends[blocked].to_numpy()))
     return out
 

@@ -23,12 +23,6 @@ from typing import Any
 from .bubbles import theory
 
 
-def _leaf(tree: dict, name: str) -> float:
-    if tree["name"] == name:
-        return tree["seconds"]
-    return sum(_leaf(c, name) for c in tree["children"] if name.startswith(c["name"]))
-
-
 def _leaves(tree: dict) -> dict[str, float]:
     if not tree["children"]:
         return {tree["name"]: tree["seconds"]}
