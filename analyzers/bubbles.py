@@ -1,10 +1,13 @@
 """Pipeline bubbles: each stage's time waiting on its neighbours, against the schedule's theory.
 
-Measured: the breakdown's ``bubble`` leaf (the training thread or device
-blocked on pipeline sends/receives) over the pipeline's time -- the step minus
-its other exposed communication (data-parallel gathers, ...), which the
-theory does not model -- per stage (mean of its ranks, median over steps).
-``share_of_step`` is the bubble over the whole step.  Theory for p stages and m microbatches:
+Measured per rank and step: the breakdown's ``bubble`` leaf (the training
+thread or device blocked on pipeline sends/receives) plus the time the rank's
+own step is shorter than the job's (the slowest rank's): a last stage finishes
+its backwards early and then waits for the first stage to drain -- the same
+bubble, spent at the step boundary.  Over the pipeline's time: the job's step
+minus the rank's other exposed communication (data-parallel gathers, ...),
+which the theory does not model.  Per stage: mean of its ranks, median over
+steps.  ``share_of_step`` is that bubble over the job's whole step.  Theory for p stages and m microbatches:
 (p-1)/(m+p-1) of the step for GPipe and 1F1B, divided by the virtual stages v
 for interleaved 1F1B (Narayanan et al. 2021); zero-bubble schedules aim lower,
 and are compared with the 1F1B figure.  Stage imbalance: the slowest stage's
@@ -34,8 +37,11 @@ def analyze(leaves: pd.DataFrame, per_rank_step: pd.DataFrame, manifest: dict | 
     bubble = leaves[leaves["leaf"] == "bubble"].groupby(["rank", "step"])["seconds"].sum()
     df = per_rank_step.set_index(["rank", "step"]).assign(bubble_s=bubble).fillna({"bubble_s": 0.0}).reset_index()
     df["stage"] = df["rank"].map(stage_of)
-    df["fraction"] = df["bubble_s"] / (df["busy_s"] + df["bubble_s"])
-    df["share"] = df["bubble_s"] / df["step_s"]
+    job_step = df.groupby("step")["step_s"].transform("max")
+    waited = df["bubble_s"] + (job_step - df["step_s"])
+    other_comm = df["wait_s"] - df["bubble_s"]
+    df["fraction"] = waited / (job_step - other_comm)
+    df["share"] = waited / job_step
     stages = []
     for stage, g in df.groupby("stage"):
         per_step = g.groupby("step")[["fraction", "share", "busy_s"]].mean()

@@ -15,6 +15,8 @@ Rules (gains are per step, estimates, and say how they were made):
 - ``fuse_elementwise``     norm/elementwise compute above 15% of the step; gain: half of it
                            (fused kernels read memory once).
 - ``reduce_host_overhead`` device idle while the host works, above 10%; gain: that time.
+- ``cuda_graphs``          launch-bound ranks (median kernel shorter than a launch) that are
+                           also host-bound; gain: the host-bound time (graphs launch once).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def _leaves(tree: dict) -> dict[str, float]:
     return out
 
 
-def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: float | None) -> list[dict[str, Any]]:
+def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: float | None,
+           launch: list[dict] | None = None) -> list[dict[str, Any]]:
     if not step_s:
         return []
     found = []
@@ -80,4 +83,9 @@ def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: flo
     if host > 0.10 * step_s:
         add("reduce_host_overhead", f"device idle {host / step_s:.0%} of the step while the host works", host,
             {"seconds_per_step": host})
+        bound = [r for r in launch or [] if r["launch_bound"]]
+        if bound:
+            add("cuda_graphs", f"{len(bound)} rank(s) launch-bound: kernels shorter than their launches", host,
+                {"ranks": [r["rank"] for r in bound], "median_kernel_us": bound[0]["median_kernel_us"],
+                 "median_launch_us": bound[0]["median_launch_us"]})
     return sorted(found, key=lambda f: -f["gain_s"])

@@ -1,4 +1,4 @@
-"""Device time by rank, stream and kind; step spans; top kernels.
+"""Device time by rank, stream and kind; step spans; top kernels; small kernels and launch-bound ranks.
 
 Plain functions from an EventTable to DataFrames with documented columns.
 "Device events" are kernels, communication kernels, memcpy and memset on GPU
@@ -45,3 +45,31 @@ def top_kernels(events: EventTable, n: int = 20) -> pd.DataFrame:
     out["share"] = out["total_ns"] / out["total_ns"].sum()
     out["name"] = out["name"].astype(str)
     return out.sort_values("total_ns", ascending=False, ignore_index=True).head(n)
+
+
+SMALL_KERNEL_NS = 10_000  # kernels under 10 us do too little work to hide their own launch
+
+
+def launch_stats(events: EventTable) -> pd.DataFrame:
+    """Per GPU rank: is the device starved by kernel launches?
+
+    Columns: rank, kernels, median_kernel_us, median_launch_us (host time of one launch call),
+    small_kernel_share (of kernels under 10 us), small_kernel_s (their total time), launch_bound.
+    A rank is launch-bound when its median kernel runs shorter than the host takes to launch
+    one: the device then finishes each kernel before the next arrives, whatever the overlap.
+    """
+    df = events.to_pandas(["rank", "kind", "name", "dur_ns", "device"])
+    kind = df["kind"].astype(str)
+    kernels = df[(kind == "kernel") & (df["device"] >= 0)]
+    launches = df[kind.isin(["runtime", "driver"]) & df["name"].astype(str).str.contains("LaunchKernel", regex=False)]
+    rows = []
+    for rank, k in kernels.groupby("rank"):
+        lr = launches[launches["rank"] == rank]["dur_ns"]
+        small = k["dur_ns"] < SMALL_KERNEL_NS
+        median_kernel, median_launch = float(k["dur_ns"].median()), float(lr.median()) if len(lr) else None
+        rows.append({"rank": int(rank), "kernels": int(len(k)), "median_kernel_us": median_kernel / 1e3,
+                     "median_launch_us": None if median_launch is None else median_launch / 1e3,
+                     "small_kernel_share": float(small.mean()), "small_kernel_s": float(k["dur_ns"][small].sum() / 1e9),
+                     "launch_bound": bool(median_launch is not None and median_kernel < median_launch)})
+    return pd.DataFrame(rows, columns=["rank", "kernels", "median_kernel_us", "median_launch_us",
+                                       "small_kernel_share", "small_kernel_s", "launch_bound"])

@@ -60,6 +60,7 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         "status": (manifest or {}).get("status"),
     }
     kernels = kernel_time.top_kernels(events, n=20)
+    launch = kernel_time.launch_stats(events)
     overlap = comm_stats.overlap_by_rank(events)
     return new_report(
         source, files, summary, breakdown=tree, bubbles=[bub] if bub else [],
@@ -68,7 +69,9 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count), "total_s": k.total_ns / 1e9,
                   "mean_us": k.mean_ns / 1e3, "median_us": k.median_ns / 1e3, "share": float(k.share)}
                  for k in kernels.itertuples()],
-        findings=findings.derive(tree, bub, strag, float(rank_steps["step_s"].mean()) if len(rank_steps) else step_time),
+        kernel_launch=launch.to_dict("records"),
+        findings=findings.derive(tree, bub, strag, float(rank_steps["step_s"].mean()) if len(rank_steps) else step_time,
+                                 launch.to_dict("records")),
         per_step=flops["per_step"],
         comm_skew=skew, clock_offsets=offsets,
         comm_overlap=overlap.to_dict("records"),

@@ -54,12 +54,7 @@ def _child(variant: str, trace_dir: str) -> None:
     else:
         from mfuscope.analyzers import trace_set
         run = lambda: trace_set.load(trace_dir, use_cache=variant != "mfuscope no-cache", progress=False)  # noqa: E731
-    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    run()
-    wall = time.perf_counter() - t0
-    r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = sum(getattr(b, f) - getattr(a, f) for a, b in ((r0, r1), (c0, c1)) for f in ("ru_utime", "ru_stime"))
-    print(json.dumps({"wall": wall, "cpu": cpu}))
+    timed(run)
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -87,11 +82,11 @@ def _tree_pss(pid: int) -> int:
     return total
 
 
-def _run_child(variant: str, trace_dir: Path, cache: Path, sample_memory: bool) -> tuple[dict, int]:
+def _run_child(variant: str, trace_dir: Path, cache: Path, sample_memory: bool, script: str) -> tuple[dict, int]:
     env = dict(os.environ, MFUSCOPE_CACHE_DIR=str(cache), PYTHONWARNINGS="ignore")
-    if variant == "mfuscope cold":
+    if "cold" in variant:
         shutil.rmtree(cache, ignore_errors=True)
-    proc = subprocess.Popen([sys.executable, __file__, "--child", variant, str(trace_dir)],
+    proc = subprocess.Popen([sys.executable, script, "--child", variant, str(trace_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     peak = 0
     while proc.poll() is None:
@@ -104,12 +99,23 @@ def _run_child(variant: str, trace_dir: Path, cache: Path, sample_memory: bool) 
     return json.loads(out.strip().splitlines()[-1]), peak
 
 
-def measure(variant: str, trace_dir: Path, cache: Path) -> dict:
+def measure(variant: str, trace_dir: Path, cache: Path, script: str = __file__) -> dict:
     """Times from a run with nobody watching; memory from a second run sampled from /proc
-    (reading smaps costs kernel CPU, which would otherwise slow what is timed)."""
-    result, _ = _run_child(variant, trace_dir, cache, sample_memory=False)
-    _, result["peak_pss"] = _run_child(variant, trace_dir, cache, sample_memory=True)
+    (reading smaps costs kernel CPU, which would otherwise slow what is timed).  ``script`` is
+    the benchmark whose ``--child VARIANT DIR`` mode runs the variant and prints its times."""
+    result, _ = _run_child(variant, trace_dir, cache, sample_memory=False, script=script)
+    _, result["peak_pss"] = _run_child(variant, trace_dir, cache, sample_memory=True, script=script)
     return result
+
+
+def timed(run) -> None:
+    """Run ``run()`` and print its wall and CPU time (children included) as the child's answer."""
+    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    run()
+    wall = time.perf_counter() - t0
+    r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = sum(getattr(b, f) - getattr(a, f) for a, b in ((r0, r1), (c0, c1)) for f in ("ru_utime", "ru_stime"))
+    print(json.dumps({"wall": wall, "cpu": cpu}))
 
 
 def make_big8(root: Path) -> Path:

@@ -201,9 +201,34 @@ def test_pipeline_bubbles_follow_1f1b_theory(tmp_path):
     for m in (4, 16):
         # Longer paced stages than elsewhere: the theory assumes stages that only compute.
         _, report = _run(tmp_path, f"pp4_m{m}", "pp=4,dp_shard=2", microbatches=m, steps=3,
-                         paced="fwd_ms=30,bwd_ms=60", overrides={"global_batch": 2 * m})
+                         paced="fwd_ms=60,bwd_ms=120", overrides={"global_batch": 2 * m})
         b = report["bubbles"][0]
         assert b["theory_fraction"] == pytest.approx(theory(4, m))
         assert b["bubble_fraction"] == pytest.approx(theory(4, m), rel=0.2), (m, b)
         fractions[m] = b["bubble_fraction"]
     assert fractions[4] / fractions[16] == pytest.approx(theory(4, 4) / theory(4, 16), rel=0.2)
+
+
+def test_small_kernels_and_launch_bound_ranks(tmp_path):
+    from mfuscope.analyzers.kernel_time import launch_stats
+    from mfuscope.tests.helpers import write_trace
+
+    def trace(path, rank, kernel_us):
+        # 50 launches of 5 us each, 20 us apart; each kernel runs kernel_us on the GPU.
+        events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "pid": 1, "tid": 1,
+                   "ts": 0.0, "dur": 50 * 20 + kernel_us + 10}]
+        for i in range(50):
+            t = 20.0 * i
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                           "ts": t, "dur": 5.0, "args": {"correlation": i + 1}})
+            events.append({"ph": "X", "cat": "kernel", "name": "void my_kernel()", "pid": 0, "tid": 7,
+                           "ts": t + 6, "dur": float(kernel_us), "args": {"correlation": i + 1, "device": 0, "stream": 7}})
+        return write_trace(path, events, distributedInfo={"rank": rank, "world_size": 2})
+
+    trace(tmp_path / "rank0.json", 0, 2)     # 2 us kernels: launch-bound, all small
+    trace(tmp_path / "rank1.json", 1, 400)   # 400 us kernels: not
+    stats = launch_stats(trace_set.load(tmp_path, use_cache=False).events).set_index("rank")
+    assert stats.loc[0, "launch_bound"] and not stats.loc[1, "launch_bound"]
+    assert stats.loc[0, "small_kernel_share"] == 1.0 and stats.loc[1, "small_kernel_share"] == 0.0
+    assert stats.loc[0, "small_kernel_s"] == pytest.approx(50 * 2e-6)
+    assert stats.loc[0, "median_launch_us"] == pytest.approx(5.0)

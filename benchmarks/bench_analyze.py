@@ -1,0 +1,92 @@
+"""A full analysis: ``mfuscope analyze`` against HTA's equivalent, wall time and peak memory.
+
+HTA's side: ``TraceAnalysis`` (parse and align) + temporal breakdown +
+communication/computation overlap + kernel breakdown -- the HTA analyses that
+``mfuscope analyze`` covers (it also computes the top-down breakdown,
+communication per dimension, stragglers and findings).  mfuscope's side: load
+every rank and build the whole report, cold (empty cache) and cached.
+
+Data sets as in bench_load.py: ``dlrm8`` (the corpus's 8-rank DLRM set) and
+``big8`` (the 54 MB trace as 8 ranks).  Each measurement is a fresh process,
+run twice (times unwatched, then peak PSS sampled); variants interleave in
+each round; median of ``--runs`` rounds.
+
+    python benchmarks/bench_analyze.py [--runs 5] [--sets dlrm8,big8]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_load  # noqa: E402  (shares its process runner and data sets)
+
+VARIANTS = ("mfuscope cold", "mfuscope cached", "HTA")
+
+
+def _child(variant: str, trace_dir: str) -> None:
+    if variant == "HTA":
+        import logging
+
+        from hta.trace_analysis import TraceAnalysis
+        logging.disable(logging.WARNING)
+
+        def run():
+            analysis = TraceAnalysis(trace_dir=trace_dir)
+            analysis.get_temporal_breakdown(visualize=False)
+            analysis.get_comm_comp_overlap(visualize=False)
+            analysis.get_gpu_kernel_breakdown(visualize=False)
+    else:
+        from mfuscope.analyzers import overview, trace_set
+
+        def run():
+            result = trace_set.load(trace_dir, progress=False)
+            overview.build_report(result.events, source=trace_dir, files=[str(f) for f in result.files])
+    bench_load.timed(run)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--sets", default="dlrm8,big8")
+    args = p.parse_args()
+    if not bench_load.CORPUS.is_dir():
+        raise SystemExit(f"the corpus is not at {bench_load.CORPUS}; set MFUSCOPE_CORPUS")
+    work = Path(tempfile.mkdtemp(prefix="mfuscope-bench-"))
+    results = {}
+    try:
+        for name in args.sets.split(","):
+            trace_dir = bench_load.DLRM if name == "dlrm8" else bench_load.make_big8(work)
+            cache = work / f"cache-{name}"
+            runs = {v: [] for v in VARIANTS}
+            for i in range(args.runs):
+                for v in VARIANTS:
+                    runs[v].append(bench_load.measure(v, trace_dir, cache, script=__file__))
+                print(f"  {name}: round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
+            results[name] = {v: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "peak_pss")}
+                             for v, rs in runs.items()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nmedian of {args.runs} runs; {os.cpu_count()} CPUs; wall and CPU time of the analysis, "
+          "peak PSS of the whole process tree")
+    for name, res in results.items():
+        hta = res["HTA"]
+        print(f"\n{name}")
+        print(f"  {'variant':<16} {'wall s':>8} {'cpu s':>8} {'peak MB':>9} {'HTA/x wall':>11} {'x/HTA mem':>10}")
+        for v in VARIANTS:
+            r = res[v]
+            print(f"  {v:<16} {r['wall']:8.3f} {r['cpu']:8.2f} {r['peak_pss'] / 2**20:9.0f} "
+                  f"{hta['wall'] / r['wall']:10.1f}x {r['peak_pss'] / hta['peak_pss']:9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
