@@ -30,6 +30,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_load.py
+	$(PY) benchmarks/bench_analyze.py
 	$(PY) benchmarks/bench_overhead.py
 
 clean:

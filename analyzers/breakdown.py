@@ -88,9 +88,7 @@ def step_leaves(events: EventTable) -> pd.DataFrame:
     """Leaves of every (rank, step); see the module docstring."""
     cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim", "step"]
     df = events.to_pandas(cols)
-    df["kind"] = df["kind"].astype(str)
-    df["name"] = df["name"].astype(str)
-    df["lane"] = df["lane"].astype(str)
+    # kind, name and lane stay categorical: string tests run once per distinct value, not per event
     rows = []
     for rank, rdf in df.groupby("rank", sort=True):
         steps = rdf[rdf["kind"] == "step"]

@@ -47,7 +47,7 @@ def calls_from_run(comm: pd.DataFrame) -> pd.DataFrame:
 
 def calls_from_trace(events: EventTable) -> pd.DataFrame:
     df = events.to_pandas(["rank", "kind", "step", "dim", "op", "bytes", "group_ranks", "pg", "seq", "ts_ns", "dur_ns"])
-    df = df[df["kind"].astype(str) == "comm"]
+    df = df[df["kind"] == "comm"]
     sizes = df["group_ranks"].fillna("").map(lambda s: s.count(",") + 1 if s else 0)
     world = max((m.get("world_size") or 0 for m in events.ranks.values()), default=0) or len(events.rank_ids)
     return pd.DataFrame({
@@ -60,7 +60,6 @@ def calls_from_trace(events: EventTable) -> pd.DataFrame:
 def exposure_sets(events: EventTable) -> dict[int, tuple[str, tuple[np.ndarray, np.ndarray]]]:
     """rank -> ("hidden_by", compute union) on GPU ranks, ("blocked", wait union) on CPU ranks."""
     df = events.to_pandas(["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns"])
-    df["kind"] = df["kind"].astype(str)
     out = {}
     for rank, rdf in df.groupby("rank"):
         ends = rdf["ts_ns"] + rdf["dur_ns"]
@@ -69,8 +68,8 @@ def exposure_sets(events: EventTable) -> dict[int, tuple[str, tuple[np.ndarray, 
             out[rank] = ("hidden_by", iv.union(rdf["ts_ns"][kernels].to_numpy(), ends[kernels].to_numpy()))
             continue
         steps = rdf[rdf["kind"] == "step"]
-        main = rdf["lane"].astype(str) == (str(steps["lane"].iloc[0]) if len(steps) else "")
-        blocked = main & breakdown.blocked_in_comm(rdf.assign(name=rdf["name"].astype(str)))
+        main = (rdf["lane"] == steps["lane"].iloc[0]) if len(steps) else pd.Series(False, index=rdf.index)
+        blocked = main & breakdown.blocked_in_comm(rdf)
         out[rank] = ("blocked", iv.union(rdf["ts_ns"][blocked].to_numpy(), ends[blocked].to_numpy()))
     return out
 
@@ -128,7 +127,6 @@ def overlap_by_rank(events: EventTable) -> pd.DataFrame:
       split into compute running / only communication or memory work running / nothing running
       (HTA's temporal breakdown)."""
     df = events.to_pandas(["rank", "device", "kind", "ts_ns", "dur_ns"])
-    df["kind"] = df["kind"].astype(str)
     df = df[(df["device"] >= 0) & df["kind"].isin(["kernel", "comm", "memcpy", "memset"])]
     rows = []
     for rank, rdf in df.groupby("rank"):

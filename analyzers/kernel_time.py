@@ -15,7 +15,6 @@ DEVICE_WORK = ("kernel", "comm", "memcpy", "memset")
 
 def _device_work(events: EventTable) -> pd.DataFrame:
     df = events.to_pandas(["rank", "lane", "stream", "kind", "name", "dur_ns", "step", "device"])
-    df["kind"] = df["kind"].astype(str)
     return df[df["kind"].isin(DEVICE_WORK) & (df["device"] >= 0)]
 
 
@@ -30,7 +29,7 @@ def device_time(events: EventTable) -> pd.DataFrame:
 def step_spans(events: EventTable) -> pd.DataFrame:
     """Columns: rank, step, start_ns, end_ns, dur_ns -- from the step markers (CPU span)."""
     df = events.to_pandas(["rank", "kind", "step", "ts_ns", "dur_ns"])
-    steps = df[df["kind"].astype(str) == "step"]
+    steps = df[df["kind"] == "step"]
     out = steps.assign(start_ns=steps["ts_ns"], end_ns=steps["ts_ns"] + steps["dur_ns"])
     return out[["rank", "step", "start_ns", "end_ns", "dur_ns"]].sort_values(["rank", "step"], ignore_index=True)
 
@@ -59,9 +58,9 @@ def launch_stats(events: EventTable) -> pd.DataFrame:
     one: the device then finishes each kernel before the next arrives, whatever the overlap.
     """
     df = events.to_pandas(["rank", "kind", "name", "dur_ns", "device"])
-    kind = df["kind"].astype(str)
+    kind = df["kind"]
     kernels = df[(kind == "kernel") & (df["device"] >= 0)]
-    launches = df[kind.isin(["runtime", "driver"]) & df["name"].astype(str).str.contains("LaunchKernel", regex=False)]
+    launches = df[kind.isin(["runtime", "driver"]) & df["name"].str.contains("LaunchKernel", regex=False)]
     rows = []
     for rank, k in kernels.groupby("rank"):
         lr = launches[launches["rank"] == rank]["dur_ns"]

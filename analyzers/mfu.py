@@ -76,7 +76,7 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
 def gemm_flops_per_step(events: EventTable) -> pd.Series:
     """2*M*N*K of every GEMM operator, summed per step over all ranks."""
     df = events.to_pandas(["kind", "name", "step", "shapes"])
-    df = df[(df["kind"].astype(str) == "cpu_op") & df["name"].astype(str).isin(_GEMMS) & df["shapes"].notna()]
+    df = df[(df["kind"] == "cpu_op") & df["name"].isin(_GEMMS) & df["shapes"].notna()]
     if df.empty:
         return pd.Series(dtype=float)
     flops = np.array([_gemm_flops(n, s) for n, s in zip(df["name"].astype(str), df["shapes"])], dtype=float)

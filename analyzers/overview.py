@@ -109,7 +109,7 @@ def _by_rank(leaves: pd.DataFrame) -> list[dict[str, Any]]:
 def _ranks(events: EventTable, rank_steps: pd.DataFrame) -> list[dict[str, Any]]:
     dev = kernel_time.device_time(events)
     comm = events.to_pandas(["rank", "kind", "dur_ns"])
-    comm_ns = comm[comm["kind"].astype(str) == "comm"].groupby("rank")["dur_ns"].sum()
+    comm_ns = comm[comm["kind"] == "comm"].groupby("rank")["dur_ns"].sum()
     out = []
     for r in events.rank_ids:
         rs = rank_steps[rank_steps["rank"] == r]
@@ -130,9 +130,9 @@ def _comm_by_op(events: EventTable, calls: bool = False) -> list[dict[str, Any]]
     ``calls`` the labelled call regions on the training thread (``mfuscope.comm/<dim>/<op>``)."""
     df = events.to_pandas(["rank", "kind", "name", "op", "dim", "bytes", "dur_ns"])
     if calls:
-        df = df[df["name"].astype(str).str.startswith("mfuscope.comm/")]
+        df = df[df["name"].str.startswith("mfuscope.comm/")]
     else:
-        df = df[df["kind"].astype(str) == "comm"]
+        df = df[df["kind"] == "comm"]
     if df.empty:
         return []
     df = df.assign(op=df["op"].fillna("unknown"), dim=df["dim"].fillna("unknown"),

@@ -86,6 +86,27 @@ def test_dlrm_communication_and_overlap_match_hta(monkeypatch):
             assert mine == pytest.approx(theirs, rel=0.01, abs=1e-7), rank
 
 
+@needs_corpus(DLRM)
+def test_dlrm_stragglers_compared_with_hta(monkeypatch):
+    """HTA always names its top-k ranks by how late they start the most variable communication
+    kernel; mfuscope names a rank only when its own work is an outlier.  On DLRM (one step) HTA's
+    two candidates are the two ranks that wait least in communication here -- the last to arrive,
+    the same ordering -- but their busy time is within the ranks' normal spread (rank 7 is 1 ms,
+    about 10%, over the median, inside 3 scaled MADs), so mfuscope names no straggler."""
+    hta = pytest.importorskip("hta.trace_analysis", reason="HTA (holistictraceanalysis) is in the [dev] extra")
+    monkeypatch.setenv("HTA_DISABLE_NS_ROUNDING", "1")
+    import logging
+    logging.getLogger("hta").setLevel(logging.ERROR)
+    theirs = hta.TraceAnalysis(trace_dir=str(DLRM), include_last_profiler_step=True).get_potential_stragglers(
+        num_candidates=2)
+    from mfuscope.analyzers import stragglers
+    matrix = breakdown.per_rank_step(breakdown.step_leaves(trace_set.load(DLRM).events))
+    least_waiting = matrix.sort_values("wait_s")["rank"].head(2).tolist()
+    assert sorted(theirs) == sorted(least_waiting)
+    named, _ = stragglers.find(matrix)
+    assert named == []
+
+
 # ----------------------------------------------------------------------------- injected faults
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
@@ -121,7 +142,19 @@ def _run(tmp_path, name, layout, layers=4, **kw):
     opts.update(kw)
     fork_ranks(run_rank, 8, RunOptions(**opts))
     events = trace_set.load(out, use_cache=False).events
-    return out, overview.build_report(events, source=str(out), files=[], run=out)
+    report = overview.build_report(events, source=str(out), files=[], run=out)
+    _assert_leaves_add_up(out, report)
+    return out, report
+
+
+def _assert_leaves_add_up(out, report):
+    """Per rank, the breakdown's leaves add up to that rank's step markers in the raw traces (read
+    with the standard library): the trainer's mfuscope.step#N spans."""
+    for rank in range(8):
+        raw = read_raw(out / "traces" / f"rank{rank}.pt.trace.json.gz")["traceEvents"]
+        spans = [e for e in raw if e.get("ph") == "X" and e["name"].startswith("mfuscope.step#")]
+        leaves = sum(r["seconds"] for r in report["breakdown_by_rank"] if r["rank"] == rank) * len(spans)
+        assert leaves == pytest.approx(sum(e["dur"] for e in spans) / 1e6, rel=1e-6), rank
 
 
 @pytest.fixture(scope="module")
@@ -141,20 +174,21 @@ def test_injected_compute_delay_makes_rank_3_the_top_straggler(dp_runs):
     assert any(f["fix"] == "straggler_rank" and f["evidence"]["rank"] == 3 for f in report["findings"])
 
 
-def test_breakdown_adds_up_and_mfu_uses_the_measured_cpu_peak(dp_runs):
+def test_mfu_uses_the_model_spec_and_the_measured_cpu_peak(dp_runs):
     out, report = dp_runs["base"]
-    # Per rank, the leaves add up to that rank's step markers in the raw traces (read with the
-    # standard library): the trainer's mfuscope.step#N spans.
-    for rank in range(8):
-        raw = read_raw(out / "traces" / f"rank{rank}.pt.trace.json.gz")["traceEvents"]
-        marked = sum(e["dur"] for e in raw if e.get("ph") == "X" and e["name"].startswith("mfuscope.step#")) / 1e6
-        steps = len({e["name"] for e in raw if e.get("ph") == "X" and e["name"].startswith("mfuscope.step#")})
-        leaves = sum(r["seconds"] for r in report["breakdown_by_rank"] if r["rank"] == rank) * steps
-        assert leaves == pytest.approx(marked, rel=1e-6), rank
     s = report["summary"]
-    assert s["peak_source"].startswith("measured matmul peak (CPU") and 0 < s["mfu"] < 1
-    assert s["flops_source"] == "model spec" and s["tokens_per_s"] > 0
+    assert s["peak_source"].startswith("measured matmul peak (CPU") and s["flops_source"] == "model spec"
+    # By hand, per token of the 1-layer micro model (d=32, 2 heads of 16, ffn 64, vocab 64, seq 16):
+    # q,k,v,o 4*2*32*32 + causal attention 2*2*16*32/2 + SwiGLU 2*3*32*64 + head 2*32*64 = 25600
+    # forward FLOPs, x3 for training; 16 sequences of 16 tokens per step.
+    from mfuscope import run_dir
+    steps = run_dir.read_table(out, run_dir.STEPS).to_pandas()
+    step_s = ((steps["end_ns"] - steps["start_ns"]) / 1e9).groupby(steps["step"]).max().iloc[1:]  # step 0: warm-up
+    peak = run_dir.read_manifest(out)["hardware"]["peak_flops"]
+    expected = 3 * 25600 * 256 * len(step_s) / (step_s.sum() * 8 * peak)
+    assert s["mfu"] == pytest.approx(expected, rel=1e-9)
     assert s["hfu"] == pytest.approx(s["mfu"])  # no recomputation
+    assert s["tokens_per_s"] == pytest.approx(256 * len(step_s) / step_s.sum())
 
 
 def test_compare_fails_on_the_slowed_run_and_passes_the_rerun(dp_runs):
