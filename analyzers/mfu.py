@@ -4,9 +4,11 @@ Per step: MFU = model FLOPs per token x tokens / (step time x devices x peak).
 Model FLOPs come from the run's model spec (:mod:`mfuscope.flops`: dense, GQA,
 SwiGLU, MoE active experts, causal attention) and HFU adds what activation
 recomputation runs again.  With no model spec, FLOPs are estimated from the
-GEMM shapes the trace recorded (``aten::mm/addmm/bmm/baddbmm``: 2*M*N*K each,
-forward and backward alike, so this is hardware FLOPs, and attention is not
-counted) -- the report says which.  The peak is the manifest's (hardware
+shapes the trace recorded -- GEMMs (``aten::mm/addmm/bmm/baddbmm``: 2*M*N*K)
+and fused attention (``aten::_scaled_dot_product_*``: 4*B*H*Sq*Sk*D forward,
+twice that backward, over the whole key length since the trace does not say
+causal) -- forward and backward alike, so this is hardware FLOPs; the report
+says which.  The peak is the manifest's (hardware
 table, or on CPU a measured matmul peak, labelled as such); without one there
 is no MFU, never a guessed peak.
 """
@@ -22,12 +24,16 @@ from mfuscope.event_table import EventTable
 from mfuscope.flops import train_flops_per_token
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+_ATTENTION = "aten::_scaled_dot_product_"  # the fused kernels (the public op is their parent)
 
 
 def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | None,
-            events: EventTable | None = None, devices: int | None = None) -> dict[str, Any]:
-    """``step_times``/``tokens``: per step (index = step), seconds and global tokens.
-    Returns summary fields and ``per_step`` rows."""
+            events: EventTable | None = None, devices: int | None = None,
+            rank_step_times: pd.DataFrame | None = None) -> dict[str, Any]:
+    """``step_times``/``tokens``: per step (index = step), seconds and global tokens;
+    ``rank_step_times``: rank, step, seconds (for MFU per rank: the job's FLOPs shared evenly
+    over the devices, over that rank's own step time).  Returns summary fields, ``per_step``
+    and ``per_rank`` rows."""
     manifest = manifest or {}
     hw = manifest.get("hardware") or {}
     peak = hw.get("peak_flops")
@@ -37,7 +43,7 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
     seq_len = train.get("seq_len") or spec.get("max_seq_len")
     out: dict[str, Any] = {"mfu": None, "hfu": None, "tokens_per_s": None, "tflops_per_device": None,
                            "flops_source": None, "peak_flops": peak, "peak_source": hw.get("peak_source"),
-                           "mfu_note": None, "per_step": []}
+                           "mfu_note": None, "per_step": [], "per_rank": []}
     have_tokens = tokens is not None and tokens.notna().all() and len(tokens) == len(step_times)
     if have_tokens and len(step_times):
         out["tokens_per_s"] = float(tokens.sum() / step_times.sum())
@@ -47,10 +53,10 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
         model_flops, hw_flops = tokens * per_token[0], tokens * per_token[1]
         out["flops_source"] = "model spec"
     elif events is not None:
-        gemm = gemm_flops_per_step(events)
-        if len(gemm):
-            hw_flops = gemm.reindex(step_times.index)
-            out["flops_source"] = "GEMM shapes in the trace (hardware FLOPs; attention not counted)"
+        shaped = shape_flops_per_step(events)
+        if len(shaped):
+            hw_flops = shaped.reindex(step_times.index)
+            out["flops_source"] = "GEMM and attention shapes in the trace (hardware FLOPs)"
     if hw_flops is None:
         out["mfu_note"] = "no model spec with tokens, and no GEMM shapes in the trace"
         return out
@@ -64,23 +70,44 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
         out["mfu"] = float(model_flops.sum() / capacity)
     out["hfu"] = float(hw_flops.sum() / capacity)
     if model_flops is None:
-        out["mfu_note"] = "estimated from GEMM shapes: this is HFU of the GEMMs, not MFU"
+        out["mfu_note"] = "estimated from GEMM and attention shapes: this is HFU, not MFU"
     for step, seconds in step_times.items():
         out["per_step"].append({
             "step": int(step), "step_time_s": float(seconds),
             "mfu": None if model_flops is None else float(model_flops[step] / (seconds * devices * peak)),
             "hfu": float(hw_flops[step] / (seconds * devices * peak)) if pd.notna(hw_flops[step]) else None})
+    if rank_step_times is not None and len(rank_step_times):
+        flops = (model_flops if model_flops is not None else hw_flops).rename("flops")
+        rs = rank_step_times.join(flops, on="step").dropna(subset=["flops"])
+        for rank, g in rs.groupby("rank"):
+            share = g["flops"].sum() / devices / (g["seconds"].sum() * peak)
+            out["per_rank"].append({"rank": int(rank), "mfu" if model_flops is not None else "hfu": float(share)})
     return out
 
 
-def gemm_flops_per_step(events: EventTable) -> pd.Series:
-    """2*M*N*K of every GEMM operator, summed per step over all ranks."""
+def shape_flops_per_step(events: EventTable) -> pd.Series:
+    """FLOPs of every GEMM and fused-attention operator, from its input shapes, summed per step
+    over all ranks."""
     df = events.to_pandas(["kind", "name", "step", "shapes"])
-    df = df[(df["kind"] == "cpu_op") & df["name"].isin(_GEMMS) & df["shapes"].notna()]
+    df = df[(df["kind"] == "cpu_op") & (df["name"].isin(_GEMMS) | df["name"].str.startswith(_ATTENTION))
+            & df["shapes"].notna()]
     if df.empty:
         return pd.Series(dtype=float)
-    flops = np.array([_gemm_flops(n, s) for n, s in zip(df["name"].astype(str), df["shapes"])], dtype=float)
+    flops = np.array([_attention_flops(n, s) if n.startswith(_ATTENTION) else _gemm_flops(n, s)
+                      for n, s in zip(df["name"].astype(str), df["shapes"])], dtype=float)
     return pd.Series(flops, index=df["step"].to_numpy()).groupby(level=0).sum()
+
+
+def _attention_flops(name: str, shapes: str) -> float:
+    """QK^T and PV: 2 * 2*B*H*Sq*Sk*D forward; the backward runs twice that."""
+    try:
+        dims = json.loads(shapes)
+        q, k = (dims[1], dims[2]) if "backward" in name else (dims[0], dims[1])  # backward: grad_out first
+        b, h, sq, d = q[-4], q[-3], q[-2], q[-1]
+        fwd = 4.0 * b * h * sq * k[-2] * d
+        return 2 * fwd if "backward" in name else fwd
+    except (ValueError, IndexError, TypeError, KeyError):
+        return 0.0
 
 
 def _gemm_flops(name: str, shapes: str) -> float:

@@ -32,11 +32,10 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         device = (manifest.get("hardware") or {}).get("device_name")
     world = (manifest or {}).get("world_size") or max((m.get("world_size") or 0 for m in metas.values()),
                                                       default=0) or None
-    flops = mfu.compute(step_s, tokens, manifest, events, devices=world)
-
     leaves = breakdown.step_leaves(events)
     tree = breakdown.tree(leaves)
     rank_steps = breakdown.per_rank_step(leaves)
+    flops = mfu.compute(step_s, tokens, manifest, events, devices=world, rank_step_times=_rank_step_times(run))
     strag, matrix = stragglers.find(rank_steps, (manifest or {}).get("rank_coords"))
     bub = bubbles.analyze(leaves, rank_steps, manifest)
 
@@ -72,7 +71,7 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         kernel_launch=launch.to_dict("records"),
         findings=findings.derive(tree, bub, strag, float(rank_steps["step_s"].mean()) if len(rank_steps) else step_time,
                                  launch.to_dict("records")),
-        per_step=flops["per_step"],
+        per_step=flops["per_step"], per_rank_mfu=flops["per_rank"],
         comm_skew=skew, clock_offsets=offsets,
         comm_overlap=overlap.to_dict("records"),
         straggler_matrix=matrix.to_dict("records"),
@@ -95,6 +94,15 @@ def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None]:
     if spans.empty:
         return pd.Series(dtype=float), None
     return spans.groupby("step")["dur_ns"].max() / 1e9, None
+
+
+def _rank_step_times(run) -> pd.DataFrame | None:
+    """rank, step, seconds from the run's steps.parquet (the collectors' wall clock)."""
+    if run is None or not (Path(run) / run_dir.STEPS).exists():
+        return None
+    steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
+    return pd.DataFrame({"rank": steps["rank"], "step": steps["step"],
+                         "seconds": (steps["end_ns"] - steps["start_ns"]) / 1e9})
 
 
 def _by_rank(leaves: pd.DataFrame) -> list[dict[str, Any]]:

@@ -88,8 +88,10 @@ def put(key: str, events: EventTable) -> None:
     """Store ``events``; a cache directory that cannot be written is not an error."""
     try:
         # Dictionary-encode only the columns that are dictionaries, and skip statistics:
-        # 40% faster to write, 4x faster to read, smaller than parquet's defaults.
-        atomic.write_parquet(cache_dir() / f"{key}.parquet", events.with_metadata(),
+        # 40% faster to write, 4x faster to read, smaller than parquet's defaults.  LZ4, not
+        # zstd: on a 54 MB trace's table, 25% faster to write and 2.5x faster to read, for a
+        # 2 MB entry instead of 1 MB.
+        atomic.write_parquet(cache_dir() / f"{key}.parquet", events.with_metadata(), compression="lz4",
                              use_dictionary=["lane", "kind", "name"], write_statistics=False)
     except OSError:
         pass  # a read-only or full cache directory must not fail the analysis

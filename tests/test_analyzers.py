@@ -43,6 +43,26 @@ def test_mfu_and_hfu_reproduce_korthikanti_table5():
             assert got["hfu"] == pytest.approx(float(r["measured_hfu"]), rel=0.01), r["model"]
 
 
+def test_flops_from_gemm_and_attention_shapes(tmp_path):
+    from mfuscope.tests.helpers import write_trace
+
+    def op(name, ts, dims):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": 1.0,
+                "args": {"Input Dims": dims}}
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "pid": 1, "tid": 1, "ts": 0.0,
+               "dur": 100.0},
+              op("aten::mm", 1.0, [[64, 32], [32, 16]]),                              # 2*64*32*16
+              op("aten::addmm", 3.0, [[16], [8, 32], [32, 16]]),                      # 2*8*32*16
+              op("aten::_scaled_dot_product_flash_attention_for_cpu", 5.0,
+                 [[2, 4, 128, 16], [2, 4, 128, 16], [2, 4, 128, 16]]),                # 4*2*4*128*128*16
+              op("aten::_scaled_dot_product_flash_attention_for_cpu_backward", 7.0,
+                 [[2, 4, 128, 16], [2, 4, 128, 16], [2, 4, 128, 16], [2, 4, 128, 16]])]  # twice that
+    path = write_trace(tmp_path / "t.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    got = mfu.shape_flops_per_step(trace_set.load(path, use_cache=False).events)
+    attention = 4 * 2 * 4 * 128 * 128 * 16
+    assert got.to_dict() == {4: 2 * 64 * 32 * 16 + 2 * 8 * 32 * 16 + 3 * attention}
+
+
 def test_priority_split_adds_up_to_the_window():
     a = (np.array([0, 50]), np.array([30, 60]))
     b = (np.array([20]), np.array([80]))
@@ -189,6 +209,11 @@ def test_mfu_uses_the_model_spec_and_the_measured_cpu_peak(dp_runs):
     assert s["mfu"] == pytest.approx(expected, rel=1e-9)
     assert s["hfu"] == pytest.approx(s["mfu"])  # no recomputation
     assert s["tokens_per_s"] == pytest.approx(256 * len(step_s) / step_s.sum())
+    per_rank = {r["rank"]: r["mfu"] for r in report["per_rank_mfu"]}
+    for rank in range(8):  # each device's share of the job's FLOPs over its own steps
+        mine = steps[(steps["rank"] == rank) & (steps["step"] >= 1)]
+        own_s = ((mine["end_ns"] - mine["start_ns"]) / 1e9).sum()
+        assert per_rank[rank] == pytest.approx(3 * 25600 * 256 * len(mine) / 8 / (own_s * peak), rel=1e-9)
 
 
 def test_compare_fails_on_the_slowed_run_and_passes_the_rerun(dp_runs):
