@@ -23,8 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_load  # noqa: E402  (shares its process runner and data sets)
+from mfuscope.benchmarks import bench_load  # its process runner and data sets
 
 VARIANTS = ("mfuscope cold", "mfuscope cached", "HTA")
 
