@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,21 +103,46 @@ def _parse(f: Path, rank: int | None, step_annotation: str | None) -> EventTable
 def _worker(job):
     """Load one file in a pool process: from the cache by content key if there, else parse (and cache).
 
-    Returns (file, events, error, content key, whether it came from the cache).
+    Returns (file, events, error, content key, whether it came from the cache).  With a hand-off
+    directory, ``events`` is the path of an uncompressed Arrow file holding them (see
+    :func:`_hand_off`).
     """
-    f, rank, step_annotation, use_cache = job
+    f, rank, step_annotation, use_cache, handoff = job
     key = trace_cache.cache_key(f, rank, step_annotation) if use_cache else None
-    if key is not None:
-        hit = trace_cache.get(key)
-        if hit is not None:
-            return f, hit, None, key, True
+    hit = trace_cache.get(key) if key is not None else None
+    if hit is not None:
+        return f, _hand_off(hit, handoff, f), None, key, True
     try:
         events = _parse(f, rank, step_annotation)
     except UserInputError as e:
         return f, None, str(e), key, False
     if key is not None:
         trace_cache.put(key, events)
-    return f, events, None, key, False
+    return f, _hand_off(events, handoff, f), None, key, False
+
+
+def _hand_off(events: EventTable, directory: str | None, f: Path):
+    """A pool worker's result, as an Arrow IPC file the parent memory-maps: sent through the
+    pool's pipe instead, a table exists twice in the worker (and pickled again in the parent)
+    just when memory peaks."""
+    if directory is None:
+        return events
+    import pyarrow as pa
+
+    path = os.path.join(directory, f"{os.getpid()}-{abs(hash(str(f)))}.arrow")
+    table = events.with_metadata()
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
+
+
+def _take_hand_off(path: str) -> EventTable:
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:
+        table = pa.ipc.open_file(source).read_all()
+    os.unlink(path)  # the mapping keeps the data until the table is dropped
+    return EventTable.from_arrow(table)
 
 
 def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
@@ -178,6 +204,8 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
             learned[signatures[f]] = key
         cached += was_cached
         bar.update()
+        if isinstance(events, str):
+            events = _take_hand_off(events)
         if error is None:
             results.append((f, events))
         elif skip_bad:
@@ -189,11 +217,12 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     try:
         if n_workers == 1:
             for job in pending:
-                collect(_worker(job))
+                collect(_worker((*job, None)))
         else:
             ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
-                for fut in as_completed([pool.submit(_worker, job) for job in pending]):
+            with tempfile.TemporaryDirectory(prefix="mfuscope-handoff-") as handoff, \
+                    ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+                for fut in as_completed([pool.submit(_worker, (*job, handoff)) for job in pending]):
                     collect(fut.result())
     finally:
         bar.close()
