@@ -94,19 +94,23 @@ def step_leaves(events: EventTable) -> pd.DataFrame:
         steps = rdf[rdf["kind"] == "step"]
         if steps.empty:
             continue
-        device = rdf[(rdf["device"] >= 0) & rdf["kind"].isin(["kernel", "comm", "memcpy", "memset"])]
-        plan = _device_plan(rdf, device) if len(device) else _cpu_plan(rdf, steps)
+        plan = rank_plan(rdf, steps)
         for st in steps.itertuples():
             window = (int(st.ts_ns), int(st.ts_ns + st.dur_ns))
-            for leaf, ns in _split(window, plan).items():
+            for leaf, ns in iv.assign_by_priority(window, plan, rest="idle").items():
                 if ns > 0:
                     rows.append((rank, int(st.step), leaf, ns / 1e9))
     return pd.DataFrame(rows, columns=["rank", "step", "leaf", "seconds"])
 
 
-def _split(window: tuple[int, int], plan: list) -> dict[str, int]:
-    categories, idle_split = plan  # idle_split: what idle device time is spent on, lowest priority
-    return iv.assign_by_priority(window, categories + idle_split, rest="idle")
+def rank_plan(rdf: pd.DataFrame, steps: pd.DataFrame) -> list[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+    """One rank's leaves as interval sets, highest priority first (time no set covers is idle).
+
+    ``rdf``: the rank's events (columns as in :func:`step_leaves`); ``steps``: its step markers.
+    """
+    device = rdf[(rdf["device"] >= 0) & rdf["kind"].isin(["kernel", "comm", "memcpy", "memset"])]
+    categories, idle_split = _device_plan(rdf, device) if len(device) else _cpu_plan(rdf, steps)
+    return categories + idle_split  # idle_split: what idle device time is spent on, lowest priority
 
 
 def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):

@@ -151,19 +151,11 @@ def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, A
 
     Returns (per-dimension arrival skew and whom everyone waited for, per-rank clock offsets
     estimated from the matched ends: all ranks leave a collective together)."""
-    c = calls.dropna(subset=["pg", "seq"])
-    c = c[(c["seq"] >= 0) & ~c["op"].isin(["send", "recv", "send_recv"])]
+    c = _match(calls)
     if c.empty:
         return [], []
-    c = c.assign(key=c["pg"].astype(str) + "#" + c["seq"].astype("int64").astype(str))
-    sizes = c.groupby("key")["rank"].transform("size")
-    c = c[sizes == c["group_size"]]  # every member recorded it
-    if c.empty:
-        return [], []
-    c = c.assign(arrival=c["enqueue_ns"].astype("float64")).sort_values(["key", "arrival"])
     g = c.groupby("key")["arrival"]
-    c = c.assign(arrival_lag=c["arrival"] - g.transform("min"),
-                 second_last=g.shift(1).groupby(c["key"]).transform("last"))
+    c = c.assign(second_last=g.shift(1).groupby(c["key"]).transform("last"))
     last = c.groupby("key").tail(1)
     waited = (last["arrival"] - last["second_last"]).fillna(0.0) / 1e9
     skew = []
@@ -183,3 +175,31 @@ def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, A
             offsets.append({"rank": int(rank), "offset_s": off / 1e9,
                             "residual_s": float((r - off).abs().median()) / 1e9, "instances": int(len(r))})
     return skew, offsets
+
+
+def _match(calls: pd.DataFrame) -> pd.DataFrame:
+    """Collective calls every member of the group recorded, keyed by (group, sequence number), with
+    ``arrival`` (enqueue ns) and ``arrival_lag`` (ns after the first member arrived)."""
+    c = calls.dropna(subset=["pg", "seq"])
+    c = c[(c["seq"] >= 0) & ~c["op"].isin(["send", "recv", "send_recv"])]
+    if c.empty:
+        return c.assign(key=[], arrival=[], arrival_lag=[])
+    c = c.assign(key=c["pg"].astype(str) + "#" + c["seq"].astype("int64").astype(str))
+    sizes = c.groupby("key")["rank"].transform("size")
+    c = c[sizes == c["group_size"]]  # every member recorded it
+    c = c.assign(arrival=c["enqueue_ns"].astype("float64")).sort_values(["key", "arrival"])
+    return c.assign(arrival_lag=c["arrival"] - c.groupby("key")["arrival"].transform("min"))
+
+
+def arrival_lags(calls: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rank x collective (dimension/op): how late each rank arrives at matched collectives -- median
+    and p90 of its lag behind the group's first arrival, seconds.  A rank late everywhere is slow
+    before the collective; a rank late in one dimension only waits on something of that dimension."""
+    c = _match(calls)
+    if c.empty:
+        return []
+    g = (c.assign(collective=c["dim"].astype(str) + "/" + c["op"].astype(str), lag=c["arrival_lag"] / 1e9)
+         .groupby(["rank", "collective"])["lag"])
+    out = pd.DataFrame({"median_lag_s": g.median(), "p90_lag_s": g.quantile(0.9), "instances": g.size()}).reset_index()
+    return [{"rank": int(r.rank), "collective": r.collective, "median_lag_s": float(r.median_lag_s),
+             "p90_lag_s": float(r.p90_lag_s), "instances": int(r.instances)} for r in out.itertuples()]

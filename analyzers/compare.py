@@ -49,8 +49,15 @@ def compare(base: dict, new: dict, fail_on_mfu_drop: float | None = None) -> dic
         else:
             gate = {"metric": None, "drop": None, "limit": fail_on_mfu_drop, "failed": True,
                     "reason": "neither MFU nor step time in both reports"}
+    fb = {f["id"]: f for f in base.get("findings") or []}
+    fn = {f["id"]: f for f in new.get("findings") or []}
+    found = [{"id": k, "title": (fn.get(k) or fb[k])["title"], "fix": (fn.get(k) or fb[k])["fix"],
+              "base_gain_s": fb[k]["gain_s"] if k in fb else None, "new_gain_s": fn[k]["gain_s"] if k in fn else None,
+              "delta_s": (fn[k]["gain_s"] if k in fn else 0.0) - (fb[k]["gain_s"] if k in fb else 0.0)}
+             for k in list(fb) + [k for k in fn if k not in fb]]
+    found.sort(key=lambda r: -abs(r["delta_s"]))
     return {"base": base["provenance"]["source"], "new": new["provenance"]["source"], "summary": rows,
-            "leaves": leaves, "gate": gate}
+            "leaves": leaves, "findings": found, "gate": gate}
 
 
 def _change(a, b):

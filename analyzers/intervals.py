@@ -78,3 +78,43 @@ def assign_by_priority(window: tuple[int, int], categories: list[tuple[str, tupl
             done = now
     out[rest] = out.get(rest, 0) + (hi - lo) - done
     return out
+
+
+def segments_by_priority(window: tuple[int, int], categories: list[tuple[str, tuple[np.ndarray, np.ndarray]]],
+                         rest: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """The same split as :func:`assign_by_priority`, kept in time order: (starts, ends, names), one
+    segment per run of the same category, covering the window without gaps."""
+    lo, hi = window
+    clipped = [(name, clip(s, e, lo, hi)) for name, (s, e) in categories]
+    edges = np.unique(np.concatenate([[lo, hi]] + [np.concatenate([s, e]) for _, (s, e) in clipped]))
+    a, b = edges[:-1], edges[1:]
+    owner = np.full(a.size, len(clipped), dtype=np.int64)     # index of the category, or len() for rest
+    for i in range(len(clipped) - 1, -1, -1):                 # lowest priority first; higher ones overwrite
+        s, e = clipped[i][1]
+        if s.size:
+            owner[overlap((s, e), a, b) > 0] = i
+    change = np.flatnonzero(np.diff(owner)) + 1               # merge runs of one category
+    first = np.concatenate([[0], change])
+    names = [n for n, _ in clipped] + [rest]
+    return a[first], np.append(a[change], b[-1]), [names[k] for k in owner[first]]
+
+
+def dominant_runs(starts: np.ndarray, ends: np.ndarray, codes: np.ndarray, lo: int, hi: int,
+                  bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Disjoint coded segments seen at ``bins`` pixels across [lo, hi]: each bin takes the code that
+    covers most of it, and neighbouring bins of one code merge.  Bins nothing covers are dropped.
+    Returns (starts, ends, codes) of at most ``bins`` segments."""
+    edges = np.linspace(lo, hi, bins + 1).astype(np.int64)
+    present = np.unique(codes)
+    if present.size == 0 or hi <= lo:
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, codes.dtype)
+    cover = np.stack([np.diff(covered_before((starts[codes == c], ends[codes == c]), edges)) for c in present])
+    best = cover.argmax(axis=0)
+    keep = cover.max(axis=0) > 0
+    code = np.where(keep, present[best], -1)
+    change = np.flatnonzero(np.diff(code)) + 1
+    first = np.concatenate([[0], change])
+    last = np.append(change, bins)
+    run_code = code[first]
+    ok = run_code >= 0
+    return edges[first][ok], edges[last][ok], run_code[ok]

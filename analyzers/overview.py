@@ -72,7 +72,7 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         findings=findings.derive(tree, bub, strag, float(rank_steps["step_s"].mean()) if len(rank_steps) else step_time,
                                  launch.to_dict("records")),
         per_step=flops["per_step"], per_rank_mfu=flops["per_rank"],
-        comm_skew=skew, clock_offsets=offsets,
+        comm_skew=skew, clock_offsets=offsets, comm_arrival=comm_stats.arrival_lags(calls),
         comm_overlap=overlap.to_dict("records"),
         straggler_matrix=matrix.to_dict("records"),
         breakdown_by_rank=_by_rank(leaves),

@@ -17,6 +17,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -39,6 +40,11 @@ class LoadResult:
     cached: int = 0
 
 
+def is_trace_file(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(_TRACE_SUFFIXES) and path.name not in _NOT_TRACES \
+        and not path.name.startswith(".")
+
+
 def discover(path: str | os.PathLike) -> list[Path]:
     """Trace files under ``path`` (a file, a trace directory, or a run directory)."""
     p = Path(path)
@@ -49,9 +55,7 @@ def discover(path: str | os.PathLike) -> list[Path]:
             return [_export_nsys(p)]
         return [p]
     root = p / "traces" if (p / "manifest.json").exists() and (p / "traces").is_dir() else p
-    files = sorted(f for f in root.rglob("*")
-                   if f.is_file() and f.name.endswith(_TRACE_SUFFIXES) and f.name not in _NOT_TRACES
-                   and not f.name.startswith("."))
+    files = sorted(f for f in root.rglob("*") if is_trace_file(f))
     if not files:
         reps = sorted(root.rglob("*.nsys-rep"))
         hint = (f"; found {reps[0].name}: export it with nsys export --type sqlite" if reps else "")
@@ -147,12 +151,13 @@ def _take_hand_off(path: str) -> EventTable:
 
 def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
          use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
-         progress: bool | None = None) -> LoadResult:
+         progress: bool | None = None, on_file: Callable[[int, int], None] | None = None) -> LoadResult:
     """Load every trace under ``path`` into one EventTable.
 
     ``rank`` applies to a single file without rank information.  With
     ``skip_bad``, files that fail to load are listed in ``skipped`` instead of
-    failing the whole set (at least one must load).
+    failing the whole set (at least one must load).  ``on_file(done, total)`` is called as each
+    file is loaded (the dashboard's progress bar).
     """
     files = discover(path)
     single = len(files) == 1
@@ -179,6 +184,11 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     show = progress if progress is not None else sys.stderr.isatty()
     results: list[tuple[Path, EventTable]] = []
     bar = tqdm(total=len(jobs), desc="loading traces", unit="file", disable=not show, file=sys.stderr)
+
+    def advance() -> None:
+        bar.update()
+        if on_file is not None:
+            on_file(bar.n, len(jobs))
     pending = []
     index = trace_cache.read_index() if use_cache else {}
     signatures = {f: trace_cache.stat_signature(f, r, step_annotation) for f, r in jobs} if use_cache else {}
@@ -192,7 +202,7 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
         if hit is not None:
             results.append((f, hit))
             cached += 1
-            bar.update()
+            advance()
         else:
             pending.append((f, r, step_annotation, use_cache))
     learned: dict[str, str] = {}
@@ -203,7 +213,7 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
         if key is not None and error is None:
             learned[signatures[f]] = key
         cached += was_cached
-        bar.update()
+        advance()
         if isinstance(events, str):
             events = _take_hand_off(events)
         if error is None:

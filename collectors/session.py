@@ -39,6 +39,7 @@ from mfuscope.errors import UserInputError
 
 from .comm_timer import COLUMNS as COMM_COLUMNS
 from .comm_timer import CommTimer
+from .pipeline_labels import PipelineLabels
 from .cpu_peak import measured_matmul_peak
 from .group_dims import GroupDims, mesh_groups
 from .kineto_window import KinetoWindow, parse_window
@@ -93,6 +94,8 @@ class ProfileSession:
         if self.rank == 0:
             run_dir.write_manifest(self.out, self._manifest("running"))
         self.comm.install()
+        self.pipeline_labels = PipelineLabels()
+        self.pipeline_labels.install()
         if self.model is not None:
             self.comm.watch_ddp(self.model)
         local = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -145,6 +148,7 @@ class ProfileSession:
                 self.kineto.stop()
             self.nvml.stop()
             self.comm.uninstall()
+            self.pipeline_labels.uninstall()
             self._restore_signal_handlers()
             self.flush()
         finally:

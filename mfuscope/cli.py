@@ -83,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "markdown", "json", "junit"), default="text")
     p.set_defaults(func=cmd_compare)
 
+    p = sub.add_parser("dashboard", help="browse runs in a web dashboard (Dash)",
+                       description="Serve a web dashboard over every run under RUNS_DIR (run directories and "
+                                   "directories of rank traces). Runs not analyzed yet are analyzed on first view.")
+    p.add_argument("runs_dir", nargs="?", default="runs", type=Path, metavar="RUNS_DIR",
+                   help="directory of runs, or one run (default: ./runs)")
+    p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: this machine only; 0.0.0.0 exposes it to the network)")
+    p.add_argument("--debug", action="store_true", help="Dash debug mode (reloader, error overlay)")
+    p.set_defaults(func=cmd_dashboard)
+
     p = sub.add_parser("profile", help="run a training command with every rank profiled (no code change)",
                        description="Run COMMAND (torchrun ..., python train.py ...) with a profiling session in "
                                    "each rank: steps (optimizer steps), communication per process group, GPU "
@@ -121,16 +132,26 @@ def _report_of(path: str) -> dict:
     p = Path(path)
     if is_run_dir(p):
         if not (p / REPORT).exists():
-            from mfuscope.analyzers import overview, trace_set
-            from mfuscope.report import write_report
+            from mfuscope.analyzers.analysis import analyze
+            from mfuscope.run_dir import VIEWS
 
-            result = trace_set.load(p)
-            write_report(p / REPORT, overview.build_report(result.events, source=str(p),
-                                                           files=[str(f) for f in result.files], run=p))
+            analyze(p, p / REPORT, p / VIEWS)
         p = p / REPORT
     if not p.is_file():
         raise UserInputError("not a report.json or a run directory", p)
     return read_report(p)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    if not args.runs_dir.is_dir():
+        raise UserInputError("no such directory of runs (make one with mfuscope train/profile --out RUNS_DIR/NAME)",
+                             args.runs_dir)
+    try:
+        from mfuscope.dashboard.app import serve
+    except ImportError as e:
+        raise UserInputError(f"the dashboard needs its extra: pip install 'mfuscope[dashboard]' ({e})") from None
+    serve(args.runs_dir, host=args.host, port=args.port, debug=args.debug)
+    return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -213,15 +234,18 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from mfuscope.analyzers import overview
-    from mfuscope.report import write_report
-    from mfuscope.run_dir import REPORT, is_run_dir
+    from mfuscope.analyzers.analysis import analyze
+    from mfuscope.run_dir import REPORT, VIEWS, is_run_dir
 
-    out = args.out or (Path(args.path) / REPORT if is_run_dir(args.path) else Path("mfuscope-report.json"))
+    run = is_run_dir(args.path)
+    out = args.out or (Path(args.path) / REPORT if run else Path("mfuscope-report.json"))
     _check_overwrite(out, args.force)
-    result = _load(args)
-    report = overview.build_report(result.events, source=str(args.path), files=[str(f) for f in result.files],
-                                   run=args.path if is_run_dir(args.path) else None)
-    write_report(out, report)
+    # A run directory keeps the dashboard's views beside its report.
+    report, result = analyze(args.path, out, Path(args.path) / VIEWS if run else None, rank=args.rank,
+                             step_annotation=args.step_annotation, use_cache=not args.no_cache,
+                             skip_bad=args.skip_bad, workers=args.workers)
+    for f, reason in result.skipped:
+        print(f"mfuscope: skipped {reason}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

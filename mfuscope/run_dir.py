@@ -41,6 +41,7 @@ COMM = "comm.parquet"
 NVML = "nvml.parquet"
 TRACES = "traces"
 REPORT = "report.json"
+VIEWS = "views"
 
 STEPS_SCHEMA = pa.schema([
     ("rank", pa.int32()), ("step", pa.int32()),
@@ -124,7 +125,7 @@ def mark_ended_early(run_dir: str | Path, reason: str) -> None:
     update_manifest(run_dir, change)
 
 
-RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, TRACES, "nsys", REPORT, ".manifest.lock")
+RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, TRACES, "nsys", REPORT, VIEWS, ".manifest.lock")
 
 
 def prepare(run_dir: str | Path, force: bool = False) -> Path:

@@ -1,0 +1,199 @@
+"""``mfuscope dashboard``: the Dash app over a directory of runs.
+
+URLs are the state, so every view can be linked and reloaded:
+``/`` runs, ``/run/<id>`` overview, ``/run/<id>/<page>?step=&rank=``,
+``/compare?a=<id>&b=<id>``.  One callback renders a page from the URL; a run
+not analyzed yet shows a progress bar (an interval ticks until its analysis is
+on disk).  A failure inside a page becomes an error panel, never a dead app.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlencode
+
+import dash
+import pandas as pd
+from dash import Input, Output, State, dcc, html, no_update
+
+from mfuscope.analyzers import timeline as timeline_views
+from mfuscope.errors import UserInputError
+
+from . import figures, pages, style
+from .store import Store
+
+log = logging.getLogger("mfuscope.dashboard")
+
+RUN_PAGES = [("", "Overview"), ("timeline", "Timeline"), ("pipeline", "Pipeline"), ("comm", "Communication"),
+             ("stragglers", "Stragglers"), ("kernels", "Kernels")]
+#: Bars the timeline may ship to the browser, over all lanes: 64 ranks stay responsive.
+TIMELINE_BARS = 24_000
+
+
+def create_app(runs_dir: str | Path) -> dash.Dash:
+    store = Store(Path(runs_dir))
+    app = dash.Dash(__name__, title="mfuscope", update_title=None, suppress_callback_exceptions=True)
+    app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + style.CSS + "</style>")
+    app.layout = html.Div([
+        dcc.Location(id="url", refresh="callback-nav"),
+        html.Div(id="topbar", className="topbar"),
+        html.Div(id="page", className="page"),
+        dcc.Interval(id="tick", interval=400, disabled=True),
+    ])
+    _routes(app, store)
+    _interactions(app, store)
+    return app
+
+
+def _parse(pathname: str | None, search: str | None) -> tuple[list[str], dict[str, str]]:
+    parts = [unquote(p) for p in (pathname or "/").strip("/").split("/") if p]
+    return parts, dict(parse_qsl((search or "").lstrip("?")))
+
+
+def _topbar(run_id: str | None, current: str) -> list[Any]:
+    links = [html.Span("mfuscope", className="brand"),
+             dcc.Link("Runs", href="/", className="active" if current == "runs" else "")]
+    if run_id:
+        for slug, label in RUN_PAGES:
+            links.append(dcc.Link(label, href=f"/run/{quote(run_id)}" + (f"/{slug}" if slug else ""),
+                                  className="active" if current == slug else "", id=f"nav-{slug or 'overview'}"))
+    links.append(dcc.Link("Compare", href="/compare", className="active" if current == "compare" else ""))
+    if run_id:
+        links.append(html.Span(f"run: {run_id}", className="run"))
+    return links
+
+
+def _routes(app: dash.Dash, store: Store) -> None:
+    @app.callback(Output("topbar", "children"), Output("page", "children"), Output("tick", "disabled"),
+                  Input("url", "pathname"), Input("url", "search"), Input("tick", "n_intervals"))
+    def render(pathname, search, _tick):
+        parts, query = _parse(pathname, search)
+        try:
+            if not parts:
+                return _topbar(None, "runs"), pages.runs_page(store), True
+            if parts[0] == "compare":
+                analyzed = [r for r in store.runs() if not r.error and store.analyzed(r)]
+                ids = [r.id for r in analyzed]
+                a = query.get("a") or (ids[0] if ids else None)
+                b = query.get("b") or (next((i for i in ids if i != a), None))
+                return _topbar(None, "compare"), pages.compare_page(store, analyzed, a, b), True
+            if parts[0] == "run" and len(parts) >= 2:
+                return _run_page(store, parts[1], parts[2] if len(parts) > 2 else "", query)
+            return _topbar(None, ""), pages.error_panel(f"no page at {pathname}"), True
+        except UserInputError as e:
+            return _topbar(None, ""), pages.error_panel(str(e)), True
+        except Exception as e:  # noqa: BLE001 -- shown, logged, and the app lives on
+            log.exception("page %s failed", pathname)
+            return _topbar(None, ""), pages.error_panel(f"this page failed: {type(e).__name__}: {e}"), True
+
+
+def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
+    top = _topbar(run_id, slug)
+    run = store.run(run_id)
+    if run is None:
+        return top, pages.error_panel(f"no run named {run_id!r} under {store.root}"), True
+    if run.error:
+        return top, pages.error_panel(f"{run.id} cannot be shown: {run.error}"), True
+    job = store.ensure_analysis(run)
+    if job is not None:
+        if job.error:
+            return top, pages.error_panel(f"{run.id} could not be analyzed: {job.error}"), True
+        return top, pages.progress_panel(run, job.fraction, job.message), False
+    a = store.load(run)
+    builders = {"": pages.overview_page, "pipeline": pages.pipeline_page, "comm": pages.comm_page,
+                "stragglers": pages.stragglers_page, "kernels": pages.kernels_page}
+    if slug == "timeline":
+        return top, pages.timeline_page(run, a, query), True
+    if slug not in builders:
+        return top, pages.error_panel(f"no page {slug!r}; pages: " + ", ".join(s or "overview" for s, _ in RUN_PAGES)), True
+    return top, builders[slug](run, a), True
+
+
+def _run_of(store: Store, pathname: str | None):
+    parts, _ = _parse(pathname, None)
+    run = store.run(parts[1]) if len(parts) >= 2 and parts[0] == "run" else None
+    return (run, store.load(run)) if run is not None and store.analyzed(run) else (None, None)
+
+
+def _interactions(app: dash.Dash, store: Store) -> None:
+    @app.callback(Output("node-detail", "children"), Input("breakdown", "clickData"), State("url", "pathname"),
+                  prevent_initial_call=True)
+    def breakdown_node(click, pathname):
+        run, a = _run_of(store, pathname)
+        if a is None or not click or not click.get("points"):
+            return no_update
+        return pages.node_detail(a, click["points"][0].get("id") or click["points"][0].get("label"))
+
+    @app.callback(Output("timeline-graph", "figure"), Output("timeline-waits", "children"),
+                  Input("timeline-step", "value"), Input("timeline-graph", "relayoutData"),
+                  State("timeline-rank", "data"), State("url", "pathname"))
+    def draw_timeline(step, relayout, rank, pathname):
+        run, a = _run_of(store, pathname)
+        if a is None or step is None:
+            return figures.empty("no run"), None
+        seg = a.segments[a.segments["step"] == step]
+        if seg.empty:
+            return figures.empty(f"no timeline for step {step}"), None
+        t0, t1 = int(seg["start_ns"].min()), int(seg["end_ns"].max())
+        lo, hi, x_range = t0, t1, None
+        trigger = dash.callback_context.triggered_id
+        if trigger == "timeline-graph":
+            relayout = relayout or {}
+            if "xaxis.range[0]" in relayout:  # zoomed: cut the lanes again at the new resolution
+                x_range = (float(relayout["xaxis.range[0]"]), float(relayout["xaxis.range[1]"]))
+                lo, hi = max(t0, t0 + int(x_range[0] * 1e6)), min(t1, t0 + int(x_range[1] * 1e6))
+            elif not relayout.get("xaxis.autorange"):
+                return no_update, no_update  # a hover or a resize: nothing to redraw
+        labels = pages.rank_labels(a.report, store.run(run.id).manifest, seg["rank"].unique())
+        bins = max(100, min(1500, TIMELINE_BARS // max(1, len(labels))))
+        lanes = timeline_views.lanes(seg.assign(leaf=seg["leaf"].astype(str).map(lane_category)), lo, hi, bins)
+        waits = longest_waits(seg)
+        fig = figures.timeline(lanes, labels, t0, waits, x_range, highlight=rank)
+        return fig, pages.waits_table(waits, labels, t0)
+
+    @app.callback(Output("url", "href", allow_duplicate=True), Input("straggler-heatmap", "clickData"),
+                  State("url", "pathname"), prevent_initial_call=True)
+    def open_cell(click, pathname):
+        if not click or not click.get("points"):
+            return no_update
+        point = click["points"][0]
+        step = str(point["x"]).removeprefix("step ")
+        rank = str(point["y"]).removeprefix("rank ")
+        run_id = _parse(pathname, None)[0][1]
+        return f"/run/{quote(run_id)}/timeline?" + urlencode({"step": step, "rank": rank})
+
+    @app.callback(Output("url", "href", allow_duplicate=True), Input("compare-a", "value"), Input("compare-b", "value"),
+                  State("url", "search"), prevent_initial_call=True)
+    def switch_pair(a, b, search):
+        _, query = _parse(None, search)
+        if (query.get("a"), query.get("b")) == (a, b):
+            return no_update
+        return "/compare?" + urlencode({"a": a, "b": b})
+
+    @app.callback(Output("compare-link", "href"), Output("compare-link", "children"),
+                  Input("runs-grid", "selectedRows"), prevent_initial_call=True)
+    def pick_pair(rows):
+        ids = [r["id"] for r in rows or []]
+        if len(ids) == 2:
+            return "/compare?" + urlencode({"a": ids[0], "b": ids[1]}), f"Compare {ids[0]} with {ids[1]}"
+        return "/compare", "Compare the two ticked runs" + (f" ({len(ids)} ticked)" if ids else "")
+
+
+def lane_category(leaf: str) -> str:
+    """What a timeline lane shows: communication by dimension (one colour each), the rest as is."""
+    parts = leaf.split("/")
+    return "/".join(parts[:2]) if parts[0] == "comm" else leaf
+
+
+def longest_waits(seg: pd.DataFrame, n: int = 5) -> pd.DataFrame:
+    """The step's longest stretches of exposed communication or bubble, any rank."""
+    leaf = seg["leaf"].astype(str)
+    waiting = seg[leaf.str.startswith("comm/") | (leaf == "bubble")]
+    return waiting.assign(dur=waiting["end_ns"] - waiting["start_ns"]).nlargest(n, "dur")
+
+
+def serve(runs_dir: str | Path, host: str = "127.0.0.1", port: int = 8050, debug: bool = False) -> None:
+    app = create_app(runs_dir)
+    print(f"mfuscope dashboard: {Path(runs_dir).resolve()} at http://{host}:{port}/  (Ctrl-C stops it)", flush=True)
+    app.run(host=host, port=port, debug=debug)

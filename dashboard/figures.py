@@ -1,0 +1,186 @@
+"""Plotly figures: pure functions of analysis data (no Dash, no I/O), so each is easy to check alone."""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from mfuscope.analyzers import pipeline_schedule
+
+from . import style
+
+FONT = dict(family="-apple-system, Segoe UI, Roboto, Helvetica, Arial, sans-serif", size=12)
+
+
+def _layout(fig: go.Figure, height: int, **kw: Any) -> go.Figure:
+    fig.update_layout(height=height, margin=dict(l=10, r=10, t=36, b=10), font=FONT, plot_bgcolor="#fff",
+                      paper_bgcolor="#fff", **kw)
+    return fig
+
+
+def empty(message: str, height: int = 200) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, font=dict(size=14, color="#7b8794"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, height)
+
+
+def breakdown_icicle(tree: dict[str, Any] | None) -> go.Figure:
+    """The top-down tree; a click zooms into a node (in the browser) and selects it (in the app)."""
+    if not tree or not tree.get("seconds"):
+        return empty("no step markers in these traces: no breakdown")
+    total = tree["seconds"]
+    ids, labels, parents, values, colors, hover = [], [], [], [], [], []
+
+    def walk(node: dict, parent: str) -> None:
+        name = node["name"]
+        ids.append(name)
+        labels.append(name.split("/")[-1] if name != "step" else f"step {style.seconds(total)}")
+        parents.append(parent)
+        # leaves carry the time; inner nodes add up their children ("remainder": no rounding trap)
+        values.append(node["seconds"] if not node["children"] else 0.0)
+        colors.append(style.color(name) if name != "step" else "#dfe6ee")
+        hover.append(f"{name}<br>{style.seconds(node['seconds'])} per step<br>{style.percent(node['seconds'] / total)}"
+                     " of the step")
+        for c in node["children"]:
+            walk(c, name)
+
+    walk(tree, "")
+    fig = go.Figure(go.Icicle(ids=ids, labels=labels, parents=parents, values=values, branchvalues="remainder",
+                              marker=dict(colors=colors, line=dict(color="#fff", width=1)),
+                              hovertext=hover, hoverinfo="text", textinfo="label+percent root",
+                              tiling=dict(orientation="v"), root=dict(color="#dfe6ee")))
+    return _layout(fig, 430, title=dict(text="Where a step's time went (mean of ranks and steps; click to zoom)",
+                                        font=dict(size=14)))
+
+
+def rank_bars(rows: pd.DataFrame, node: str) -> go.Figure:
+    """Per rank: seconds per step spent in ``node`` (sum of its leaves)."""
+    if rows.empty:
+        return empty(f"{node}: no time on any rank")
+    fig = go.Figure(go.Bar(x=[f"rank {r}" for r in rows["rank"]], y=rows["seconds"] * 1e3,
+                           marker_color=style.color(node),
+                           hovertemplate="%{x}: %{y:.3g} ms per step<extra></extra>"))
+    fig.update_yaxes(title="ms per step", gridcolor="#eee")
+    return _layout(fig, 260, title=dict(text=f"{node} per rank", font=dict(size=14)))
+
+
+def step_trend(per_step: list[dict[str, Any]]) -> go.Figure:
+    if not per_step:
+        return empty("no step times recorded")
+    df = pd.DataFrame(per_step)
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(x=df["step"], y=df["step_time_s"] * 1e3, name="step time", marker_color="#9fb3c8",
+                         hovertemplate="step %{x}: %{y:.4g} ms<extra></extra>"))
+    if "mfu" in df and df["mfu"].notna().any():
+        fig.add_trace(go.Scatter(x=df["step"], y=df["mfu"] * 100, name="MFU", mode="lines+markers",
+                                 line=dict(color="#1b7837"), hovertemplate="step %{x}: MFU %{y:.3g}%<extra></extra>"),
+                      secondary_y=True)
+        fig.update_yaxes(title_text="MFU (%)", secondary_y=True, rangemode="tozero", showgrid=False)
+    fig.update_yaxes(title_text="step time (ms)", secondary_y=False, gridcolor="#eee", rangemode="tozero")
+    fig.update_xaxes(title_text="step", dtick=1)
+    return _layout(fig, 300, title=dict(text="Step time and MFU per step", font=dict(size=14)),
+                   legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
+
+
+def timeline(lanes: pd.DataFrame, labels: dict[int, str], t0: int, waits: pd.DataFrame,
+             x_range: tuple[float, float] | None = None, highlight: int | None = None) -> go.Figure:
+    """Per-rank lanes; ``lanes`` already cut to what the browser can draw (see timeline.lanes)."""
+    if lanes.empty:
+        return empty("no timeline for this step")
+    order = sorted(labels)
+    fig = go.Figure()
+    for leaf, g in lanes.groupby("leaf", observed=True, sort=True):
+        start = (g["start_ns"] - t0) / 1e6
+        dur = (g["end_ns"] - g["start_ns"]) / 1e6
+        fig.add_trace(go.Bar(orientation="h", y=g["rank"].map(labels), x=dur, base=start, name=str(leaf),
+                             marker=dict(color=style.color(str(leaf)), line=dict(width=0)),
+                             hovertemplate=f"{leaf}<br>%{{y}}<br>+%{{base:.4g}} ms for %{{x:.4g}} ms<extra></extra>"))
+    for i, w in enumerate(waits.itertuples(), 1):
+        y = order.index(w.rank) if w.rank in order else None
+        if y is None:
+            continue
+        x0, x1 = (w.start_ns - t0) / 1e6, (w.end_ns - t0) / 1e6
+        fig.add_shape(type="rect", x0=x0, x1=x1, y0=y - 0.45, y1=y + 0.45, line=dict(color="#000", width=2))
+        fig.add_annotation(x=(x0 + x1) / 2, y=y - 0.45, text=f"#{i}", showarrow=False, yshift=7,
+                           font=dict(size=11, color="#000"))
+    if highlight is not None and highlight in order:
+        y = order.index(highlight)
+        fig.add_hrect(y0=y - 0.5, y1=y + 0.5, fillcolor="#ffd54f", opacity=0.25, line_width=0, layer="below")
+    fig.update_layout(barmode="overlay", bargap=0.15, uirevision="timeline")
+    fig.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in order], autorange="reversed")
+    fig.update_xaxes(title_text="ms since the step began", gridcolor="#eee", range=list(x_range) if x_range else None)
+    return _layout(fig, max(300, 90 + 34 * len(order)), legend=dict(font=dict(size=11), tracegroupgap=2),
+                   title=dict(text="Per-rank timeline (drag to zoom; boxes: longest waits)", font=dict(size=14)))
+
+
+def pipeline(executed: pd.DataFrame, bubbles: pd.DataFrame, t0: int, schedule: str, p: int, m: int) -> go.Figure:
+    """The executed schedule per stage (one rank each) above the theoretical one at the measured
+    forward/backward times."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=("executed (one rank per stage)",
+                                        f"theory: {schedule if schedule in ('gpipe', '1f1b') else '1f1b'} at the "
+                                        "measured forward/backward times"))
+    t_f = (executed.loc[executed["action"] == "F", "end_ns"] - executed.loc[executed["action"] == "F", "start_ns"])
+    t_b = (executed.loc[executed["action"] != "F", "end_ns"] - executed.loc[executed["action"] != "F", "start_ns"])
+    t_f_ms = float(t_f.median()) / 1e6 if len(t_f) else 1.0
+    n_b = executed[executed["action"] != "F"].groupby(["stage", "microbatch"]).ngroups or 1
+    t_b_ms = float(t_b.sum()) / n_b / 1e6 if len(t_b) else 2 * t_f_ms
+    for b in bubbles.itertuples():
+        fig.add_trace(go.Bar(orientation="h", y=[f"stage {b.stage}"], x=[(b.end_ns - b.start_ns) / 1e6],
+                             base=[(b.start_ns - t0) / 1e6], marker_color=style.DIM_COLORS["pp"], opacity=0.35,
+                             name="bubble (waiting on a neighbour)", legendgroup="bubble",
+                             showlegend=b.Index == bubbles.index[0],
+                             hovertemplate="bubble %{x:.3g} ms<extra></extra>"), row=1, col=1)
+    for action, g in executed.groupby("action"):
+        fig.add_trace(go.Bar(orientation="h", y=[f"stage {s}" for s in g["stage"]], x=(g["end_ns"] - g["start_ns"]) / 1e6,
+                             base=(g["start_ns"] - t0) / 1e6, text=[f"{action}{mb}" for mb in g["microbatch"]],
+                             textposition="inside", insidetextanchor="middle",
+                             marker=dict(color=style.ACTION_COLORS.get(action, "#999"), line=dict(color="#fff", width=1)),
+                             name={"F": "forward", "B": "backward", "W": "weight grad"}.get(action, action),
+                             legendgroup=action,
+                             hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"), row=1, col=1)
+    sim = pipeline_schedule.simulate(schedule, p, m, t_f_ms, t_b_ms)
+    for action, g in sim.groupby("action"):
+        fig.add_trace(go.Bar(orientation="h", y=[f"stage {s}" for s in g["stage"]], x=g["end"] - g["start"],
+                             base=g["start"], text=[f"{action}{mb}" for mb in g["microbatch"]], textposition="inside",
+                             insidetextanchor="middle", showlegend=False, legendgroup=action,
+                             marker=dict(color=style.ACTION_COLORS.get(action, "#999"), line=dict(color="#fff", width=1)),
+                             hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"), row=2, col=1)
+    stages = [f"stage {s}" for s in range(p)]
+    fig.update_yaxes(categoryorder="array", categoryarray=stages, autorange="reversed")
+    fig.update_xaxes(title_text="ms since the step began", gridcolor="#eee", row=2, col=1)
+    fig.update_xaxes(gridcolor="#eee", row=1, col=1)
+    fig.update_layout(barmode="overlay", bargap=0.2)
+    return _layout(fig, 200 + 90 * p, legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
+
+
+def heatmap(df: pd.DataFrame, x: str, y: str, z: str, *, title: str, z_title: str, scale: float = 1.0,
+            x_prefix: str = "", y_prefix: str = "", colorscale: str = "Reds") -> go.Figure:
+    if df.empty:
+        return empty(f"{title}: nothing to show")
+    grid = df.pivot_table(index=y, columns=x, values=z, aggfunc="mean") * scale
+    fig = go.Figure(go.Heatmap(z=grid.values, x=[f"{x_prefix}{c}" for c in grid.columns],
+                               y=[f"{y_prefix}{r}" for r in grid.index], colorscale=colorscale,
+                               colorbar=dict(title=dict(text=z_title, side="right")), xgap=1, ygap=1,
+                               hovertemplate=f"%{{y}}, %{{x}}: %{{z:.3g}} {z_title}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(type="category")
+    return _layout(fig, max(260, 90 + 24 * len(grid.index)), title=dict(text=title, font=dict(size=14)))
+
+
+def compare_leaves(leaves: list[dict[str, Any]], base: str, new: str) -> go.Figure:
+    if not leaves:
+        return empty("no breakdown in either report")
+    df = pd.DataFrame(leaves).head(15).iloc[::-1]
+    fig = go.Figure(go.Bar(orientation="h", y=df["leaf"], x=df["delta_s"] * 1e3,
+                           marker_color=[style.color(leaf) for leaf in df["leaf"]],
+                           customdata=df[["base_s", "new_s"]].to_numpy() * 1e3,
+                           hovertemplate="%{y}<br>%{customdata[0]:.4g} → %{customdata[1]:.4g} ms "
+                                         "(%{x:+.4g} ms)<extra></extra>"))
+    fig.add_vline(x=0, line_color="#333", line_width=1)
+    fig.update_xaxes(title_text=f"ms per step, {new} minus {base}", gridcolor="#eee", zeroline=False)
+    return _layout(fig, 120 + 26 * len(df), title=dict(text="Change per breakdown leaf", font=dict(size=14)))

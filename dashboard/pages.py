@@ -1,0 +1,394 @@
+"""One function per page: (store, run, analysis, query) -> Dash components.
+
+Pages only arrange what the analysis computed; figures come from
+:mod:`figures`, numbers are formatted by :mod:`style`.  Interactive parts (a
+clicked breakdown node, the timeline's step and zoom, the compare pair) are
+filled by callbacks in :mod:`app`; the ids they use are defined here.
+"""
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import dash_ag_grid as dag
+import pandas as pd
+from dash import dcc, html
+
+from mfuscope.analyzers import compare as compare_reports
+from mfuscope.analyzers.breakdown import kernel_kind
+
+from . import figures, style
+from .store import Analysis, Run, Store, manifest_text, status_text, trace_set_text
+
+NUM = {"function": "params.value == null ? '–' : d3.format(',.4~g')(params.value)"}
+PCT = {"function": "params.value == null ? '–' : (Math.abs(params.value) >= 0.01 || params.value == 0 ? "
+                   "d3.format('.1%')(params.value) : d3.format('.2~p')(params.value))"}
+
+
+def grid(id_: str, rows: list[dict[str, Any]], columnDefs: list[dict[str, Any]], height: int | None = None,
+         **kw: Any) -> dag.AgGrid:
+    for c in columnDefs:  # the grid would capitalize bare field names; keep ours as written
+        c.setdefault("headerName", c["field"].replace("_", " "))
+    short = height is None and len(rows) <= 25  # short tables grow to fit; long ones scroll
+    options = {"domLayout": "autoHeight"} if short else {}
+    options.update(kw.pop("dashGridOptions", {}))
+    kw.setdefault("defaultColDef", {"sortable": True, "filter": True, "resizable": True, "minWidth": 80})
+    return dag.AgGrid(id=id_, rowData=rows, columnDefs=columnDefs, columnSize="responsiveSizeToFit",
+                      dashGridOptions=options, style={"height": None if short else (height or 600)},
+                      className="ag-theme-alpine", **kw)
+
+
+def card(label: str, value: str, note: str = "") -> html.Div:
+    return html.Div([html.Div(label, className="label"), html.Div(value, className="value"),
+                     html.Div(note, className="note")], className="card")
+
+
+def error_panel(message: str) -> html.Div:
+    return html.Div(message, className="error-panel", role="alert")
+
+
+def info_panel(*children: Any) -> html.Div:
+    return html.Div(list(children), className="info-panel")
+
+
+def progress_panel(run: Run, fraction: float, message: str) -> html.Div:
+    return html.Div([html.H2(f"Analyzing {run.id}"),
+                     html.P(f"{run.path}: first visit, so every rank's trace is read and analyzed once; "
+                            "later visits read the stored result."),
+                     html.Progress(value=f"{fraction:.3f}", max="1", id="analysis-progress"),
+                     html.Div(f"{message} ({fraction:.0%})", className="muted", id="analysis-message")])
+
+
+def rank_labels(report: dict, manifest: dict | None, ranks) -> dict[int, str]:
+    coords = (manifest or {}).get("rank_coords") or {}
+    layout = (manifest or {}).get("layout") or {}
+    shown = [d for d, n in layout.items() if n and n > 1]
+    out = {}
+    for r in sorted(int(x) for x in ranks):
+        c = coords.get(str(r)) or {}
+        extra = " ".join(f"{d}{c[d]}" for d in shown if d in c)
+        out[r] = f"rank {r}" + (f" · {extra}" if extra else "")
+    return out
+
+
+# ----------------------------------------------------------------------------- runs
+def runs_page(store: Store) -> html.Div:
+    runs = store.runs()
+    rows, broken = [], []
+    for run in runs:
+        summary = store.summary(run)
+        text = manifest_text(run.manifest) if run.kind == "run" else trace_set_text(run)
+        rows.append({
+            "run": f"[{run.id}](/run/{quote(run.id)})", "id": run.id, **text,
+            "world": (run.manifest or {}).get("world_size") or (summary or {}).get("world_size"),
+            "mfu": (summary or {}).get("mfu"), "step_ms": ((summary or {}).get("step_time_s") or 0) * 1e3 or None,
+            "status": status_text(run, run.manifest) + ("" if summary or run.error else " (not analyzed yet)"),
+        })
+        if run.error:
+            broken.append(html.Li([html.B(run.id), f": {run.error}"]))
+    columns = [
+        {"field": "run", "headerName": "run", "cellRenderer": "markdown", "minWidth": 160},
+        {"field": "date", "headerName": "date (UTC)"}, {"field": "config"}, {"field": "layout", "minWidth": 220, "wrapText": True, "autoHeight": True},
+        {"field": "world", "headerName": "world size", "type": "numericColumn"},
+        {"field": "mfu", "headerName": "MFU", "valueFormatter": PCT, "type": "numericColumn"},
+        {"field": "step_ms", "headerName": "step time (ms)", "valueFormatter": NUM, "type": "numericColumn"},
+        {"field": "status", "minWidth": 200, "wrapText": True, "autoHeight": True},
+    ]
+    table = grid("runs-grid", rows, columns, getRowId="params.data.id",
+                 dashGridOptions={"rowSelection": {"mode": "multiRow", "checkboxes": True, "headerCheckbox": False,
+                                                    "enableClickSelection": False}})
+    return html.Div([
+        html.H2(f"Runs in {store.root}"),
+        html.P("Open a run by its name; tick two to compare them.", className="muted"),
+        table if rows else info_panel(f"No runs under {store.root}: a run is a directory with manifest.json "
+                                      "(mfuscope train / profile) or a directory of rank trace files."),
+        html.Div([dcc.Link("Compare the two ticked runs", id="compare-link", href="/compare", className="muted")],
+                 style={"marginTop": "8px"}),
+        html.Div([html.H3("Runs that cannot be shown"), html.Ul(broken)], className="error-panel",
+                 id="broken-runs") if broken else None,
+    ])
+
+
+# ----------------------------------------------------------------------------- overview
+def overview_page(run: Run, a: Analysis) -> html.Div:
+    r = a.report
+    s = r["summary"]
+    peak = f"peak {style.rate(s.get('peak_flops'), 'FLOP/s')} ({s.get('peak_source')})" if s.get("peak_flops") else ""
+    cards = [
+        card("MFU", style.percent(s.get("mfu")), s.get("mfu_note") or f"FLOPs from {s.get('flops_source') or '–'}"),
+        card("HFU", style.percent(s.get("hfu")), "with recomputation"),
+        card("tokens/s", style.rate(s.get("tokens_per_s"), "tok/s") if s.get("tokens_per_s") else "–", "whole job"),
+        card("FLOP/s per device", style.rate(s["tflops_per_device"] * 1e12, "FLOP/s")
+             if s.get("tflops_per_device") is not None else "–", peak),
+        card("step time", style.seconds(s.get("step_time_s")),
+             f"p50 {style.seconds(s.get('step_time_p50_s'))} · p90 {style.seconds(s.get('step_time_p90_s'))}"),
+        card("ranks", f"{s.get('ranks')}", f"world size {s.get('world_size') or '?'} · {s.get('device') or '?'}"),
+        card("steps analyzed", f"{s.get('steps')}", f"run {s.get('status') or 'from traces'}"),
+    ]
+    findings = [{"gain_ms": f["gain_s"] * 1e3, "gain": f["gain_fraction"], "title": f["title"], "fix": f["fix"]}
+                for f in r.get("findings") or []]
+    return html.Div([
+        html.H2(f"Overview: {run.id}"),
+        html.Div(cards, className="cards", id="summary-cards"),
+        html.Div([
+            html.Div(dcc.Graph(id="breakdown", figure=figures.breakdown_icicle(r.get("breakdown")),
+                               config={"displaylogo": False})),
+            html.Div(dcc.Graph(id="step-trend", figure=figures.step_trend(_per_step(r)),
+                               config={"displaylogo": False})),
+        ], className="row"),
+        html.Div(info_panel("Click a box of the breakdown to see it per rank."), id="node-detail"),
+        html.H3("Top findings (estimated gain per step if fixed)"),
+        grid("findings-grid", findings, [
+            {"field": "gain_ms", "headerName": "gain (ms/step)", "valueFormatter": NUM, "sort": "desc", "maxWidth": 150},
+            {"field": "gain", "headerName": "of the step", "valueFormatter": PCT, "maxWidth": 130},
+            {"field": "title", "headerName": "finding", "minWidth": 320},
+            {"field": "fix", "headerName": "fix id", "maxWidth": 200}]) if findings else
+        info_panel("No findings: nothing exceeded a finding's threshold."),
+    ])
+
+
+def _per_step(report: dict) -> list[dict[str, Any]]:
+    """Step times (and MFU) per step; for a trace set without collector tables, the slowest rank's
+    step span from the breakdown."""
+    if report.get("per_step"):
+        return report["per_step"]
+    m = pd.DataFrame(report.get("straggler_matrix") or [], columns=["step", "step_s"])
+    return [{"step": int(k), "step_time_s": float(v)} for k, v in m.groupby("step")["step_s"].max().items()]
+
+
+def node_detail(a: Analysis, node: str) -> html.Div:
+    """A clicked breakdown node: its time per step, and per rank."""
+    by_rank = pd.DataFrame(a.report.get("breakdown_by_rank") or [], columns=["rank", "leaf", "seconds"])
+    inside = by_rank[(by_rank["leaf"] == node) | by_rank["leaf"].str.startswith(node + "/")] if node != "step" else by_rank
+    per_rank = inside.groupby("rank", as_index=False)["seconds"].sum()
+    tree = a.report.get("breakdown") or {}
+    total = tree.get("seconds") or 0.0
+    seconds = _node_seconds(tree, node)
+    return html.Div([
+        html.H3(f"{node}: {style.seconds(seconds)} per step ({style.percent(seconds / total if total else None)} "
+                "of the step)", id="node-title"),
+        dcc.Graph(figure=figures.rank_bars(per_rank, node), config={"displaylogo": False}),
+    ])
+
+
+def _node_seconds(node: dict, name: str) -> float:
+    if node.get("name") == name:
+        return node.get("seconds", 0.0)
+    for c in node.get("children") or []:
+        v = _node_seconds(c, name)
+        if v:
+            return v
+    return 0.0
+
+
+# ----------------------------------------------------------------------------- timeline
+def timeline_page(run: Run, a: Analysis, query: dict[str, str]) -> html.Div:
+    steps = sorted(int(s) for s in a.segments["step"].unique()) if len(a.segments) else []
+    if not steps:
+        return info_panel("No step markers in these traces, so no per-step timeline.")
+    step = int(query["step"]) if query.get("step", "").lstrip("-").isdigit() and int(query["step"]) in steps \
+        else steps[len(steps) // 2]
+    rank = query.get("rank")
+    return html.Div([
+        html.H2(f"Timeline: {run.id}" + (f" — rank {rank}, step {step}" if rank is not None else ""),
+                id="timeline-title"),
+        html.Div([html.Span("step "), dcc.Dropdown(id="timeline-step", options=[{"label": f"step {s}", "value": s}
+                                                                                  for s in steps],
+                                                   value=step, clearable=False, style={"width": "160px"})],
+                 style={"display": "flex", "alignItems": "center", "gap": "8px"}),
+        dcc.Store(id="timeline-rank", data=int(rank) if rank is not None and rank.isdigit() else None),
+        dcc.Loading(dcc.Graph(id="timeline-graph", config={"displaylogo": False, "scrollZoom": True})),
+        html.H3("Longest collective waits in this step"),
+        html.Div(id="timeline-waits"),
+    ])
+
+
+def waits_table(waits: pd.DataFrame, labels: dict[int, str], t0: int) -> Any:
+    if waits.empty:
+        return info_panel("No exposed communication or bubble in this step.")
+    rows = [{"#": f"#{i}", "rank": labels.get(int(w.rank), f"rank {w.rank}"), "what": str(w.leaf),
+             "at_ms": (w.start_ns - t0) / 1e6, "waited_ms": (w.end_ns - w.start_ns) / 1e6}
+            for i, w in enumerate(waits.itertuples(), 1)]
+    return grid("waits-grid", rows, [{"field": "#", "maxWidth": 70}, {"field": "rank"},
+                                     {"field": "what", "headerName": "waiting in"},
+                                     {"field": "at_ms", "headerName": "at (ms)", "valueFormatter": NUM},
+                                     {"field": "waited_ms", "headerName": "waited (ms)", "valueFormatter": NUM}])
+
+
+# ----------------------------------------------------------------------------- pipeline
+def pipeline_page(run: Run, a: Analysis) -> html.Div:
+    bubbles = (a.report.get("bubbles") or [None])[0]
+    if bubbles is None:
+        return html.Div([html.H2(f"Pipeline: {run.id}"),
+                         info_panel("No pipeline parallelism in this run (pp = 1), so no schedule to draw.")])
+    mb = a.microbatches
+    head = html.Div([
+        card("measured bubble", style.percent(bubbles["bubble_fraction"]), "of the pipeline's time"),
+        card("theory", style.percent(bubbles["theory_fraction"]),
+             f"(p-1)/(m+p-1)/v, p={bubbles['stages']} m={bubbles['microbatches']} v={bubbles['virtual_stages']}"),
+        card("vs theory", f"{bubbles['vs_theory']:.2f}×" if bubbles.get("vs_theory") else "–", "measured / theory"),
+        card("stage imbalance", style.percent(bubbles["imbalance"]), "slowest stage's busy time over the mean"),
+    ], className="cards", id="bubble-cards")
+    stages = grid("stages-grid", [{"stage": s["stage"], "bubble": s["bubble_fraction"], "share": s["share_of_step"],
+                                   "busy_ms": s["busy_s"] * 1e3} for s in bubbles["per_stage"]],
+                  [{"field": "stage"}, {"field": "bubble", "headerName": "bubble (of pipeline time)", "valueFormatter": PCT},
+                   {"field": "share", "headerName": "bubble (of the step)", "valueFormatter": PCT},
+                   {"field": "busy_ms", "headerName": "busy (ms/step)", "valueFormatter": NUM}])
+    if mb.empty:
+        body = info_panel("These traces carry no per-microbatch labels (PyTorch's PP:<stage>F<mb> or the "
+                          "collectors' mfuscope.pp/...), so only the measured bubble is shown.")
+    else:
+        step = sorted(mb["step"].unique())[len(mb["step"].unique()) // 2]
+        rep = mb[mb["step"] == step].groupby("stage")["rank"].min()       # one rank per stage
+        executed = mb[(mb["step"] == step) & mb["rank"].isin(rep.values)]
+        executed = executed[executed["rank"].map(dict(zip(rep.values, rep.index))) == executed["stage"]]
+        seg = a.segments[(a.segments["step"] == step) & a.segments["rank"].isin(rep.values)]
+        t0 = int(seg["start_ns"].min()) if len(seg) else int(executed["start_ns"].min())
+        stage_of = {int(r): int(s) for s, r in rep.items()}
+        bub = seg[seg["leaf"] == "bubble"].assign(stage=lambda d: d["rank"].map(stage_of))
+        fig = figures.pipeline(executed, bub.reset_index(drop=True), t0, bubbles.get("schedule") or "1f1b",
+                               bubbles["stages"], bubbles["microbatches"])
+        body = html.Div([html.P(f"Step {step}; ranks " + ", ".join(f"{r} (stage {s})" for s, r in rep.items()),
+                                className="muted"),
+                         dcc.Graph(id="pipeline-graph", figure=fig, config={"displaylogo": False})])
+    return html.Div([html.H2(f"Pipeline: {run.id} ({bubbles.get('schedule') or '?'} schedule)"), head, body,
+                     html.H3("Per stage"), stages])
+
+
+# ----------------------------------------------------------------------------- communication
+def comm_page(run: Run, a: Analysis) -> html.Div:
+    r = a.report
+    rows = [{"dim": c["dim"], "op": c["op"], "size": c["size"], "count": c["count"], "bytes": c["bytes"] / 2**20,
+             "total_ms": c["total_s"] * 1e3, "exposed_ms": None if c["exposed_s"] is None else c["exposed_s"] * 1e3,
+             "overlap": c.get("overlap"), "algbw": c.get("algbw_gbps"), "busbw": c.get("busbw_gbps")}
+            for c in r.get("comm") or []]
+    dim_style = {"styleConditions": [{"condition": f"params.value == '{d}'",
+                                      "style": {"backgroundColor": col, "color": "white"}}
+                                     for d, col in style.DIM_COLORS.items()]}
+    table = grid("comm-grid", rows, [
+        {"field": "dim", "cellStyle": dim_style, "maxWidth": 140}, {"field": "op"},
+        {"field": "size", "headerName": "message size"}, {"field": "count", "headerName": "calls", "valueFormatter": NUM},
+        {"field": "bytes", "headerName": "MiB", "valueFormatter": NUM},
+        {"field": "total_ms", "headerName": "total (ms)", "valueFormatter": NUM},
+        {"field": "exposed_ms", "headerName": "exposed (ms)", "valueFormatter": NUM, "sort": "desc"},
+        {"field": "overlap", "headerName": "overlapped", "valueFormatter": PCT},
+        {"field": "algbw", "headerName": "algbw (GB/s)", "valueFormatter": NUM},
+        {"field": "busbw", "headerName": "busbw (GB/s)", "valueFormatter": NUM}]) if rows else \
+        info_panel("No communication in this run.")
+    skew = r.get("comm_skew") or []
+    skew_text = [html.Li(f"{k['dim']}: {k['instances']} matched calls, arrival skew median "
+                         f"{style.seconds(k['median_skew_s'])}, p90 {style.seconds(k['p90_skew_s'])}"
+                         + (("; everyone waited most for " + ", ".join(f"rank {w['rank']} ({style.seconds(w['seconds'])})"
+                                                                     for w in k["waited_for"])) if k["waited_for"] else ""))
+                 for k in skew]
+    arrival = pd.DataFrame(r.get("comm_arrival") or [])
+    heat = figures.heatmap(arrival, "collective", "rank", "median_lag_s", scale=1e3, y_prefix="rank ",
+                           title="Arrival lag: how late each rank reaches each collective (median)",
+                           z_title="ms late") if len(arrival) else None
+    legend = html.Div([html.Span(d, className="legend-dim", style={"background": c})
+                       for d, c in style.DIM_COLORS.items() if d not in ("dp", "dp_shard")])
+    return html.Div([
+        html.H2(f"Communication: {run.id}"), legend,
+        html.H3("Per dimension, op and message size (all ranks)"), table,
+        html.H3("Arrival skew"), html.Ul(skew_text) if skew_text else None,
+        dcc.Graph(id="skew-heatmap", figure=heat, config={"displaylogo": False}) if heat is not None else
+        info_panel("No collective could be matched across ranks (these traces carry no process-group "
+                   "sequence numbers), so there is no arrival skew to show."),
+    ])
+
+
+# ----------------------------------------------------------------------------- stragglers
+def stragglers_page(run: Run, a: Analysis) -> html.Div:
+    r = a.report
+    matrix = pd.DataFrame(r.get("straggler_matrix") or [])
+    found = r.get("stragglers") or []
+    head = (info_panel("Stragglers: " + ", ".join(f"rank {s['rank']} costs everyone {style.seconds(s['cost_s'])} "
+                                                   f"per step (slow in steps {', '.join(map(str, s['steps']))})"
+                                                   for s in found)) if found else
+            info_panel("No straggler: no rank's busy time stands out from its peers' (within 3 MADs or 5%)."))
+    fig = figures.heatmap(matrix, "step", "rank", "excess_s", scale=1e3, x_prefix="step ", y_prefix="rank ",
+                          title="Busy time over the median rank's (same pipeline stage), per rank and step — "
+                                "click a cell for its timeline", z_title="ms over median", colorscale="RdBu_r")
+    if len(matrix):
+        lim = float(matrix["excess_s"].abs().max() * 1e3) or 1.0
+        fig.update_traces(zmid=0, zmin=-lim, zmax=lim)
+    return html.Div([html.H2(f"Stragglers: {run.id}"), head,
+                     dcc.Graph(id="straggler-heatmap", figure=fig, config={"displaylogo": False})])
+
+
+# ----------------------------------------------------------------------------- kernels
+def kernels_page(run: Run, a: Analysis) -> html.Div:
+    r = a.report
+    rows = [{"name": k["name"], "kind": kernel_kind(k["name"]) if k["kind"] == "kernel" else k["kind"], "count": k["count"], "total_ms": k["total_s"] * 1e3,
+             "mean_us": k["mean_us"], "median_us": k["median_us"], "share": k["share"]} for k in r.get("kernels") or []]
+    launch = r.get("kernel_launch") or []
+    parts = [html.H2(f"Kernels: {run.id}")]
+    if not rows:
+        parts.append(info_panel("No GPU kernels in this run (CPU training: its operators are under Overview's "
+                                "compute leaves)."))
+    else:
+        parts += [html.P("Top kernels over all ranks; sort by any column, filter by name or kind.", className="muted"),
+                  grid("kernels-grid", rows, defaultColDef={"sortable": True, "filter": True, "resizable": True,
+                                                            "floatingFilter": True, "minWidth": 80}, columnDefs=[
+                      {"field": "name", "minWidth": 420, "filter": "agTextColumnFilter", "tooltipField": "name"},
+                      {"field": "kind", "headerName": "kind (breakdown leaf)", "maxWidth": 190}, {"field": "count", "valueFormatter": NUM, "maxWidth": 110},
+                      {"field": "total_ms", "headerName": "total (ms)", "valueFormatter": NUM, "sort": "desc"},
+                      {"field": "mean_us", "headerName": "mean (µs)", "valueFormatter": NUM},
+                      {"field": "median_us", "headerName": "median (µs)", "valueFormatter": NUM},
+                      {"field": "share", "headerName": "share of kernel time", "valueFormatter": PCT}])]
+    if launch:
+        parts += [html.H3("Launch overhead per rank"), grid("launch-grid", [
+            {**x, "small_kernel_ms": x.get("small_kernel_s", 0) * 1e3} for x in launch], [
+            {"field": "rank"}, {"field": "kernels", "valueFormatter": NUM},
+            {"field": "median_kernel_us", "headerName": "median kernel (µs)", "valueFormatter": NUM},
+            {"field": "median_launch_us", "headerName": "median launch (µs)", "valueFormatter": NUM},
+            {"field": "small_kernel_share", "headerName": "kernels < 10 µs", "valueFormatter": PCT},
+            {"field": "small_kernel_ms", "headerName": "time in them (ms)", "valueFormatter": NUM},
+            {"field": "launch_bound", "headerName": "launch-bound"}])]
+    return html.Div(parts)
+
+
+# ----------------------------------------------------------------------------- compare
+def compare_page(store: Store, analyzed: list[Run], a_id: str | None, b_id: str | None) -> html.Div:
+    ids = [r.id for r in analyzed]
+    options = [{"label": i, "value": i} for i in ids]
+    pickers = html.Div([
+        html.Span("base "), dcc.Dropdown(id="compare-a", options=options, value=a_id, clearable=False,
+                                         style={"width": "260px"}),
+        html.Span("new "), dcc.Dropdown(id="compare-b", options=options, value=b_id, clearable=False,
+                                        style={"width": "260px"}),
+    ], style={"display": "flex", "alignItems": "center", "gap": "8px"})
+    head = [html.H2("Compare two runs"), pickers]
+    if len(ids) < 2:
+        return html.Div(head + [info_panel("Compare needs two analyzed runs; open runs from the Runs page first.")])
+    if a_id not in ids or b_id not in ids:
+        return html.Div(head + [info_panel("Pick a base and a new run.")])
+    base = store.load(next(r for r in analyzed if r.id == a_id)).report
+    new = store.load(next(r for r in analyzed if r.id == b_id)).report
+    result = compare_reports.compare(base, new)
+    fmt = {"mfu": style.percent, "hfu": style.percent, "step_time_s": style.seconds,
+           "tokens_per_s": lambda v: style.rate(v, "tok/s"),
+           "tflops_per_device": lambda v: "–" if v is None else style.rate(v * 1e12, "FLOP/s")}
+    names = {"mfu": "MFU", "hfu": "HFU", "step_time_s": "step time", "tokens_per_s": "tokens/s",
+             "tflops_per_device": "FLOP/s per device"}
+    summary = grid("compare-summary", [{"metric": names[x["metric"]], "base": fmt[x["metric"]](x["base"]),
+                                        "new": fmt[x["metric"]](x["new"]), "change": style.signed_percent(x["change"])}
+                                       for x in result["summary"]],
+                   [{"field": "metric"}, {"field": "base", "headerName": f"base: {a_id}"},
+                    {"field": "new", "headerName": f"new: {b_id}"}, {"field": "change"}])
+    finding_rows = [{"title": f["title"], "fix": f["fix"],
+                     "base_ms": None if f["base_gain_s"] is None else f["base_gain_s"] * 1e3,
+                     "new_ms": None if f["new_gain_s"] is None else f["new_gain_s"] * 1e3,
+                     "delta_ms": f["delta_s"] * 1e3} for f in result["findings"]]
+    return html.Div(head + [
+        html.Div(summary, id="compare-summary-box", style={"marginTop": "10px"}),
+        dcc.Graph(id="compare-leaves", figure=figures.compare_leaves(result["leaves"], a_id, b_id),
+                  config={"displaylogo": False}),
+        html.H3("Findings (estimated gain per step)"),
+        grid("compare-findings", finding_rows, [
+            {"field": "title", "headerName": "finding", "minWidth": 300}, {"field": "fix"},
+            {"field": "base_ms", "headerName": "base (ms)", "valueFormatter": NUM},
+            {"field": "new_ms", "headerName": "new (ms)", "valueFormatter": NUM},
+            {"field": "delta_ms", "headerName": "change (ms)", "valueFormatter": NUM}]) if finding_rows else
+        info_panel("Neither run has findings."),
+    ])

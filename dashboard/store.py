@@ -1,0 +1,212 @@
+"""The runs a dashboard shows, and their analyses: found on disk, analyzed once, held in memory.
+
+A *run* is a child of the runs directory that is a run directory (has
+``manifest.json``) or a directory of trace files (a corpus set, a cluster's
+dump); the runs directory itself may be one.  Its analysis is ``report.json``
+plus ``views/``: inside a run directory (where ``mfuscope analyze`` puts them),
+or for a trace directory -- which may be read-only -- in the cache directory,
+keyed by its resolved path.  A run with no analysis is analyzed once, in a
+background thread (one at a time: analysis already uses every core), and
+pages show its progress.  Anything wrong with a run -- an unreadable manifest,
+a bad trace, a failed analysis -- is kept as that run's error message; other
+runs are unaffected.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mfuscope import run_dir
+from mfuscope.analyzers import analysis, trace_cache, trace_set
+from mfuscope.errors import UserInputError
+from mfuscope.report import read_report
+
+log = logging.getLogger("mfuscope.dashboard")
+
+
+@dataclass
+class Run:
+    id: str                      # the directory's name: what URLs carry
+    path: Path
+    kind: str                    # "run" (a run directory) or "traces"
+    manifest: dict | None = None
+    error: str | None = None     # why the run cannot be shown
+
+    @property
+    def analysis_dir(self) -> Path:
+        if self.kind == "run" and os.access(self.path, os.W_OK):
+            return self.path
+        digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return trace_cache.cache_dir() / "dashboard" / f"{self.path.name}-{digest}"
+
+    @property
+    def report_path(self) -> Path:
+        return self.analysis_dir / run_dir.REPORT
+
+    @property
+    def views_dir(self) -> Path:
+        return self.analysis_dir / run_dir.VIEWS
+
+
+@dataclass
+class Analysis:
+    report: dict[str, Any]
+    segments: pd.DataFrame
+    microbatches: pd.DataFrame
+
+
+@dataclass
+class Job:
+    fraction: float = 0.0
+    message: str = "queued"
+    error: str | None = None
+    done: bool = False
+
+
+@dataclass
+class Store:
+    root: Path
+    jobs: dict[str, Job] = field(default_factory=dict)
+    _loaded: dict[str, tuple[float, Analysis]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _one_at_a_time: threading.Lock = field(default_factory=threading.Lock)
+
+    # ------------------------------------------------------------ discovery
+    def runs(self) -> list[Run]:
+        """Every run under the root, sorted by name; broken ones carry their error."""
+        root = Path(self.root)
+        if not root.is_dir():
+            raise UserInputError("not a directory", root)
+        candidates = [root] if _looks_like_run(root) else sorted(p for p in root.iterdir()
+                                                                  if p.is_dir() and not p.name.startswith("."))
+        return [r for r in (self._describe(p) for p in candidates) if r is not None]
+
+    def run(self, run_id: str) -> Run | None:
+        return next((r for r in self.runs() if r.id == run_id), None)
+
+    def _describe(self, path: Path) -> Run | None:
+        if run_dir.is_run_dir(path):
+            run = Run(path.name, path, "run")
+            try:
+                run.manifest = run_dir.read_manifest(path)
+            except UserInputError as e:
+                run.error = str(e)
+            except Exception as e:  # noqa: BLE001 -- one bad run never takes the page down
+                run.error = f"{path / run_dir.MANIFEST}: {e}"
+            return run
+        if _looks_like_run(path):
+            return Run(path.name, path, "traces")
+        return None
+
+    # ------------------------------------------------------------ analyses
+    def analyzed(self, run: Run) -> bool:
+        return run.report_path.is_file() and run.views_dir.is_dir()
+
+    def summary(self, run: Run) -> dict[str, Any] | None:
+        """The report's summary if the run was analyzed (cheap: no views read)."""
+        if run.error or not self.analyzed(run):
+            return None
+        try:
+            return self.load(run).report["summary"]
+        except Exception as e:  # noqa: BLE001
+            run.error = str(e)
+            return None
+
+    def load(self, run: Run) -> Analysis:
+        """The run's analysis, read once per version of its report."""
+        mtime = run.report_path.stat().st_mtime
+        with self._lock:
+            hit = self._loaded.get(run.id)
+            if hit and hit[0] == mtime:
+                return hit[1]
+        segments, microbatches = analysis.read_views(run.views_dir)
+        loaded = Analysis(read_report(run.report_path), segments, microbatches)
+        with self._lock:
+            self._loaded[run.id] = (mtime, loaded)
+        return loaded
+
+    def ensure_analysis(self, run: Run) -> Job | None:
+        """None when the analysis is on disk; else the (started) job producing it."""
+        if self.analyzed(run) and run.id not in self.jobs:
+            return None
+        with self._lock:
+            job = self.jobs.get(run.id)
+            if job is None:
+                job = self.jobs[run.id] = Job()
+                threading.Thread(target=self._analyze, args=(run, job), daemon=True,
+                                 name=f"analyze-{run.id}").start()
+        if job.done and job.error is None:
+            with self._lock:
+                self.jobs.pop(run.id, None)
+            return None
+        return job
+
+    def retry(self, run: Run) -> None:
+        with self._lock:
+            self.jobs.pop(run.id, None)
+
+    def _analyze(self, run: Run, job: Job) -> None:
+        def progress(fraction: float, message: str) -> None:
+            job.fraction, job.message = fraction, message
+
+        with self._one_at_a_time:
+            try:
+                run.analysis_dir.mkdir(parents=True, exist_ok=True)
+                analysis.analyze(run.path, run.report_path, run.views_dir, on_progress=progress, progress=False)
+            except UserInputError as e:
+                job.error = str(e)
+            except Exception as e:  # noqa: BLE001 -- shown on the run's page, logged with its traceback
+                log.exception("analysis of %s failed", run.path)
+                job.error = f"{run.path}: analysis failed: {type(e).__name__}: {e}"
+            finally:
+                job.done = True
+
+
+def _looks_like_run(path: Path) -> bool:
+    """A run directory, or a directory with trace files directly in it (not in subfolders: those
+    are other runs)."""
+    return run_dir.is_run_dir(path) or any(trace_set.is_trace_file(f) for f in path.iterdir())
+
+
+def manifest_text(manifest: dict | None) -> dict[str, str]:
+    """Date, config and layout of a run, for the runs table."""
+    if not manifest:
+        return {"date": "", "config": "", "layout": ""}
+    model = manifest.get("model") or {}
+    config = model.get("family") or ""
+    if model.get("dim"):
+        config += f" d{model['dim']}×{model.get('n_layers', '?')}L"
+        if model.get("n_experts"):
+            config += f" {model['n_experts']}E"
+    layout = ", ".join(f"{k}={v}" for k, v in (manifest.get("layout") or {}).items() if v not in (1, None))
+    sched = manifest.get("schedule") or {}
+    if sched.get("name"):
+        layout += f" ({sched['name']}, m={sched.get('microbatches')})"
+    return {"date": (manifest.get("start_time") or "").replace("T", " ")[:19], "config": config.strip(),
+            "layout": layout or "single rank"}
+
+
+def trace_set_text(run: Run) -> dict[str, str]:
+    """Date (newest file) and size of a directory of traces, for the runs table."""
+    import datetime as dt
+
+    files = [f for f in run.path.iterdir() if trace_set.is_trace_file(f)]
+    newest = max((f.stat().st_mtime for f in files), default=None)
+    date = dt.datetime.fromtimestamp(newest, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if newest else ""
+    return {"date": date, "config": f"trace set, {len(files)} file(s)", "layout": ""}
+
+
+def status_text(run: Run, manifest: dict | None) -> str:
+    if run.error:
+        return "error"
+    if manifest is None:
+        return "traces"
+    status = manifest.get("status", "?")
+    return status.replace("_", " ") + (f": {manifest['ended_reason']}" if manifest.get("ended_reason") else "")
