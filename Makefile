@@ -1,5 +1,6 @@
 # mfuscope: two commands on a fresh machine.
-#   make demo   set up, profile a real 4-rank job, analyze it, print where to look
+#   make demo   set up, profile a real 8-rank job, analyze it, print where to look
+#               (then: make dashboard, and open http://127.0.0.1:8050/)
 #   make test   set up, run the whole test suite
 # Set-up is shared and idempotent: a .venv with torch (CPU build, pinned in
 # constraints/ci.txt) and mfuscope installed editable with its [dev] extra.
@@ -10,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mfuscope-installed
 DEMO   ?= artifacts/demo
 
-.PHONY: all install demo test bench clean
+.PHONY: all install demo dashboard test bench clean
 
 all: test
 
@@ -25,6 +26,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m mfuscope.demo --out $(DEMO)
 
+dashboard: $(STAMP)
+	$(VENV)/bin/mfuscope dashboard $(DEMO)/runs
+
 test: $(STAMP)
 	$(PY) -m pytest -q
 
@@ -32,6 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_load.py
 	$(PY) benchmarks/bench_analyze.py
 	$(PY) benchmarks/bench_overhead.py
+	$(PY) benchmarks/bench_dashboard.py
 
 clean:
 	rm -rf $(VENV) artifacts build dist *.egg-info

@@ -9,8 +9,9 @@ and fused attention (``aten::_scaled_dot_product_*``: 4*B*H*Sq*Sk*D forward,
 twice that backward, over the whole key length since the trace does not say
 causal) -- forward and backward alike, so this is hardware FLOPs; the report
 says which.  The peak is the manifest's (hardware
-table, or on CPU a measured matmul peak, labelled as such); without one there
-is no MFU, never a guessed peak.
+table, or on CPU a measured matmul peak, labelled as such), or for a bare trace
+set the hardware table's entry for the device the traces name; without one
+there is no MFU, never a guessed peak.
 """
 from __future__ import annotations
 
@@ -20,11 +21,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mfuscope import hardware
 from mfuscope.event_table import EventTable
 from mfuscope.flops import train_flops_per_token
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 _ATTENTION = "aten::_scaled_dot_product_"  # the fused kernels (the public op is their parent)
+
+
+def _table_peak(events: EventTable) -> tuple[float | None, str | None]:
+    """The hardware table's 16-bit dense peak for the device the traces name (traces do not say
+    which dtype ran; MFU is conventionally taken against the tensor-core peak)."""
+    name = next((m.get("device_name") for m in events.ranks.values() if m.get("device_name")), None)
+    acc = hardware.lookup(name)
+    peak = acc.peak_flops("bf16") if acc else None
+    if peak is None:
+        return None, None
+    return peak, f"hardware table: {acc.key} 16-bit dense peak ({acc.source}); the trace does not say the dtype"
 
 
 def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | None,
@@ -36,13 +49,15 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
     and ``per_rank`` rows."""
     manifest = manifest or {}
     hw = manifest.get("hardware") or {}
-    peak = hw.get("peak_flops")
+    peak, peak_source = hw.get("peak_flops"), hw.get("peak_source")
+    if peak is None and events is not None:  # a trace set: the device the traces name
+        peak, peak_source = _table_peak(events)
     devices = devices or manifest.get("world_size")
     spec = manifest.get("model") or {}
     train = manifest.get("train") or {}
     seq_len = train.get("seq_len") or spec.get("max_seq_len")
     out: dict[str, Any] = {"mfu": None, "hfu": None, "tokens_per_s": None, "tflops_per_device": None,
-                           "flops_source": None, "peak_flops": peak, "peak_source": hw.get("peak_source"),
+                           "flops_source": None, "peak_flops": peak, "peak_source": peak_source,
                            "mfu_note": None, "per_step": [], "per_rank": []}
     have_tokens = tokens is not None and tokens.notna().all() and len(tokens) == len(step_times)
     if have_tokens and len(step_times):

@@ -150,7 +150,7 @@ def pipeline(executed: pd.DataFrame, bubbles: pd.DataFrame, t0: int, schedule: s
                              insidetextanchor="middle", showlegend=False, legendgroup=action,
                              marker=dict(color=style.ACTION_COLORS.get(action, "#999"), line=dict(color="#fff", width=1)),
                              hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"), row=2, col=1)
-    stages = [f"stage {s}" for s in range(p)]
+    stages = [f"stage {s}" for s in sorted(set(range(p)) | set(int(x) for x in executed["stage"]))]
     fig.update_yaxes(categoryorder="array", categoryarray=stages, autorange="reversed")
     fig.update_xaxes(title_text="ms since the step began", gridcolor="#eee", row=2, col=1)
     fig.update_xaxes(gridcolor="#eee", row=1, col=1)

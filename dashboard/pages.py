@@ -239,12 +239,12 @@ def pipeline_page(run: Run, a: Analysis) -> html.Div:
                           "collectors' mfuscope.pp/...), so only the measured bubble is shown.")
     else:
         step = sorted(mb["step"].unique())[len(mb["step"].unique()) // 2]
-        rep = mb[mb["step"] == step].groupby("stage")["rank"].min()       # one rank per stage
-        executed = mb[(mb["step"] == step) & mb["rank"].isin(rep.values)]
-        executed = executed[executed["rank"].map(dict(zip(rep.values, rep.index))) == executed["stage"]]
+        in_step = mb[mb["step"] == step]
+        rep = in_step.groupby("stage")["rank"].min()       # one rank per stage (interleaved: a rank has several)
+        executed = in_step.merge(pd.DataFrame({"stage": rep.index, "rank": rep.values}), on=["stage", "rank"])
         seg = a.segments[(a.segments["step"] == step) & a.segments["rank"].isin(rep.values)]
         t0 = int(seg["start_ns"].min()) if len(seg) else int(executed["start_ns"].min())
-        stage_of = {int(r): int(s) for s, r in rep.items()}
+        stage_of = {int(r): int(s) for s, r in rep.iloc[::-1].items()}  # a rank's bubbles go on its first stage
         bub = seg[seg["leaf"] == "bubble"].assign(stage=lambda d: d["rank"].map(stage_of))
         fig = figures.pipeline(executed, bub.reset_index(drop=True), t0, bubbles.get("schedule") or "1f1b",
                                bubbles["stages"], bubbles["microbatches"])

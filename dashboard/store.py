@@ -148,10 +148,6 @@ class Store:
             return None
         return job
 
-    def retry(self, run: Run) -> None:
-        with self._lock:
-            self.jobs.pop(run.id, None)
-
     def _analyze(self, run: Run, job: Job) -> None:
         def progress(fraction: float, message: str) -> None:
             job.fraction, job.message = fraction, message
