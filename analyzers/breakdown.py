@@ -28,7 +28,7 @@ Output of :func:`step_leaves`: rank, step, leaf, seconds (a row per non-zero lea
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
@@ -86,21 +86,27 @@ def _sets(frame: pd.DataFrame, keys: pd.Series) -> list[tuple[str, tuple[np.ndar
 
 def step_leaves(events: EventTable) -> pd.DataFrame:
     """Leaves of every (rank, step); see the module docstring."""
+    rows = []
+    for rank, step, window, plan in step_plans(events):
+        for leaf, ns in iv.assign_by_priority(window, plan, rest="idle").items():
+            if ns > 0:
+                rows.append((rank, step, leaf, ns / 1e9))
+    return pd.DataFrame(rows, columns=["rank", "step", "leaf", "seconds"])
+
+
+def step_plans(events: EventTable) -> Iterator[tuple[int, int, tuple[int, int], list]]:
+    """(rank, step, the step's [start, end) ns, the rank's plan -- see :func:`rank_plan`) for every
+    step marker: what the breakdown and the timelines split."""
     cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim", "step"]
     df = events.to_pandas(cols)
     # kind, name and lane stay categorical: string tests run once per distinct value, not per event
-    rows = []
     for rank, rdf in df.groupby("rank", sort=True):
         steps = rdf[rdf["kind"] == "step"]
         if steps.empty:
             continue
         plan = rank_plan(rdf, steps)
         for st in steps.itertuples():
-            window = (int(st.ts_ns), int(st.ts_ns + st.dur_ns))
-            for leaf, ns in iv.assign_by_priority(window, plan, rest="idle").items():
-                if ns > 0:
-                    rows.append((rank, int(st.step), leaf, ns / 1e9))
-    return pd.DataFrame(rows, columns=["rank", "step", "leaf", "seconds"])
+            yield rank, int(st.step), (int(st.ts_ns), int(st.ts_ns + st.dur_ns)), plan
 
 
 def rank_plan(rdf: pd.DataFrame, steps: pd.DataFrame) -> list[tuple[str, tuple[np.ndarray, np.ndarray]]]:

@@ -21,7 +21,7 @@ import pandas as pd
 from mfuscope.event_table import EventTable
 
 from . import intervals as iv
-from .breakdown import rank_plan
+from .breakdown import step_plans
 
 RESOLUTION = 10_000
 SEGMENT_COLUMNS = ["rank", "step", "start_ns", "end_ns", "leaf"]
@@ -32,23 +32,14 @@ _GPIPE = re.compile(r"^(Forward|Backward) (\d+)$")
 
 
 def segments(events: EventTable) -> pd.DataFrame:
-    cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim", "step"]
-    df = events.to_pandas(cols)
     parts = []
-    for rank, rdf in df.groupby("rank", sort=True):
-        steps = rdf[rdf["kind"] == "step"]
-        if steps.empty:
-            continue
-        plan = rank_plan(rdf, steps)
-        for st in steps.itertuples():
-            lo, hi = int(st.ts_ns), int(st.ts_ns + st.dur_ns)
-            s, e, names = iv.segments_by_priority((lo, hi), plan, rest="idle")
-            if s.size > RESOLUTION:
-                labels, codes = np.unique(np.asarray(names, dtype=object), return_inverse=True)
-                s, e, c = iv.dominant_runs(s, e, codes, lo, hi, RESOLUTION)
-                names = list(labels[c])
-            parts.append(pd.DataFrame({"rank": rank, "step": int(st.step), "start_ns": s, "end_ns": e,
-                                       "leaf": names}))
+    for rank, step, (lo, hi), plan in step_plans(events):
+        s, e, names = iv.segments_by_priority((lo, hi), plan, rest="idle")
+        if s.size > RESOLUTION:
+            labels, codes = np.unique(np.asarray(names, dtype=object), return_inverse=True)
+            s, e, c = iv.dominant_runs(s, e, codes, lo, hi, RESOLUTION)
+            names = list(labels[c])
+        parts.append(pd.DataFrame({"rank": rank, "step": step, "start_ns": s, "end_ns": e, "leaf": names}))
     if not parts:
         return pd.DataFrame(columns=SEGMENT_COLUMNS)
     out = pd.concat(parts, ignore_index=True)

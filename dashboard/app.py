@@ -95,10 +95,13 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
         return top, pages.error_panel(f"no run named {run_id!r} under {store.root}"), True
     if run.error:
         return top, pages.error_panel(f"{run.id} cannot be shown: {run.error}"), True
+    if "retry" in query:
+        store.forget_failure(run)
     job = store.ensure_analysis(run)
     if job is not None:
         if job.error:
-            return top, pages.error_panel(f"{run.id} could not be analyzed: {job.error}"), True
+            return top, html.Div([pages.error_panel(f"{run.id} could not be analyzed: {job.error}"),
+                                  dcc.Link("Try again", href=f"/run/{quote(run_id)}?retry=1")]), True
         return top, pages.progress_panel(run, job.fraction, job.message), False
     a = store.load(run)
     builders = {"": pages.overview_page, "pipeline": pages.pipeline_page, "comm": pages.comm_page,

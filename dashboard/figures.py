@@ -105,13 +105,14 @@ def timeline(lanes: pd.DataFrame, labels: dict[int, str], t0: int, waits: pd.Dat
             continue
         x0, x1 = (w.start_ns - t0) / 1e6, (w.end_ns - t0) / 1e6
         fig.add_shape(type="rect", x0=x0, x1=x1, y0=y - 0.45, y1=y + 0.45, line=dict(color="#000", width=2))
-        fig.add_annotation(x=(x0 + x1) / 2, y=y - 0.45, text=f"#{i}", showarrow=False, yshift=7,
-                           font=dict(size=11, color="#000"))
+        fig.add_annotation(x=x0, y=y, text=f"#{i}", showarrow=False, xanchor="left", xshift=2,
+                           bgcolor="rgba(255,255,255,0.85)", font=dict(size=10, color="#000"))
     if highlight is not None and highlight in order:
         y = order.index(highlight)
         fig.add_hrect(y0=y - 0.5, y1=y + 0.5, fillcolor="#ffd54f", opacity=0.25, line_width=0, layer="below")
     fig.update_layout(barmode="overlay", bargap=0.15, uirevision="timeline")
-    fig.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in order], autorange="reversed")
+    fig.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in order], autorange="reversed",
+                     ticksuffix="  ")
     fig.update_xaxes(title_text="ms since the step began", gridcolor="#eee", range=list(x_range) if x_range else None)
     return _layout(fig, max(300, 90 + 34 * len(order)), legend=dict(font=dict(size=11), tracegroupgap=2),
                    title=dict(text="Per-rank timeline (drag to zoom; boxes: longest waits)", font=dict(size=14)))

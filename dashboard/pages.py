@@ -21,6 +21,9 @@ from . import figures, style
 from .store import Analysis, Run, Store, manifest_text, status_text, trace_set_text
 
 NUM = {"function": "params.value == null ? '–' : d3.format(',.4~g')(params.value)"}
+#: Wrapped cells: several lines at text spacing, not one line per row height.
+WRAP = {"wrapText": True, "autoHeight": True,
+        "cellStyle": {"lineHeight": "1.45", "paddingTop": "9px", "paddingBottom": "9px"}}
 PCT = {"function": "params.value == null ? '–' : (Math.abs(params.value) >= 0.01 || params.value == 0 ? "
                    "d3.format('.1%')(params.value) : d3.format('.2~p')(params.value))"}
 
@@ -88,11 +91,12 @@ def runs_page(store: Store) -> html.Div:
             broken.append(html.Li([html.B(run.id), f": {run.error}"]))
     columns = [
         {"field": "run", "headerName": "run", "cellRenderer": "markdown", "minWidth": 160},
-        {"field": "date", "headerName": "date (UTC)"}, {"field": "config"}, {"field": "layout", "minWidth": 220, "wrapText": True, "autoHeight": True},
+        {"field": "date", "headerName": "date (UTC)", "minWidth": 175}, {"field": "config"},
+        {"field": "layout", "minWidth": 220, **WRAP},
         {"field": "world", "headerName": "world size", "type": "numericColumn"},
         {"field": "mfu", "headerName": "MFU", "valueFormatter": PCT, "type": "numericColumn"},
         {"field": "step_ms", "headerName": "step time (ms)", "valueFormatter": NUM, "type": "numericColumn"},
-        {"field": "status", "minWidth": 200, "wrapText": True, "autoHeight": True},
+        {"field": "status", "minWidth": 200, **WRAP},
     ]
     table = grid("runs-grid", rows, columns, getRowId="params.data.id",
                  dashGridOptions={"rowSelection": {"mode": "multiRow", "checkboxes": True, "headerCheckbox": False,
@@ -139,7 +143,8 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
         html.Div(info_panel("Click a box of the breakdown to see it per rank."), id="node-detail"),
         html.H3("Top findings (estimated gain per step if fixed)"),
         grid("findings-grid", findings, [
-            {"field": "gain_ms", "headerName": "gain (ms/step)", "valueFormatter": NUM, "sort": "desc", "maxWidth": 150},
+            {"field": "gain_ms", "headerName": "gain (ms/step)", "valueFormatter": NUM, "sort": "desc",
+             "minWidth": 140, "maxWidth": 170},
             {"field": "gain", "headerName": "of the step", "valueFormatter": PCT, "maxWidth": 130},
             {"field": "title", "headerName": "finding", "minWidth": 320},
             {"field": "fix", "headerName": "fix id", "maxWidth": 200}]) if findings else

@@ -148,6 +148,13 @@ class Store:
             return None
         return job
 
+    def forget_failure(self, run: Run) -> None:
+        """Let a failed analysis run again (the run may have been fixed or finished since)."""
+        with self._lock:
+            job = self.jobs.get(run.id)
+            if job is not None and job.error is not None:
+                del self.jobs[run.id]
+
     def _analyze(self, run: Run, job: Job) -> None:
         def progress(fraction: float, message: str) -> None:
             job.fraction, job.message = fraction, message
