@@ -251,6 +251,10 @@ def test_runs_page_lists_every_run_and_the_broken_one(tab, runs):
     broken = tab.text("#broken-runs")
     assert "broken" in broken and "manifest.json" in broken  # which file, and that it is unreadable
     tab.shot("runs")
+    # the broken run's own page is an error panel naming the file; the app goes on
+    tab.open("/run/broken", ".error-panel")
+    assert "manifest.json" in tab.text(".error-panel") and "cannot be shown" in tab.text(".error-panel")
+    tab.open("/", "#runs-grid .ag-row")
     # open a run by its name: nothing has analyzed it yet, so its first view shows the progress
     tab.page.locator("#runs-grid a", has_text="pp8").filter(has_not_text="straggler").click()
     tab.page.wait_for_url("**/run/pp8")
@@ -297,6 +301,11 @@ def test_every_page_renders(tab, runs, run):
             expect(tab.page.locator("#kernels-grid .ag-center-cols-container .ag-row")).to_have_count(2)
             names = tab.page.locator('#kernels-grid .ag-center-cols-container [col-id="name"]').all_inner_texts()
             assert all(n.startswith("nccl") for n in names), names
+            # ...and sorts by a clicked column (the raw JSON's counts: 40 SendRecv, 24 AllReduce kernels)
+            tab.page.locator('#kernels-grid .ag-header-cell[col-id="count"] .ag-header-cell-label').click()
+            rows = '#kernels-grid .ag-center-cols-container .ag-row[row-index="{}"]'
+            expect(tab.page.locator(rows.format(0))).to_contain_text("AllReduce")  # rows sit in DOM order
+            assert [tab.page.locator(rows.format(i) + ' [col-id="count"]').inner_text() for i in (0, 1)] == ["24", "40"]
     # page load after the first analysis: median of 5 loads of the overview, in the browser
     loads = [tab.open(f"/run/{run}", "#breakdown .slice") for _ in range(5)]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
