@@ -85,17 +85,20 @@ def segments_by_priority(window: tuple[int, int], categories: list[tuple[str, tu
     """The same split as :func:`assign_by_priority`, kept in time order: (starts, ends, names), one
     segment per run of the same category, covering the window without gaps."""
     lo, hi = window
+    if hi <= lo:  # an instant step marker: nothing to split
+        return np.empty(0, np.int64), np.empty(0, np.int64), []
     clipped = [(name, clip(s, e, lo, hi)) for name, (s, e) in categories]
     edges = np.unique(np.concatenate([[lo, hi]] + [np.concatenate([s, e]) for _, (s, e) in clipped]))
     a, b = edges[:-1], edges[1:]
-    owner = np.full(a.size, len(clipped), dtype=np.int64)     # index of the category, or len() for rest
+    names = list(dict.fromkeys([n for n, _ in clipped] + [rest]))  # one code per name (a plan may repeat one)
+    code_of = [names.index(n) for n, _ in clipped]
+    owner = np.full(a.size, names.index(rest), dtype=np.int64)
     for i in range(len(clipped) - 1, -1, -1):                 # lowest priority first; higher ones overwrite
         s, e = clipped[i][1]
         if s.size:
-            owner[overlap((s, e), a, b) > 0] = i
-    change = np.flatnonzero(np.diff(owner)) + 1               # merge runs of one category
+            owner[overlap((s, e), a, b) > 0] = code_of[i]
+    change = np.flatnonzero(np.diff(owner)) + 1               # merge runs of one name
     first = np.concatenate([[0], change])
-    names = [n for n, _ in clipped] + [rest]
     return a[first], np.append(a[change], b[-1]), [names[k] for k in owner[first]]
 
 
@@ -104,10 +107,12 @@ def dominant_runs(starts: np.ndarray, ends: np.ndarray, codes: np.ndarray, lo: i
     """Disjoint coded segments seen at ``bins`` pixels across [lo, hi]: each bin takes the code that
     covers most of it, and neighbouring bins of one code merge.  Bins nothing covers are dropped.
     Returns (starts, ends, codes) of at most ``bins`` segments."""
-    edges = np.linspace(lo, hi, bins + 1).astype(np.int64)
     present = np.unique(codes)
     if present.size == 0 or hi <= lo:
         return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, codes.dtype)
+    # integer edges: float linspace at ns-since-epoch magnitudes (1e18) rounds to 256 ns steps
+    bins = int(min(bins, hi - lo))
+    edges = lo + np.arange(bins + 1, dtype=np.int64) * (hi - lo) // bins
     cover = np.stack([np.diff(covered_before((starts[codes == c], ends[codes == c]), edges)) for c in present])
     best = cover.argmax(axis=0)
     keep = cover.max(axis=0) > 0

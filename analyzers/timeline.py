@@ -2,10 +2,11 @@
 
 ``segments``: for every (rank, step), the breakdown's leaves in time order --
 the same priority split as :mod:`breakdown`, so a lane's segments add up to
-the leaves of that rank and step.  Runs shorter than 1/``RESOLUTION`` of the
-step merge into their dominant neighbour (a 20k-kernel GPU step becomes at
-most a few thousand segments); :func:`lanes` then cuts them to what a browser
-can draw for any zoom, server-side.
+the leaves of that rank and step.  A step split into more than ``RESOLUTION``
+segments (a 20k-kernel GPU step) is stored re-binned at ``RESOLUTION`` bins,
+each taking the leaf that covers most of it: its lane then adds up to the
+leaves within a bin's width.  :func:`lanes` cuts the stored segments to what a
+browser can draw for any zoom, server-side.
 
 ``microbatches``: the executed pipeline schedule -- every stage's forward,
 backward and weight-gradient chunk per microbatch, from PyTorch's action labels
@@ -35,6 +36,8 @@ def segments(events: EventTable) -> pd.DataFrame:
     parts = []
     for rank, step, (lo, hi), plan in step_plans(events):
         s, e, names = iv.segments_by_priority((lo, hi), plan, rest="idle")
+        if s.size == 0:
+            continue
         if s.size > RESOLUTION:
             labels, codes = np.unique(np.asarray(names, dtype=object), return_inverse=True)
             s, e, c = iv.dominant_runs(s, e, codes, lo, hi, RESOLUTION)

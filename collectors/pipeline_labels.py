@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -36,7 +37,7 @@ class PipelineLabels:
             return
         for name, action in _METHODS.items():
             fn = getattr(_PipelineStageBase, name, None)
-            if fn is not None:
+            if fn is not None and not hasattr(fn, "__mfuscope_labelled__"):  # a second session: already labelled
                 self._patched.append((_PipelineStageBase, name, fn))
                 setattr(_PipelineStageBase, name, _labelled(fn, action))
 
@@ -47,11 +48,14 @@ class PipelineLabels:
 
 
 def _labelled(fn: Callable, action: str) -> Callable:
+    chunk_param = list(inspect.signature(fn).parameters)[1]  # fwd_chunk_id / bwd_chunk_id, after self
+
     @functools.wraps(fn)
     def run(self, *args, **kwargs):
-        chunk = args[0] if args else next(iter(kwargs.values()), "?")
+        chunk = kwargs.get(chunk_param, args[0] if args else "?")
         label = f"{PREFIX}{getattr(self, 'stage_index', '?')}{action}{chunk}"
         nvtx = torch.cuda.nvtx.range(label) if torch.cuda.is_available() else contextlib.nullcontext()
         with record_function(label), nvtx:
             return fn(self, *args, **kwargs)
+    run.__mfuscope_labelled__ = True
     return run

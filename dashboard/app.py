@@ -69,6 +69,8 @@ def _routes(app: dash.Dash, store: Store) -> None:
                   Input("url", "pathname"), Input("url", "search"), Input("tick", "n_intervals"))
     def render(pathname, search, _tick):
         parts, query = _parse(pathname, search)
+        if dash.callback_context.triggered_id == "tick":
+            query.pop("retry", None)  # progress ticks never restart a failed analysis
         try:
             if not parts:
                 return _topbar(None, "runs"), pages.runs_page(store), True
@@ -95,13 +97,15 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
         return top, pages.error_panel(f"no run named {run_id!r} under {store.root}"), True
     if run.error:
         return top, pages.error_panel(f"{run.id} cannot be shown: {run.error}"), True
+    if not run.has_traces:
+        return top, pages.no_traces_page(run), True
     if "retry" in query:
         store.forget_failure(run)
     job = store.ensure_analysis(run)
     if job is not None:
-        if job.error:
+        if job.error:  # a plain link: a full load, so a second click retries again
             return top, html.Div([pages.error_panel(f"{run.id} could not be analyzed: {job.error}"),
-                                  dcc.Link("Try again", href=f"/run/{quote(run_id)}?retry=1")]), True
+                                  html.A("Try again", href=f"/run/{quote(run_id)}?retry=1")]), True
         return top, pages.progress_panel(run, job.fraction, job.message), False
     a = store.load(run)
     builders = {"": pages.overview_page, "pipeline": pages.pipeline_page, "comm": pages.comm_page,
@@ -114,27 +118,50 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
 
 
 def _run_of(store: Store, pathname: str | None):
+    """(run, its analysis) for a run page's URL; raises UserInputError when there is none."""
     parts, _ = _parse(pathname, None)
     run = store.run(parts[1]) if len(parts) >= 2 and parts[0] == "run" else None
-    return (run, store.load(run)) if run is not None and store.analyzed(run) else (None, None)
+    if run is None or run.error or not store.analyzed(run):
+        raise UserInputError(f"the run of this page is gone or no longer analyzed ({pathname}); reload the page")
+    return run, store.load(run)
+
+
+def _safe(*fallback_outputs: Any):
+    """An interaction callback whose failure shows as a message, never as a dead page: the
+    wrapped function's ``UserInputError`` or crash becomes ``fallback_outputs(message)``."""
+    def wrap(fn):
+        def run(*args):
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001
+                if not isinstance(e, UserInputError):
+                    log.exception("callback %s failed", fn.__name__)
+                message = str(e) if isinstance(e, UserInputError) else f"{type(e).__name__}: {e}"
+                return tuple(f(message) for f in fallback_outputs) if len(fallback_outputs) > 1 \
+                    else fallback_outputs[0](message)
+        run.__name__ = fn.__name__
+        return run
+    return wrap
 
 
 def _interactions(app: dash.Dash, store: Store) -> None:
     @app.callback(Output("node-detail", "children"), Input("breakdown", "clickData"), State("url", "pathname"),
                   prevent_initial_call=True)
+    @_safe(pages.error_panel)
     def breakdown_node(click, pathname):
-        run, a = _run_of(store, pathname)
-        if a is None or not click or not click.get("points"):
+        _, a = _run_of(store, pathname)
+        if not click or not click.get("points"):
             return no_update
         return pages.node_detail(a, click["points"][0].get("id") or click["points"][0].get("label"))
 
     @app.callback(Output("timeline-graph", "figure"), Output("timeline-waits", "children"),
                   Input("timeline-step", "value"), Input("timeline-graph", "relayoutData"),
                   State("timeline-rank", "data"), State("url", "pathname"))
+    @_safe(figures.empty, pages.error_panel)
     def draw_timeline(step, relayout, rank, pathname):
         run, a = _run_of(store, pathname)
-        if a is None or step is None:
-            return figures.empty("no run"), None
+        if step is None:
+            return figures.empty("no step chosen"), None
         seg = a.segments[a.segments["step"] == step]
         if seg.empty:
             return figures.empty(f"no timeline for step {step}"), None
@@ -148,7 +175,7 @@ def _interactions(app: dash.Dash, store: Store) -> None:
                 lo, hi = max(t0, t0 + int(x_range[0] * 1e6)), min(t1, t0 + int(x_range[1] * 1e6))
             elif not relayout.get("xaxis.autorange"):
                 return no_update, no_update  # a hover or a resize: nothing to redraw
-        labels = pages.rank_labels(a.report, store.run(run.id).manifest, seg["rank"].unique())
+        labels = pages.rank_labels(run.manifest, seg["rank"].unique())
         bins = max(100, min(1500, TIMELINE_BARS // max(1, len(labels))))
         lanes = timeline_views.lanes(seg.assign(leaf=seg["leaf"].astype(str).map(lane_category)), lo, hi, bins)
         waits = longest_waits(seg)
@@ -158,12 +185,13 @@ def _interactions(app: dash.Dash, store: Store) -> None:
     @app.callback(Output("url", "href", allow_duplicate=True), Input("straggler-heatmap", "clickData"),
                   State("url", "pathname"), prevent_initial_call=True)
     def open_cell(click, pathname):
-        if not click or not click.get("points"):
+        parts, _ = _parse(pathname, None)
+        if not click or not click.get("points") or len(parts) < 2:
             return no_update
         point = click["points"][0]
         step = str(point["x"]).removeprefix("step ")
         rank = str(point["y"]).removeprefix("rank ")
-        run_id = _parse(pathname, None)[0][1]
+        run_id = parts[1]
         return f"/run/{quote(run_id)}/timeline?" + urlencode({"step": step, "rank": rank})
 
     @app.callback(Output("url", "href", allow_duplicate=True), Input("compare-a", "value"), Input("compare-b", "value"),

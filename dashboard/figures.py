@@ -81,7 +81,7 @@ def step_trend(per_step: list[dict[str, Any]]) -> go.Figure:
                       secondary_y=True)
         fig.update_yaxes(title_text="MFU (%)", secondary_y=True, rangemode="tozero", showgrid=False)
     fig.update_yaxes(title_text="step time (ms)", secondary_y=False, gridcolor="#eee", rangemode="tozero")
-    fig.update_xaxes(title_text="step", dtick=1)
+    fig.update_xaxes(title_text="step", dtick=1 if len(df) <= 30 else None)
     return _layout(fig, 300, title=dict(text="Step time and MFU per step", font=dict(size=14)),
                    legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
 
@@ -118,45 +118,51 @@ def timeline(lanes: pd.DataFrame, labels: dict[int, str], t0: int, waits: pd.Dat
                    title=dict(text="Per-rank timeline (drag to zoom; boxes: longest waits)", font=dict(size=14)))
 
 
-def pipeline(executed: pd.DataFrame, bubbles: pd.DataFrame, t0: int, schedule: str, p: int, m: int) -> go.Figure:
-    """The executed schedule per stage (one rank each) above the theoretical one at the measured
-    forward/backward times."""
+def pipeline(executed: pd.DataFrame, bubbles: pd.DataFrame, t0: int, schedule: str, p: int, m: int,
+             v: int = 1) -> go.Figure:
+    """The executed schedule (one lane per pipeline rank: ``executed`` and ``bubbles`` carry a
+    ``lane`` label) above the theoretical one for p stages and m microbatches at the measured
+    forward/backward times (with v virtual stages a rank runs v chunks per microbatch, drawn as one
+    chunk v times as long)."""
+    shown = schedule if schedule in ("gpipe", "1f1b") else "1f1b"
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=("executed (one rank per stage)",
-                                        f"theory: {schedule if schedule in ('gpipe', '1f1b') else '1f1b'} at the "
-                                        "measured forward/backward times"))
-    t_f = (executed.loc[executed["action"] == "F", "end_ns"] - executed.loc[executed["action"] == "F", "start_ns"])
-    t_b = (executed.loc[executed["action"] != "F", "end_ns"] - executed.loc[executed["action"] != "F", "start_ns"])
-    t_f_ms = float(t_f.median()) / 1e6 if len(t_f) else 1.0
-    n_b = executed[executed["action"] != "F"].groupby(["stage", "microbatch"]).ngroups or 1
-    t_b_ms = float(t_b.sum()) / n_b / 1e6 if len(t_b) else 2 * t_f_ms
-    for b in bubbles.itertuples():
-        fig.add_trace(go.Bar(orientation="h", y=[f"stage {b.stage}"], x=[(b.end_ns - b.start_ns) / 1e6],
-                             base=[(b.start_ns - t0) / 1e6], marker_color=style.DIM_COLORS["pp"], opacity=0.35,
-                             name="bubble (waiting on a neighbour)", legendgroup="bubble",
-                             showlegend=b.Index == bubbles.index[0],
-                             hovertemplate="bubble %{x:.3g} ms<extra></extra>"), row=1, col=1)
+                                        f"theory: {shown} at the measured forward/backward times"
+                                        + (f" (the {schedule} schedule drawn as 1f1b)" if shown != schedule else "")))
+    dur = executed["end_ns"] - executed["start_ns"]
+    forward = executed["action"] == "F"
+    t_f_ms = float(dur[forward].median()) / 1e6 if forward.any() else 1.0
+    n_b = executed[~forward].groupby(["stage", "microbatch"]).ngroups or 1   # B and W of one chunk: one backward
+    t_b_ms = float(dur[~forward].sum()) / n_b / 1e6 if (~forward).any() else 2 * t_f_ms
+    if len(bubbles):
+        fig.add_trace(go.Bar(orientation="h", y=bubbles["lane"], x=(bubbles["end_ns"] - bubbles["start_ns"]) / 1e6,
+                             base=(bubbles["start_ns"] - t0) / 1e6, marker_color=style.DIM_COLORS["pp"], opacity=0.35,
+                             name="bubble (waiting on a neighbour)", hovertemplate="bubble %{x:.3g} ms<extra></extra>"),
+                      row=1, col=1)
     for action, g in executed.groupby("action"):
-        fig.add_trace(go.Bar(orientation="h", y=[f"stage {s}" for s in g["stage"]], x=(g["end_ns"] - g["start_ns"]) / 1e6,
-                             base=(g["start_ns"] - t0) / 1e6, text=[f"{action}{mb}" for mb in g["microbatch"]],
-                             textposition="inside", insidetextanchor="middle",
+        chunk = [f"{action}{mb}" + (f"·s{st}" if v > 1 else "") for mb, st in zip(g["microbatch"], g["stage"])]
+        fig.add_trace(go.Bar(orientation="h", y=g["lane"], x=(g["end_ns"] - g["start_ns"]) / 1e6,
+                             base=(g["start_ns"] - t0) / 1e6, text=chunk, textposition="inside",
+                             insidetextanchor="middle",
                              marker=dict(color=style.ACTION_COLORS.get(action, "#999"), line=dict(color="#fff", width=1)),
                              name={"F": "forward", "B": "backward", "W": "weight grad"}.get(action, action),
-                             legendgroup=action,
-                             hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"), row=1, col=1)
-    sim = pipeline_schedule.simulate(schedule, p, m, t_f_ms, t_b_ms)
+                             legendgroup=action, hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"),
+                      row=1, col=1)
+    sim = pipeline_schedule.simulate(shown, p, m, t_f_ms * v, t_b_ms * v)
     for action, g in sim.groupby("action"):
         fig.add_trace(go.Bar(orientation="h", y=[f"stage {s}" for s in g["stage"]], x=g["end"] - g["start"],
                              base=g["start"], text=[f"{action}{mb}" for mb in g["microbatch"]], textposition="inside",
                              insidetextanchor="middle", showlegend=False, legendgroup=action,
                              marker=dict(color=style.ACTION_COLORS.get(action, "#999"), line=dict(color="#fff", width=1)),
                              hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"), row=2, col=1)
-    stages = [f"stage {s}" for s in sorted(set(range(p)) | set(int(x) for x in executed["stage"]))]
-    fig.update_yaxes(categoryorder="array", categoryarray=stages, autorange="reversed")
+    lanes = list(dict.fromkeys(executed.sort_values("stage")["lane"]))
+    fig.update_yaxes(categoryorder="array", categoryarray=lanes, autorange="reversed", row=1, col=1)
+    fig.update_yaxes(categoryorder="array", categoryarray=[f"stage {s}" for s in range(p)], autorange="reversed",
+                     row=2, col=1)
     fig.update_xaxes(title_text="ms since the step began", gridcolor="#eee", row=2, col=1)
     fig.update_xaxes(gridcolor="#eee", row=1, col=1)
     fig.update_layout(barmode="overlay", bargap=0.2)
-    return _layout(fig, 200 + 90 * p, legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
+    return _layout(fig, 200 + 45 * (len(lanes) + p), legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
 
 
 def heatmap(df: pd.DataFrame, x: str, y: str, z: str, *, title: str, z_title: str, scale: float = 1.0,

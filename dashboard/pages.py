@@ -15,6 +15,7 @@ import pandas as pd
 from dash import dcc, html
 
 from mfuscope.analyzers import compare as compare_reports
+from mfuscope.analyzers import run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 
 from . import figures, style
@@ -41,6 +42,10 @@ def grid(id_: str, rows: list[dict[str, Any]], columnDefs: list[dict[str, Any]],
                       className="ag-theme-alpine", **kw)
 
 
+def _md_escape(text: str) -> str:
+    return "".join("\\" + c if c in "\\`*_{}[]()#+-.!<>|" else c for c in text)
+
+
 def card(label: str, value: str, note: str = "") -> html.Div:
     return html.Div([html.Div(label, className="label"), html.Div(value, className="value"),
                      html.Div(note, className="note")], className="card")
@@ -62,7 +67,7 @@ def progress_panel(run: Run, fraction: float, message: str) -> html.Div:
                      html.Div(f"{message} ({fraction:.0%})", className="muted", id="analysis-message")])
 
 
-def rank_labels(report: dict, manifest: dict | None, ranks) -> dict[int, str]:
+def rank_labels(manifest: dict | None, ranks) -> dict[int, str]:
     coords = (manifest or {}).get("rank_coords") or {}
     layout = (manifest or {}).get("layout") or {}
     shown = [d for d, n in layout.items() if n and n > 1]
@@ -74,6 +79,19 @@ def rank_labels(report: dict, manifest: dict | None, ranks) -> dict[int, str]:
     return out
 
 
+def no_traces_page(run: Run) -> html.Div:
+    """A run directory without a trace window: what the always-on collectors recorded."""
+    info = run_info.summarize(run.path)
+    return html.Div([
+        html.H2(f"{run.id}: no traces"),
+        info_panel("This run recorded no torch.profiler window, so there is no breakdown or timeline to show. "
+                   "Record one with mfuscope train --profile / --window S:N, mfuscope profile --window S:N, or "
+                   "mfuscope.profile(..., window='S:N')."),
+        html.H3("What the always-on collectors recorded"),
+        html.Pre(run_info.format_text(info), id="run-info"),
+    ])
+
+
 # ----------------------------------------------------------------------------- runs
 def runs_page(store: Store) -> html.Div:
     runs = store.runs()
@@ -82,7 +100,7 @@ def runs_page(store: Store) -> html.Div:
         summary = store.summary(run)
         text = manifest_text(run.manifest) if run.kind == "run" else trace_set_text(run)
         rows.append({
-            "run": f"[{run.id}](/run/{quote(run.id)})", "id": run.id, **text,
+            "run": f"[{_md_escape(run.id)}](/run/{quote(run.id)})", "id": run.id, **text,
             "world": (run.manifest or {}).get("world_size") or (summary or {}).get("world_size"),
             "mfu": (summary or {}).get("mfu"), "step_ms": ((summary or {}).get("step_time_s") or 0) * 1e3 or None,
             "status": status_text(run, run.manifest) + ("" if summary or run.error else " (not analyzed yet)"),
@@ -127,7 +145,8 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
         card("step time", style.seconds(s.get("step_time_s")),
              f"p50 {style.seconds(s.get('step_time_p50_s'))} · p90 {style.seconds(s.get('step_time_p90_s'))}"),
         card("ranks", f"{s.get('ranks')}", f"world size {s.get('world_size') or '?'} · {s.get('device') or '?'}"),
-        card("steps analyzed", f"{s.get('steps')}", f"run {s.get('status') or 'from traces'}"),
+        card("steps timed", f"{s.get('steps')}", f"{_traced_steps(r)} in the trace window · "
+             + (f"run {s['status']}" if s.get("status") else "from traces")),
     ]
     findings = [{"gain_ms": f["gain_s"] * 1e3, "gain": f["gain_fraction"], "title": f["title"], "fix": f["fix"]}
                 for f in r.get("findings") or []]
@@ -150,6 +169,10 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
             {"field": "fix", "headerName": "fix id", "maxWidth": 200}]) if findings else
         info_panel("No findings: nothing exceeded a finding's threshold."),
     ])
+
+
+def _traced_steps(report: dict) -> int:
+    return len({row["step"] for row in report.get("straggler_matrix") or []})
 
 
 def _per_step(report: dict) -> list[dict[str, Any]]:
@@ -223,41 +246,60 @@ def waits_table(waits: pd.DataFrame, labels: dict[int, str], t0: int) -> Any:
 # ----------------------------------------------------------------------------- pipeline
 def pipeline_page(run: Run, a: Analysis) -> html.Div:
     bubbles = (a.report.get("bubbles") or [None])[0]
-    if bubbles is None:
-        return html.Div([html.H2(f"Pipeline: {run.id}"),
-                         info_panel("No pipeline parallelism in this run (pp = 1), so no schedule to draw.")])
     mb = a.microbatches
-    head = html.Div([
-        card("measured bubble", style.percent(bubbles["bubble_fraction"]), "of the pipeline's time"),
-        card("theory", style.percent(bubbles["theory_fraction"]),
-             f"(p-1)/(m+p-1)/v, p={bubbles['stages']} m={bubbles['microbatches']} v={bubbles['virtual_stages']}"),
-        card("vs theory", f"{bubbles['vs_theory']:.2f}×" if bubbles.get("vs_theory") else "–", "measured / theory"),
-        card("stage imbalance", style.percent(bubbles["imbalance"]), "slowest stage's busy time over the mean"),
-    ], className="cards", id="bubble-cards")
-    stages = grid("stages-grid", [{"stage": s["stage"], "bubble": s["bubble_fraction"], "share": s["share_of_step"],
-                                   "busy_ms": s["busy_s"] * 1e3} for s in bubbles["per_stage"]],
-                  [{"field": "stage"}, {"field": "bubble", "headerName": "bubble (of pipeline time)", "valueFormatter": PCT},
-                   {"field": "share", "headerName": "bubble (of the step)", "valueFormatter": PCT},
-                   {"field": "busy_ms", "headerName": "busy (ms/step)", "valueFormatter": NUM}])
+    title = html.H2(f"Pipeline: {run.id}" + (f" ({bubbles['schedule']} schedule)" if bubbles and bubbles.get("schedule")
+                                             else ""))
+    if bubbles is None and mb.empty:
+        return html.Div([title, info_panel("No pipeline parallelism in this run (pp = 1, and no pipeline "
+                                           "microbatch labels in the traces), so no schedule to draw.")])
+    parts: list[Any] = [title]
+    if bubbles is not None:
+        parts.append(html.Div([
+            card("measured bubble", style.percent(bubbles["bubble_fraction"]), "of the pipeline's time"),
+            card("theory", style.percent(bubbles["theory_fraction"]),
+                 f"(p-1)/(m+p-1)/v, p={bubbles['stages']} m={bubbles['microbatches']} v={bubbles['virtual_stages']}"),
+            card("vs theory", f"{bubbles['vs_theory']:.2f}×" if bubbles.get("vs_theory") else "–", "measured / theory"),
+            card("stage imbalance", style.percent(bubbles["imbalance"]), "slowest stage's busy time over the mean"),
+        ], className="cards", id="bubble-cards"))
     if mb.empty:
-        body = info_panel("These traces carry no per-microbatch labels (PyTorch's PP:<stage>F<mb> or the "
-                          "collectors' mfuscope.pp/...), so only the measured bubble is shown.")
+        parts.append(info_panel("These traces carry no per-microbatch labels (PyTorch's PP:<stage>F<mb> or the "
+                                "collectors' mfuscope.pp/...), so only the measured bubble is shown."))
     else:
-        step = sorted(mb["step"].unique())[len(mb["step"].unique()) // 2]
-        in_step = mb[mb["step"] == step]
-        rep = in_step.groupby("stage")["rank"].min()       # one rank per stage (interleaved: a rank has several)
-        executed = in_step.merge(pd.DataFrame({"stage": rep.index, "rank": rep.values}), on=["stage", "rank"])
-        seg = a.segments[(a.segments["step"] == step) & a.segments["rank"].isin(rep.values)]
-        t0 = int(seg["start_ns"].min()) if len(seg) else int(executed["start_ns"].min())
-        stage_of = {int(r): int(s) for s, r in rep.iloc[::-1].items()}  # a rank's bubbles go on its first stage
-        bub = seg[seg["leaf"] == "bubble"].assign(stage=lambda d: d["rank"].map(stage_of))
-        fig = figures.pipeline(executed, bub.reset_index(drop=True), t0, bubbles.get("schedule") or "1f1b",
-                               bubbles["stages"], bubbles["microbatches"])
-        body = html.Div([html.P(f"Step {step}; ranks " + ", ".join(f"{r} (stage {s})" for s, r in rep.items()),
-                                className="muted"),
-                         dcc.Graph(id="pipeline-graph", figure=fig, config={"displaylogo": False})])
-    return html.Div([html.H2(f"Pipeline: {run.id} ({bubbles.get('schedule') or '?'} schedule)"), head, body,
-                     html.H3("Per stage"), stages])
+        parts.append(_executed_schedule(a, mb, bubbles))
+    if bubbles is not None:
+        parts += [html.H3("Per stage"), grid("stages-grid", [
+            {"stage": s["stage"], "bubble": s["bubble_fraction"], "share": s["share_of_step"],
+             "busy_ms": s["busy_s"] * 1e3} for s in bubbles["per_stage"]], [
+            {"field": "stage"}, {"field": "bubble", "headerName": "bubble (of pipeline time)", "valueFormatter": PCT},
+            {"field": "share", "headerName": "bubble (of the step)", "valueFormatter": PCT},
+            {"field": "busy_ms", "headerName": "busy (ms/step)", "valueFormatter": NUM}])]
+    return html.Div(parts)
+
+
+def _executed_schedule(a: Analysis, mb: pd.DataFrame, bubbles: dict | None) -> html.Div:
+    """The middle step as executed by one rank per stage, beside the theory.  p, m and v come from
+    the manifest's schedule, else from the labels themselves (a trace set, a wrapped script)."""
+    steps = sorted(mb["step"].unique())
+    step = steps[len(steps) // 2]
+    in_step = mb[mb["step"] == step]
+    rep = in_step.groupby("stage")["rank"].min()   # one rank per stage (interleaved: a rank has several)
+    executed = in_step.merge(pd.DataFrame({"stage": rep.index, "rank": rep.values}), on=["stage", "rank"])
+    n_stages = int(rep.index.nunique())
+    p = int(bubbles["stages"]) if bubbles else int(rep.nunique())
+    v = max(1, n_stages // p)
+    m = int(in_step["microbatch"].nunique())
+    lane = (lambda s, r: f"stage {s}") if v == 1 else (lambda s, r: f"rank {r}")
+    executed = executed.assign(lane=[lane(s, r) for s, r in zip(executed["stage"], executed["rank"])])
+    seg = a.segments[(a.segments["step"] == step) & a.segments["rank"].isin(rep.values)]
+    t0 = int(seg["start_ns"].min()) if len(seg) else int(executed["start_ns"].min())
+    first_stage = {int(r): int(s) for s, r in rep.iloc[::-1].items()}
+    bub = seg[seg["leaf"].astype(str) == "bubble"]
+    bub = bub.assign(lane=[lane(first_stage[int(r)], r) for r in bub["rank"]])
+    schedule = (bubbles or {}).get("schedule") or "1f1b"
+    fig = figures.pipeline(executed, bub, t0, schedule, p, m, v)
+    return html.Div([html.P(f"Step {step}: p={p} stages, m={m} microbatches" + (f", v={v} chunks per rank" if v > 1 else "")
+                            + "; ranks " + ", ".join(f"{r} (stage {s})" for s, r in rep.items()), className="muted"),
+                     dcc.Graph(id="pipeline-graph", figure=fig, config={"displaylogo": False})])
 
 
 # ----------------------------------------------------------------------------- communication
@@ -290,8 +332,11 @@ def comm_page(run: Run, a: Analysis) -> html.Div:
     heat = figures.heatmap(arrival, "collective", "rank", "median_lag_s", scale=1e3, y_prefix="rank ",
                            title="Arrival lag: how late each rank reaches each collective (median)",
                            z_title="ms late") if len(arrival) else None
-    legend = html.Div([html.Span(d, className="legend-dim", style={"background": c})
-                       for d, c in style.DIM_COLORS.items() if d not in ("dp", "dp_shard")])
+    names_of: dict[str, list[str]] = {}
+    for d, c in style.DIM_COLORS.items():
+        names_of.setdefault(c, []).append(d)
+    legend = html.Div([html.Span(" / ".join(ds), className="legend-dim", style={"background": c})
+                       for c, ds in names_of.items()])
     return html.Div([
         html.H2(f"Communication: {run.id}"), legend,
         html.H3("Per dimension, op and message size (all ranks)"), table,
@@ -368,8 +413,8 @@ def compare_page(store: Store, analyzed: list[Run], a_id: str | None, b_id: str 
         return html.Div(head + [info_panel("Compare needs two analyzed runs; open runs from the Runs page first.")])
     if a_id not in ids or b_id not in ids:
         return html.Div(head + [info_panel("Pick a base and a new run.")])
-    base = store.load(next(r for r in analyzed if r.id == a_id)).report
-    new = store.load(next(r for r in analyzed if r.id == b_id)).report
+    base = store.report(next(r for r in analyzed if r.id == a_id))
+    new = store.report(next(r for r in analyzed if r.id == b_id))
     result = compare_reports.compare(base, new)
     fmt = {"mfu": style.percent, "hfu": style.percent, "step_time_s": style.seconds,
            "tokens_per_s": lambda v: style.rate(v, "tok/s"),
@@ -385,8 +430,12 @@ def compare_page(store: Store, analyzed: list[Run], a_id: str | None, b_id: str 
                      "base_ms": None if f["base_gain_s"] is None else f["base_gain_s"] * 1e3,
                      "new_ms": None if f["new_gain_s"] is None else f["new_gain_s"] * 1e3,
                      "delta_ms": f["delta_s"] * 1e3} for f in result["findings"]]
+    peaks = {base["summary"].get("peak_flops"), new["summary"].get("peak_flops")}
+    peak_note = html.P(f"MFU is against each run's own peak ({style.rate(base['summary'].get('peak_flops'), 'FLOP/s')} "
+                       f"and {style.rate(new['summary'].get('peak_flops'), 'FLOP/s')}); mfuscope compare "
+                       "--fail-on-mfu-drop rescales to one peak.", className="muted") if len(peaks) > 1 else None
     return html.Div(head + [
-        html.Div(summary, id="compare-summary-box", style={"marginTop": "10px"}),
+        html.Div(summary, id="compare-summary-box", style={"marginTop": "10px"}), peak_note,
         dcc.Graph(id="compare-leaves", figure=figures.compare_leaves(result["leaves"], a_id, b_id),
                   config={"displaylogo": False}),
         html.H3("Findings (estimated gain per step)"),

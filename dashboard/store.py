@@ -5,18 +5,23 @@ A *run* is a child of the runs directory that is a run directory (has
 dump); the runs directory itself may be one.  Its analysis is ``report.json``
 plus ``views/``: inside a run directory (where ``mfuscope analyze`` puts them),
 or for a trace directory -- which may be read-only -- in the cache directory,
-keyed by its resolved path.  A run with no analysis is analyzed once, in a
-background thread (one at a time: analysis already uses every core), and
-pages show its progress.  Anything wrong with a run -- an unreadable manifest,
-a bad trace, a failed analysis -- is kept as that run's error message; other
-runs are unaffected.
+keyed by its resolved path.  An analysis older than its inputs (a run that was
+still going, traces copied in again) is stale and redone.  A run with no
+analysis is analyzed once, in a background thread (one at a time: analysis
+already uses every core), and pages show its progress.  Anything wrong with a
+run -- an unreadable manifest, a bad trace, a failed analysis -- is kept as
+that run's error message; other runs are unaffected.
 """
 from __future__ import annotations
 
+import datetime as dt
+import gzip
 import hashlib
 import logging
 import os
 import threading
+import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,9 @@ from mfuscope.report import read_report
 
 log = logging.getLogger("mfuscope.dashboard")
 
+#: Analyses (report + timeline views) kept in memory; older ones are read again when needed.
+KEEP_LOADED = 6
+
 
 @dataclass
 class Run:
@@ -41,7 +49,8 @@ class Run:
 
     @property
     def analysis_dir(self) -> Path:
-        if self.kind == "run" and os.access(self.path, os.W_OK):
+        inside = self.kind == "run" and (os.access(self.path, os.W_OK) or (self.path / run_dir.REPORT).is_file())
+        if inside:
             return self.path
         digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
         return trace_cache.cache_dir() / "dashboard" / f"{self.path.name}-{digest}"
@@ -53,6 +62,19 @@ class Run:
     @property
     def views_dir(self) -> Path:
         return self.analysis_dir / run_dir.VIEWS
+
+    @property
+    def has_traces(self) -> bool:
+        """A run directory records traces only in its window (``--window`` / ``--profile``)."""
+        return self.kind == "traces" or (self.path / run_dir.TRACES).is_dir()
+
+    def inputs_mtime(self) -> float:
+        """When what the analysis reads last changed (manifest, trace files)."""
+        files = [self.path / run_dir.MANIFEST] if self.kind == "run" else []
+        traces = self.path / run_dir.TRACES if self.kind == "run" else self.path
+        if traces.is_dir():
+            files += [f for f in traces.iterdir() if trace_set.is_trace_file(f)]
+        return max((f.stat().st_mtime for f in files if f.exists()), default=0.0)
 
 
 @dataclass
@@ -74,22 +96,34 @@ class Job:
 class Store:
     root: Path
     jobs: dict[str, Job] = field(default_factory=dict)
-    _loaded: dict[str, tuple[float, Analysis]] = field(default_factory=dict)
+    _loaded: OrderedDict[str, tuple[float, Analysis]] = field(default_factory=OrderedDict)
+    _reports: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _one_at_a_time: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).resolve()  # "." and ".." name no run
 
     # ------------------------------------------------------------ discovery
     def runs(self) -> list[Run]:
         """Every run under the root, sorted by name; broken ones carry their error."""
-        root = Path(self.root)
-        if not root.is_dir():
-            raise UserInputError("not a directory", root)
-        candidates = [root] if _looks_like_run(root) else sorted(p for p in root.iterdir()
-                                                                  if p.is_dir() and not p.name.startswith("."))
-        return [r for r in (self._describe(p) for p in candidates) if r is not None]
+        if not self.root.is_dir():
+            raise UserInputError("not a directory", self.root)
+        children = sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        described = [r for r in (self._describe(p) for p in children) if r is not None]
+        if described or not _looks_like_run(self.root):
+            return described
+        return [self._describe(self.root)]
 
     def run(self, run_id: str) -> Run | None:
-        return next((r for r in self.runs() if r.id == run_id), None)
+        """The run named ``run_id``: a direct child of the root, or the root itself when it is one."""
+        if "/" in run_id or run_id.startswith(".") or not run_id:
+            return None
+        if (self.root / run_id).is_dir():
+            return self._describe(self.root / run_id)
+        if run_id == self.root.name:
+            return next((r for r in self.runs() if r.path == self.root), None)
+        return None
 
     def _describe(self, path: Path) -> Run | None:
         if run_dir.is_run_dir(path):
@@ -107,29 +141,49 @@ class Store:
 
     # ------------------------------------------------------------ analyses
     def analyzed(self, run: Run) -> bool:
-        return run.report_path.is_file() and run.views_dir.is_dir()
+        """A report and its views on disk, newer than the run's inputs."""
+        try:
+            return (run.views_dir.is_dir() and run.report_path.is_file()
+                    and run.report_path.stat().st_mtime >= run.inputs_mtime())
+        except OSError:
+            return False
+
+    def report(self, run: Run) -> dict[str, Any]:
+        """The run's report.json, read once per version (the runs page and compare need no views)."""
+        mtime = run.report_path.stat().st_mtime
+        with self._lock:
+            hit = self._reports.get(run.id)
+        if hit is None or hit[0] != mtime:
+            hit = (mtime, read_report(run.report_path))
+            with self._lock:
+                self._reports[run.id] = hit
+        return hit[1]
 
     def summary(self, run: Run) -> dict[str, Any] | None:
-        """The report's summary if the run was analyzed (cheap: no views read)."""
+        """The report's summary if the run was analyzed."""
         if run.error or not self.analyzed(run):
             return None
         try:
-            return self.load(run).report["summary"]
-        except Exception as e:  # noqa: BLE001
+            return self.report(run)["summary"]
+        except Exception as e:  # noqa: BLE001 -- shown as this run's error
             run.error = str(e)
             return None
 
     def load(self, run: Run) -> Analysis:
-        """The run's analysis, read once per version of its report."""
+        """The run's report and views, read once per version of its report; the last
+        ``KEEP_LOADED`` stay in memory."""
         mtime = run.report_path.stat().st_mtime
         with self._lock:
             hit = self._loaded.get(run.id)
             if hit and hit[0] == mtime:
+                self._loaded.move_to_end(run.id)
                 return hit[1]
         segments, microbatches = analysis.read_views(run.views_dir)
-        loaded = Analysis(read_report(run.report_path), segments, microbatches)
+        loaded = Analysis(self.report(run), segments, microbatches)
         with self._lock:
             self._loaded[run.id] = (mtime, loaded)
+            while len(self._loaded) > KEEP_LOADED:
+                self._loaded.popitem(last=False)
         return loaded
 
     def ensure_analysis(self, run: Run) -> Job | None:
@@ -173,9 +227,25 @@ class Store:
 
 
 def _looks_like_run(path: Path) -> bool:
-    """A run directory, or a directory with trace files directly in it (not in subfolders: those
-    are other runs)."""
-    return run_dir.is_run_dir(path) or any(trace_set.is_trace_file(f) for f in path.iterdir())
+    """A run directory, or a directory with trace files directly in it (subfolders are other runs)."""
+    return run_dir.is_run_dir(path) or any(_is_trace(f) for f in path.iterdir())
+
+
+def _is_trace(path: Path) -> bool:
+    """A trace by its content, not only its name: a config.json or a report beside runs is not one."""
+    if not trace_set.is_trace_file(path):
+        return False
+    if path.name.endswith(".sqlite"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        if head[:2] == b"\x1f\x8b":
+            with gzip.open(path, "rb") as g:
+                head = g.read(1 << 16)
+    except (OSError, EOFError, zlib.error):
+        return True  # unreadable: let the analysis say what is wrong with it
+    return any(key in head for key in (b'"traceEvents"', b'"schemaVersion"', b'"deviceProperties"'))
 
 
 def manifest_text(manifest: dict | None) -> dict[str, str]:
@@ -198,8 +268,6 @@ def manifest_text(manifest: dict | None) -> dict[str, str]:
 
 def trace_set_text(run: Run) -> dict[str, str]:
     """Date (newest file) and size of a directory of traces, for the runs table."""
-    import datetime as dt
-
     files = [f for f in run.path.iterdir() if trace_set.is_trace_file(f)]
     newest = max((f.stat().st_mtime for f in files), default=None)
     date = dt.datetime.fromtimestamp(newest, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if newest else ""

@@ -15,6 +15,7 @@ DIM_COLORS = {
     "dp": "#1f77b4",
     "dp_shard": "#17becf",
     "dp_shard_cp": "#17becf",
+    "dp_cp": "#17becf",
     "cp": "#9467bd",
     "tp": "#d62728",
     "ep": "#ff7f0e",
@@ -34,7 +35,6 @@ OTHER_COLORS = {
     "data_loading": "#e377c2",
     "host_bound": "#f7b6d2",
     "idle": "#e5e5e5",
-    "step": "#ffffff",
     "compute": "#4d9221",
     "comm": "#6b6b6b",
 }
@@ -62,7 +62,7 @@ def color(leaf: str) -> str:
 
 def seconds(v: float | None) -> str:
     """A duration with the unit that keeps 3 significant digits readable."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    if _missing(v):
         return "–"
     a = abs(v)
     if a >= 1:
@@ -74,36 +74,27 @@ def seconds(v: float | None) -> str:
     return f"{v * 1e9:.3g} ns"
 
 
+def _missing(v: float | None) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
 def percent(v: float | None) -> str:
-    if v is None:
+    if _missing(v):
         return "–"
     return f"{v:.1%}" if abs(v) >= 0.01 or v == 0 else f"{v * 100:.2g}%"
 
 
 def signed_percent(v: float | None) -> str:
-    return "–" if v is None else ("+" if v > 0 else "") + percent(v)
-
-
-def signed_seconds(v: float | None) -> str:
-    return "–" if v is None else ("+" if v > 0 else "") + seconds(v)
+    return "–" if _missing(v) else ("+" if v > 0 else "") + percent(v)
 
 
 def rate(v: float | None, unit: str) -> str:
-    if v is None:
+    if _missing(v):
         return "–"
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(v) >= scale:
             return f"{v / scale:.3g} {prefix}{unit}"
     return f"{v:.3g} {unit}"
-
-
-def bytes_(v: float | None) -> str:
-    if v is None:
-        return "–"
-    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(v) >= scale:
-            return f"{v / scale:.3g} {unit}"
-    return f"{v:.0f} B"
 
 
 CSS = """

@@ -27,6 +27,7 @@ import pytest
 
 from mfuscope import run_dir
 from mfuscope.analyzers import breakdown, pipeline_schedule, timeline, trace_set
+from mfuscope.analyzers import intervals as iv
 
 from .helpers import DLRM, REPO
 
@@ -63,6 +64,16 @@ def runs(tmp_path_factory) -> Path:
         (root / "dlrm").symlink_to(DLRM, target_is_directory=True)
     (root / "broken").mkdir()
     (root / "broken" / run_dir.MANIFEST).write_text('{"schema_version": 1, "run_id": "cut off')
+    # what else lies in a real runs directory: a run without a trace window, a run under an awkward
+    # name, notes and a model folder -- none of which is a trace set
+    proc = subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "2",
+                           "--layout", "dp_shard=2", "--steps", "2", "--out", str(root / "no-window")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (root / "odd name #1 [x]").symlink_to(root / "pp8", target_is_directory=True)
+    (root / "notes.json").write_text('{"what": "not a trace"}')
+    (root / "checkpoint").mkdir()
+    (root / "checkpoint" / "config.json").write_text('{"dim": 64}')
     return root
 
 
@@ -90,6 +101,7 @@ def server(runs, tmp_path_factory):
             time.sleep(0.25)
     else:
         proc.kill()
+        proc.wait()
     if proc.poll() is not None:
         log.seek(0)
         pytest.fail(f"mfuscope dashboard did not start:\n{log.read()[-3000:]}")
@@ -172,7 +184,7 @@ def test_timeline_segments_tile_each_step_and_add_up_to_the_breakdown(runs):
         marker = steps.loc[(rank, step)]
         assert g["start_ns"].iloc[0] == marker["ts_ns"] and g["end_ns"].iloc[-1] == marker["ts_ns"] + marker["dur_ns"]
         assert (g["start_ns"].to_numpy()[1:] == g["end_ns"].to_numpy()[:-1]).all()  # no gap, no overlap
-    # reference 2: the breakdown's leaf totals (the report's numbers) per rank and step
+    # consistency with the breakdown's leaf totals (the report's numbers) per rank and step
     got = (seg.assign(s=(seg["end_ns"] - seg["start_ns"]) / 1e9, leaf=seg["leaf"].astype(str))
            .groupby(["rank", "step", "leaf"], observed=True)["s"].sum())
     want = breakdown.step_leaves(events).set_index(["rank", "step", "leaf"])["seconds"]
@@ -205,23 +217,45 @@ def test_executed_schedule_is_1f1b(runs):
 
 
 def test_lanes_ship_at_most_the_bins_asked_for_64_ranks():
-    """What the browser receives for a 64-rank step is bounded by the bins, whatever the trace holds,
-    and each bin shows the category covering most of it (checked against a direct count)."""
+    """What the browser receives for a 64-rank step is bounded by the bins, whatever the trace holds;
+    each bin shows the category covering most of it (checked against a direct count); at
+    ns-since-epoch times the lanes still start and end exactly at the step's edges."""
     rng = np.random.default_rng(0)
+    t0 = 1_796_007_690_834_267_498  # a Kineto timestamp, ns since the epoch
     rows = []
     for rank in range(64):
         cuts = np.sort(rng.choice(np.arange(1, 10_000_000), 19_999, replace=False))
-        edges = np.concatenate([[0], cuts, [10_000_000]])
+        edges = t0 + np.concatenate([[0], cuts, [10_000_000]])
         leaf = rng.choice(["compute/gemm", "comm/tp/all_gather", "idle"], edges.size - 1, p=[0.6, 0.3, 0.1])
         rows.append(pd.DataFrame({"rank": rank, "step": 0, "start_ns": edges[:-1], "end_ns": edges[1:], "leaf": leaf}))
     seg = pd.concat(rows, ignore_index=True)
-    lanes = timeline.lanes(seg, 0, 10_000_000, bins=300)
+    lanes = timeline.lanes(seg, t0, t0 + 10_000_000, bins=300)
     assert lanes.groupby("rank").size().max() <= 300
-    assert len(lanes) < 64 * 300
+    assert (lanes.groupby("rank")["start_ns"].min() == t0).all() and (lanes.groupby("rank")["end_ns"].max() ==
+                                                                        t0 + 10_000_000).all()
     one = seg[seg["rank"] == 7]  # bin 0 of rank 7, counted directly
-    lo, hi = 0, int(np.linspace(0, 10_000_000, 301)[1])
+    lo, hi = t0, t0 + 10_000_000 // 300
     cover = (np.minimum(one["end_ns"], hi) - np.maximum(one["start_ns"], lo)).clip(lower=0).groupby(one["leaf"]).sum()
     assert lanes[lanes["rank"] == 7].iloc[0]["leaf"] == cover.idxmax()
+
+
+def test_ordered_split_matches_the_totals_split():
+    """The time-ordered split used by the timelines gives, per category, exactly the time of the
+    totals-only split the breakdown uses (random interval sets with priorities), merges a name that
+    appears twice in the plan, and leaves an instant step empty."""
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        cats = []
+        for name in ("a", "b", "a", "c"):  # "a" twice, as a CPU plan can hold "bubble" twice
+            s = np.sort(rng.integers(0, 1000, 30))
+            cats.append((name, iv.union(s, s + rng.integers(1, 40, 30))))
+        window = tuple(sorted(rng.integers(0, 1000, 2)))
+        starts, ends, names = iv.segments_by_priority(window, cats, rest="idle")
+        totals = iv.assign_by_priority(window, cats, rest="idle")
+        got = pd.Series(ends - starts, dtype="int64").groupby(pd.Series(names, dtype=object)).sum()
+        assert got.to_dict() == {k: v for k, v in totals.items() if v > 0}
+        assert all(x != y for x, y in zip(names, names[1:]))  # neighbours differ: runs are merged
+    assert iv.segments_by_priority((5, 5), cats, rest="idle")[2] == []
 
 
 def test_dashboard_command_names_a_missing_directory(tmp_path):
@@ -234,8 +268,8 @@ def test_dashboard_command_names_a_missing_directory(tmp_path):
 PAGES = {  # page -> (path suffix, selector that means "rendered")
     "overview": ("", "#summary-cards"),
     "timeline": ("/timeline", "#timeline-graph .barlayer"),
-    "pipeline": ("/pipeline", "#bubble-cards, .info-panel"),
-    "comm": ("/comm", "#comm-grid, .info-panel"),
+    "pipeline": ("/pipeline", "#pipeline-graph .barlayer, .info-panel"),
+    "comm": ("/comm", "#skew-heatmap .heatmaplayer, .info-panel"),
     "stragglers": ("/stragglers", "#straggler-heatmap .hm, #straggler-heatmap .heatmaplayer"),
     "kernels": ("/kernels", "#kernels-grid, .info-panel"),
 }
@@ -245,8 +279,10 @@ def test_runs_page_lists_every_run_and_the_broken_one(tab, runs):
     tab.open("/", "#runs-grid .ag-row")
     tab.page.wait_for_selector("#broken-runs")
     grid = tab.text("#runs-grid")
-    for name in ("pp8", "pp8-straggler", "broken") + (("dlrm",) if (runs / "dlrm").exists() else ()):
+    for name in ("pp8", "pp8-straggler", "broken", "no-window", "odd name #1 [x]") + (
+            ("dlrm",) if (runs / "dlrm").exists() else ()):
         assert name in grid
+    assert "checkpoint" not in grid and "notes" not in grid  # not runs
     assert "pp=2, dp_shard=2, tp=2 (1f1b, m=4)" in grid and "complete" in grid
     broken = tab.text("#broken-runs")
     assert "broken" in broken and "manifest.json" in broken  # which file, and that it is unreadable
@@ -254,6 +290,14 @@ def test_runs_page_lists_every_run_and_the_broken_one(tab, runs):
     # the broken run's own page is an error panel naming the file; the app goes on
     tab.open("/run/broken", ".error-panel")
     assert "manifest.json" in tab.text(".error-panel") and "cannot be shown" in tab.text(".error-panel")
+    # a run without a trace window says so, with what the always-on collectors recorded
+    tab.open("/run/no-window", "#run-info")
+    info = tab.text("#run-info")
+    assert "no traces" in tab.text() and "2 recorded on 2 rank(s)" in info and "comm dp_cp" in info, info
+    tab.open("/", "#runs-grid .ag-row")
+    tab.page.locator("#runs-grid a", has_text="odd name #1 [x]").click()  # an awkward name round-trips the URL
+    tab.page.wait_for_selector("#summary-cards, #analysis-progress", timeout=60_000)
+    assert "odd name #1 [x]" in tab.text("h2")
     tab.open("/", "#runs-grid .ag-row")
     # open a run by its name: nothing has analyzed it yet, so its first view shows the progress
     tab.page.locator("#runs-grid a", has_text="pp8").filter(has_not_text="straggler").click()
@@ -278,12 +322,14 @@ def test_every_page_renders(tab, runs, run):
         pytest.skip(f"the corpus DLRM set is not at {DLRM} (set MFUSCOPE_CORPUS)")
     _first_visit(tab, run)
     needles = {
-        "pp8": {"overview": ["MFU", "%", "dp_shard_cp", "reduce_scatter"], "timeline": ["rank 7 · pp1 dp_shard1 tp1"],
-                "pipeline": ["measured bubble", "theory", "stage 1"], "comm": ["tp", "all_gather", "busbw"],
-                "stragglers": ["rank 5"], "kernels": ["No GPU kernels"]},
-        "dlrm": {"overview": ["Tesla V100", "step time"], "timeline": ["rank 7"],
-                 "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce"],
-                 "stragglers": ["rank 3"], "kernels": ["ncclKernel", "gemm"]},
+        "pp8": {"overview": ["FLOPs from model spec", "dp_shard_cp", "reduce_scatter", "exposed tp communication"],
+                "timeline": ["rank 7 · pp1 dp_shard1 tp1", "comm/tp", "bubble"],
+                "pipeline": ["measured bubble", "theory: 1f1b", "p=2 stages, m=4 microbatches", "F3", "B3"],
+                "comm": ["send_recv", "reduce_scatter", "Arrival lag"],
+                "stragglers": ["Busy time over the median rank"], "kernels": ["No GPU kernels"]},
+        "dlrm": {"overview": ["Tesla V100", "hardware table: V100", "launch-bound"], "timeline": ["rank 7", "comm/unknown"],
+                 "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce", "send_recv"],
+                 "stragglers": ["No straggler"], "kernels": ["ncclKernel_SendRecv", "gemm"]},
     }[run]
     times = {}
     for page, (suffix, ready) in PAGES.items():
