@@ -3,8 +3,9 @@ mfuscope ships) against shipping every segment (what a naive viewer would).
 
 Input: the timeline segments of a real trace set (default: the corpus's 8-rank NCCL DLRM set, else
 ``--run``), copied onto more ranks (each copy a rank of its own) to reach 64 and 256.  For each
-size: median of ``--runs`` builds of the figure (cut to bins + plotly figure + JSON), the JSON the
-browser receives, and the bars drawn.  Speed is reported, not asserted.
+size: median of ``--runs`` builds of the figure (cut to bins + plotly figure + JSON), the peak
+memory of one build (tracemalloc: Python and numpy allocations), the JSON the browser receives, and
+the bars drawn.  Speed is reported, not asserted.
 
     python benchmarks/bench_dashboard.py [--run RUN_DIR_OR_TRACES] [--runs 5]
 """
@@ -15,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import pandas as pd
@@ -43,6 +45,14 @@ def build(seg: pd.DataFrame, binned: bool) -> tuple[float, int, int]:
     return time.perf_counter() - t, len(payload), len(shown)
 
 
+def peak_mib(seg: pd.DataFrame, binned: bool) -> float:
+    tracemalloc.start()
+    build(seg, binned)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak / 2**20
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", type=Path, default=DLRM, help="run directory or trace directory (default: corpus DLRM)")
@@ -56,8 +66,8 @@ def main() -> int:
     seg = seg[seg["step"] == step]
     base = seg["rank"].nunique()
     print(f"input: {args.run}, step {step}: {len(seg):,} segments on {base} ranks; median of {args.runs} builds\n")
-    print(f"{'ranks':>6} {'segments':>10} | {'binned ms':>10} {'JSON':>9} {'bars':>7} | {'all ms':>9} {'JSON':>9} "
-          f"{'bars':>8} | {'speed-up':>8} {'smaller':>8}")
+    print(f"{'ranks':>6} {'segments':>10} | {'binned ms':>10} {'peak':>8} {'JSON':>9} {'bars':>7} | {'all ms':>9} "
+          f"{'peak':>8} {'JSON':>9} {'bars':>8} | {'speed-up':>8} {'smaller':>8}")
     for ranks in (8, 64, 256):
         copies = [seg.assign(rank=seg["rank"] + k * base) for k in range(-(-ranks // base))]
         big = pd.concat(copies, ignore_index=True)
@@ -66,8 +76,9 @@ def main() -> int:
         slow = [build(big, False) for _ in range(max(1, args.runs // 2))]
         f_s, f_b, f_n = statistics.median(x[0] for x in fast), fast[0][1], fast[0][2]
         s_s, s_b, s_n = statistics.median(x[0] for x in slow), slow[0][1], slow[0][2]
-        print(f"{ranks:>6} {len(big):>10,} | {f_s * 1e3:>10.0f} {f_b / 2**20:>7.2f}MB {f_n:>7,} | {s_s * 1e3:>9.0f} "
-              f"{s_b / 2**20:>7.2f}MB {s_n:>8,} | {s_s / f_s:>7.1f}x {s_b / f_b:>7.1f}x")
+        f_m, s_m = peak_mib(big, True), peak_mib(big, False)
+        print(f"{ranks:>6} {len(big):>10,} | {f_s * 1e3:>10.0f} {f_m:>5.0f}MiB {f_b / 2**20:>6.2f}MiB {f_n:>7,} | "
+              f"{s_s * 1e3:>9.0f} {s_m:>5.0f}MiB {s_b / 2**20:>6.2f}MiB {s_n:>8,} | {s_s / f_s:>7.1f}x {s_b / f_b:>7.1f}x")
     return 0
 
 
