@@ -421,3 +421,25 @@ def test_ticking_two_runs_then_switching_the_compare_pair(tab):
     # the step-time change flips sign with the pair
     assert ("+" in step_change) != ("+" in _cell(tab, "step time", "change"))
     tab.shot("compare-switched")
+
+
+def test_an_analysis_older_than_its_traces_is_redone(tmp_path):
+    """Traces copied in again after their analysis make it stale: the store analyzes them anew."""
+    if not DLRM.is_dir():
+        pytest.skip(f"the corpus DLRM set is not at {DLRM} (set MFUSCOPE_CORPUS)")
+    from mfuscope.dashboard.store import Store
+
+    shutil.copytree(DLRM, tmp_path / "runs" / "dlrm")
+    store = Store(tmp_path / "runs")
+    (run,) = store.runs()
+    assert run.kind == "traces" and not store.analyzed(run)
+    job = store.ensure_analysis(run)
+    for _ in range(600):
+        if job.done:
+            break
+        time.sleep(0.1)
+    assert job.error is None and store.ensure_analysis(run) is None and store.analyzed(run)
+    trace = next((tmp_path / "runs" / "dlrm").glob("*.json"))
+    later = run.report_path.stat().st_mtime + 10
+    os.utime(trace, (later, later))
+    assert not store.analyzed(run)
