@@ -16,9 +16,7 @@ each round; median of ``--runs`` rounds.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -60,30 +58,16 @@ def main() -> int:
     if not bench_load.CORPUS.is_dir():
         raise SystemExit(f"the corpus is not at {bench_load.CORPUS}; set MFUSCOPE_CORPUS")
     work = Path(tempfile.mkdtemp(prefix="mfuscope-bench-"))
-    results = {}
     try:
+        results = {}
         for name in args.sets.split(","):
             trace_dir = bench_load.DLRM if name == "dlrm8" else bench_load.make_big8(work)
-            cache = work / f"cache-{name}"
-            runs = {v: [] for v in VARIANTS}
-            for i in range(args.runs):
-                for v in VARIANTS:
-                    runs[v].append(bench_load.measure(v, trace_dir, cache, script=__file__))
-                print(f"  {name}: round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
-            results[name] = {v: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "peak_pss")}
-                             for v, rs in runs.items()}
+            results[name] = bench_load.medians(
+                name, args.runs, VARIANTS,
+                lambda v, d=trace_dir, c=work / f"cache-{name}": bench_load.measure(v, d, c, script=__file__))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nmedian of {args.runs} runs; {os.cpu_count()} CPUs; wall and CPU time of the analysis, "
-          "peak PSS of the whole process tree")
-    for name, res in results.items():
-        hta = res["HTA"]
-        print(f"\n{name}")
-        print(f"  {'variant':<16} {'wall s':>8} {'cpu s':>8} {'peak MB':>9} {'HTA/x wall':>11} {'x/HTA mem':>10}")
-        for v in VARIANTS:
-            r = res[v]
-            print(f"  {v:<16} {r['wall']:8.3f} {r['cpu']:8.2f} {r['peak_pss'] / 2**20:9.0f} "
-                  f"{hta['wall'] / r['wall']:10.1f}x {r['peak_pss'] / hta['peak_pss']:9.2f}x")
+    bench_load.print_table(results, VARIANTS, args.runs, "the analysis")
     return 0
 
 

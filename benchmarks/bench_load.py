@@ -153,6 +153,31 @@ def make_big8(root: Path) -> Path:
     return out
 
 
+def medians(name: str, rounds: int, variants, run_one) -> dict:
+    """``rounds`` rounds of every variant, interleaved (so drift hits all alike); per variant the
+    median wall, CPU and peak PSS of ``run_one(variant)``."""
+    runs: dict = {v: [] for v in variants}
+    for i in range(rounds):
+        for v in variants:
+            runs[v].append(run_one(v))
+        print(f"  {name}: round {i + 1}/{rounds} done", file=sys.stderr, flush=True)
+    return {v: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "peak_pss")} for v, rs in runs.items()}
+
+
+def print_table(results: dict, variants, rounds: int, what: str) -> None:
+    """Per trace set: each variant's medians and its ratios to HTA."""
+    print(f"\nmedian of {rounds} runs; {os.cpu_count()} CPUs; wall and CPU time of {what}, "
+          "peak PSS of the whole process tree")
+    for name, res in results.items():
+        hta = res["HTA"]
+        print(f"\n{name}")
+        print(f"  {'variant':<18} {'wall s':>8} {'cpu s':>8} {'peak MB':>9} {'HTA/x wall':>11} {'x/HTA mem':>10}")
+        for v in variants:
+            r = res[v]
+            print(f"  {v:<18} {r['wall']:8.3f} {r['cpu']:8.2f} {r['peak_pss'] / 2**20:9.0f} "
+                  f"{hta['wall'] / r['wall']:10.1f}x {r['peak_pss'] / hta['peak_pss']:9.2f}x")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(sys.argv[2], sys.argv[3])
@@ -169,30 +194,13 @@ def main() -> int:
     sets = {}
     for name in args.sets.split(","):
         sets[name] = DLRM if name == "dlrm8" else make_big8(work)
-    results: dict = {}
     try:
-        for name, trace_dir in sets.items():
-            cache = work / f"cache-{name}"
-            runs = {v: [] for v in VARIANTS}
-            for i in range(args.runs):
-                for v in VARIANTS:
-                    runs[v].append(measure(v, trace_dir, cache))
-                print(f"  {name}: round {i + 1}/{args.runs} done", file=sys.stderr, flush=True)
-            results[name] = {v: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "peak_pss")}
-                             for v, rs in runs.items()}
+        results = {name: medians(name, args.runs, VARIANTS,
+                                 lambda v, d=trace_dir, c=work / f"cache-{name}": measure(v, d, c))
+                   for name, trace_dir in sets.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-    print(f"\nmedian of {args.runs} runs; {os.cpu_count()} CPUs; wall and CPU time of the load call, "
-          "peak PSS of the whole process tree")
-    for name, res in results.items():
-        hta = res["HTA"]
-        print(f"\n{name}")
-        print(f"  {'variant':<18} {'wall s':>8} {'cpu s':>8} {'peak MB':>9} {'HTA/x wall':>11} {'x/HTA mem':>10}")
-        for v in VARIANTS:
-            r = res[v]
-            print(f"  {v:<18} {r['wall']:8.3f} {r['cpu']:8.2f} {r['peak_pss'] / 2**20:9.0f} "
-                  f"{hta['wall'] / r['wall']:10.1f}x {r['peak_pss'] / hta['peak_pss']:9.2f}x")
+    print_table(results, VARIANTS, args.runs, "the load call")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -121,7 +121,8 @@ def _run_of(store: Store, pathname: str | None):
     """(run, its analysis) for a run page's URL; raises UserInputError when there is none."""
     parts, _ = _parse(pathname, None)
     run = store.run(parts[1]) if len(parts) >= 2 and parts[0] == "run" else None
-    if run is None or run.error or not store.analyzed(run):
+    # the page's render checked the analysis is current; a click or zoom only needs it on disk
+    if run is None or run.error or not run.report_path.is_file():
         raise UserInputError(f"the run of this page is gone or no longer analyzed ({pathname}); reload the page")
     return run, store.load(run)
 
