@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--dp-mode", default="fsdp", choices=("fsdp", "ddp"))
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="FSDP2: free the gathered weights after each forward (default: on without pp, off with pp, "
+                        "where it would re-gather them for every microbatch)")
     p.add_argument("--inject", default=None, help="faults: compute:rank=3:ms=50; comm:dim=tp:ms=20; stage:stage=1:ms=30")
     p.add_argument("--paced", default=None, help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
@@ -166,19 +169,38 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return rc
 
 
+def _check_train(args: argparse.Namespace, window: str | None) -> None:
+    """Everything the ranks would check, checked here first: one message instead of one per rank."""
+    from mfuscope.collectors.kineto_window import parse_window
+    from mfuscope.reference_trainer.checks import check_run
+    from mfuscope.reference_trainer.config import load_config, parse_overrides
+    from mfuscope.reference_trainer.inject import parse_faults, parse_paced
+    from mfuscope.reference_trainer.parallel_dims import ParallelDims
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UserInputError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must be at least 1")
+    parse_window(window)
+    parse_faults(args.inject)
+    parse_paced(args.paced)
+    cfg = load_config(args.config, steps=args.steps, microbatches=args.microbatches, **parse_overrides(args.set))
+    dims = ParallelDims.parse(args.layout, args.nproc * args.nnodes)
+    check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     import subprocess
 
     from mfuscope.reference_trainer.launch import torchrun_command
 
     from mfuscope import run_dir
-    from mfuscope.collectors.kineto_window import parse_window
     from mfuscope.collectors.session import ENV_PREPARED
 
-    out = run_dir.prepare(args.out, args.force)
     window = args.window or ("1:" if args.profile else None)
-    parse_window(window)  # a bad window fails here, once, not in every rank
+    _check_train(args, window)  # a bad setting fails here, once, not in every rank
+    out = run_dir.prepare(args.out, args.force)
     train_args = ["--config", args.config, "--schedule", args.schedule, "--dp-mode", args.dp_mode, "--out", str(out)]
+    if args.reshard_after_forward is not None:
+        train_args.append("--reshard-after-forward" if args.reshard_after_forward else "--no-reshard-after-forward")
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
                         ("--inject", args.inject), ("--paced", args.paced)):
         if value not in (None, ""):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,16 +52,21 @@ class TrainConfig:
     grad_accum: int = 1
     steps: int = 5
     lr: float = 1e-3
+    optimizer: str = "adamw"   # adamw | sgd (tests: with SGD the update is lr x the gradient, nothing amplified)
     seed: int = 0
     dtype: str = "fp32"        # fp32 | bf16 (bf16 on GPU)
     recompute: str = "none"    # none | selective | full
     compile: bool = False
-    data: str = "synthetic"    # synthetic | text (the small corpus shipped in-tree)
+    data: str = "text"         # text (the small corpus shipped in-tree: learnable) | synthetic (uniform tokens)
 
     def validate(self) -> None:
         self.model.validate()
         if self.recompute not in ("none", "selective", "full"):
             raise UserInputError(f"recompute must be none, selective or full, not {self.recompute!r}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise UserInputError(f"optimizer must be adamw or sgd, not {self.optimizer!r}")
+        if self.data not in ("text", "synthetic"):
+            raise UserInputError(f"data must be text or synthetic, not {self.data!r}")
         if self.dtype not in ("fp32", "bf16"):
             raise UserInputError(f"dtype must be fp32 or bf16, not {self.dtype!r}")
         if self.seq_len > self.model.max_seq_len:
@@ -84,6 +90,25 @@ def load_config(name_or_path: str, **overrides: Any) -> TrainConfig:
         cfg = TrainConfig(model=model, **doc.get("train", {}))
     except TypeError as e:
         raise UserInputError(f"unknown setting: {e}", path) from None
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TrainConfig)} - {"model"})
+    if unknown:
+        known = ", ".join(f.name for f in dataclasses.fields(TrainConfig) if f.name != "model")
+        raise UserInputError(f"unknown train setting {', '.join(unknown)} (settings: {known})")
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     cfg.validate()
     return cfg
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["recompute=full", "global_batch=16"]`` -> {"recompute": "full", "global_batch": 16} (JSON values,
+    else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserInputError(f"--set {item!r}: use KEY=VALUE, e.g. --set recompute=full")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out

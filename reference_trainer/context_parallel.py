@@ -3,15 +3,29 @@
 The sequence is cut into ``2 x cp`` chunks and rank ``c`` holds chunks ``c``
 and ``2cp-1-c``: an early and a late chunk, so every rank has the same amount
 of causal attention work.  Queries stay local; keys and values are
-all-gathered over the cp group (autograd-aware, so gradients flow back to
-their owners), and the causal mask is built from global token positions.
+all-gathered over the cp group with the model's KV heads (before any GQA
+repeat, so the gather moves ``n_kv_heads``, not ``n_heads``), autograd-aware so
+gradients flow back to their owners.
+
+Each local query chunk ``g`` then attends only to the keys it can see: global
+chunks ``0..g``, causal within chunk ``g`` (a lower-right causal bias).  That
+keeps the causal saving -- rank ``c`` computes ``(c+1) + (2cp-c) = 2cp+1``
+chunk pairs, the same on every rank -- and lets the ``is_causal`` / flash
+kernels run on GPU, where an explicit boolean mask would rule them out.
+Checked against one process in ``tests/test_reference_trainer.py`` (the
+``cp2`` layouts, and a mutant that drops a gathered chunk).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
+
+def chunk_ids(cp: int, cp_rank: int) -> tuple[int, int]:
+    """The two global chunk numbers ``cp_rank`` holds (of ``2 x cp``)."""
+    return cp_rank, 2 * cp - 1 - cp_rank
 
 
 def chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -19,17 +33,14 @@ def chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     if seq_len % (2 * cp):
         raise ValueError(f"seq_len {seq_len} must be divisible by 2*cp = {2 * cp}")
     size = seq_len // (2 * cp)
-    first = torch.arange(cp_rank * size, (cp_rank + 1) * size)
-    last_chunk = 2 * cp - 1 - cp_rank
-    second = torch.arange(last_chunk * size, (last_chunk + 1) * size)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunk_ids(cp, cp_rank)])
 
 
 class _AllGather(torch.autograd.Function):
     """All-gather along a new leading dim; backward is a reduce-scatter done with all-to-all.
 
     (gloo has no reduce-scatter, and ``torch.distributed.nn.functional.all_gather``'s
-    gloo backward returns wrong gradients -- checked in tests/test_context_parallel.py.)
+    gloo backward returns wrong gradients.)
     """
 
     @staticmethod
@@ -47,17 +58,36 @@ class _AllGather(torch.autograd.Function):
         return received.sum(0), None
 
 
+def _global_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
+    """(cp, batch, heads, 2*size, dim) gathered per rank -> (batch, heads, seq, dim) in sequence order."""
+    halves = gathered.chunk(2, dim=3)   # first and second local chunk of every rank
+    by_chunk = {}
+    for r in range(cp):
+        first, second = chunk_ids(cp, r)
+        by_chunk[first], by_chunk[second] = halves[0][r], halves[1][r]
+    return torch.cat([by_chunk[c] for c in range(2 * cp)], dim=2)
+
+
 def make_attention(group, cp: int, seq_len: int, cp_rank: int):
     """An ``attention_fn`` for :class:`Attention` that attends over the whole sequence."""
-    q_pos = chunk_indices(seq_len, cp, cp_rank)
-    k_pos = torch.cat([chunk_indices(seq_len, cp, r) for r in range(cp)])
-    mask = k_pos[None, :] <= q_pos[:, None]  # (local seq, global seq)
+    size = seq_len // (2 * cp)
+    mine = chunk_ids(cp, cp_rank)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ks = _AllGather.apply(k, group)  # (cp, batch, heads, local seq, head_dim)
-        vs = _AllGather.apply(v, group)
-        k_all, v_all = torch.cat(ks.unbind(0), dim=2), torch.cat(vs.unbind(0), dim=2)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask.to(q.device))
+        k_all = _global_order(_AllGather.apply(k, group), cp)
+        v_all = _global_order(_AllGather.apply(v, group), cp)
+        out = []
+        for i, chunk in enumerate(mine):
+            q_i = q[:, :, i * size:(i + 1) * size]
+            visible = (chunk + 1) * size  # keys of chunks 0..chunk
+            k_i, v_i = k_all[:, :, :visible], v_all[:, :, :visible]
+            if chunk == 0:
+                o = F.scaled_dot_product_attention(q_i, k_i, v_i, is_causal=True, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=causal_lower_right(size, visible),
+                                                   enable_gqa=True)
+            out.append(o)
+        return torch.cat(out, dim=2)
 
     return attention
 

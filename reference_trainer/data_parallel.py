@@ -30,8 +30,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: b
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    if dims.tp > 1 or dims.pp > 1 or dims.ep > 1:
-        raise ValueError("DDP here is for pure data (+context) parallelism; use FSDP with tp/pp/ep")
+    """Pure data (+context) parallelism (checks.py refuses DDP with tp, pp or ep)."""
     from torch.nn.parallel import DistributedDataParallel
 
     # Profiled runs see DDP's all-reduces through the collectors' comm hook (collectors/comm_timer.py).

@@ -8,13 +8,18 @@ layers they do not own), ``norm``, ``output``; a stage without an embedding
 takes hidden states as input.
 
 Hooks the parallel dimensions use, and nothing else does:
-- ``Attention.attention_fn`` -- context parallel swaps in its ring-free
-  all-gather attention;
+- ``Attention.attention_fn`` -- context parallel swaps in its all-gather
+  attention; it receives K and V with the model's KV heads (before any GQA
+  repeat), so a gather moves only those;
 - ``Transformer.positions`` -- context parallel sets the global positions of
-  the tokens this rank holds;
+  the tokens this rank holds.  A plain attribute, not a buffer: DDP broadcasts
+  buffers from rank 0, which would give every context rank rank 0's positions;
 - ``MoE.dispatch`` -- expert parallel swaps in all-to-all dispatch/combine;
 - ``MoE.balance_group`` -- the group whose token counts the load-balancing
-  loss uses, so the loss equals the single-process one.
+  loss uses, so the loss equals the single-process one;
+- ``MoE.aux_scale`` -- tensor parallelism runs the MoE on each rank's own
+  sequence shard and sums the MoE gradients over tp, so each rank's share of
+  the balance loss is 1/tp.
 """
 from __future__ import annotations
 
@@ -50,14 +55,16 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, seq, head_dim) -> same; causal over the local sequence."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """q (batch, heads, seq, head_dim), k/v (batch, kv_heads, seq, head_dim) -> like q; causal.
+
+    ``enable_gqa`` lets the kernel share each KV head over its query heads instead of
+    materializing the repeat (and keeps the flash / ``is_causal`` kernels eligible on GPU)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_rep = cfg.n_heads // cfg.n_kv_heads
         self.head_dim = cfg.head_dim
         self.theta = cfg.rope_theta
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
@@ -73,8 +80,6 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -125,6 +130,7 @@ class MoE(nn.Module):
         self.expert_offset = 0          # first expert held here (expert parallel shards them)
         self.dispatch = local_dispatch  # expert parallel swaps in all-to-all dispatch
         self.balance_group = None       # process group whose tokens the balance loss counts
+        self.aux_scale = 1.0            # this rank's share of the balance loss (1/tp under tensor parallel)
 
     def experts(self, tokens: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         """Run tokens through the experts held here; ``local_expert`` indexes them."""
@@ -149,7 +155,8 @@ class MoE(nn.Module):
         rows = tokens.repeat_interleave(self.top_k, dim=0)
         routed = self.dispatch(self, rows, flat_expert)
         out = (routed.view(-1, self.top_k, d) * weight.unsqueeze(-1)).sum(1)
-        return _AuxLoss.apply(out.view(b, s, d), self.coef * self._balance_loss(probs, flat_expert))
+        aux = self.coef * self.aux_scale * self._balance_loss(probs, flat_expert)
+        return _AuxLoss.apply(out.view(b, s, d), aux)
 
     def _balance_loss(self, probs: torch.Tensor, flat_expert: torch.Tensor) -> torch.Tensor:
         """E * sum_e f_e * P_e; f from token counts over ``balance_group`` (constant), P local."""
@@ -188,7 +195,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer("positions", torch.arange(seq_len), persistent=False)
+        self.positions = torch.arange(seq_len)  # not a buffer: see the module docstring
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -202,6 +209,8 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        if self.positions.device != h.device:  # once: Module.to() moves buffers, not this
+            self.positions = self.positions.to(h.device)
         for layer in self.layers.values():
             h = layer(h, self.positions)
         h = self.norm(h) if self.norm is not None else h

@@ -5,6 +5,13 @@ and w2 row-parallel; norms run sequence-parallel (activations sharded on the
 sequence between blocks); the LM head is column-parallel and the loss is
 computed on vocab-sharded logits (``loss_parallel``), so the full logits are
 never gathered.
+
+MoE layers are not split over tp (expert parallelism shards experts): each tp
+rank runs the router and experts on its own sequence shard -- the tokens
+sequence parallelism already gives it -- so no tp rank repeats another's
+expert work or all-to-all.  The MoE weights are then replicated over tp and
+see different tokens on each rank: :func:`reduce_moe_grads` sums their
+gradients over tp, and each rank's balance loss counts 1/tp.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
             "ffn_norm": SequenceParallel(),
         }
         if model.cfg.n_experts:
-            _replicate_moe(block.feed_forward, mesh)
+            _moe_on_sequence_shard(block.feed_forward, dims.tp)
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -50,17 +57,24 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return model
 
 
-def _replicate_moe(moe: nn.Module, mesh) -> None:
-    """Experts run replicated over tp (expert parallelism shards them instead): gather the
-    sequence-sharded input to a plain tensor, and give back this rank's sequence shard of the
-    output, as the row-parallel layers of the dense MLP do."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def _moe_on_sequence_shard(moe: nn.Module, tp: int) -> None:
+    """The MoE takes this rank's sequence shard of the norm's output (a plain tensor) and returns
+    its output for those tokens, which is what the residual stream holds under sequence parallel."""
+    moe.register_forward_pre_hook(lambda module, args: (args[0].to_local(),))
+    moe.aux_scale = 1.0 / tp
 
-    def gather(module, args):
-        return (args[0].full_tensor(),)
 
-    def shard(module, args, out):
-        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+def moe_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """Router and expert weights: replicated over tp, trained on different tokens per tp rank."""
+    return [p for m in modules for block in m.layers.values() if hasattr(block.feed_forward, "router")
+            for p in block.feed_forward.parameters()]
 
-    moe.register_forward_pre_hook(gather)
-    moe.register_forward_hook(shard)
+
+def reduce_moe_grads(params: list[nn.Parameter], tp_group) -> None:
+    """Sum MoE gradients over tp (after data-parallel reduction: every tp rank holds the same shard)."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=tp_group)

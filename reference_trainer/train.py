@@ -1,7 +1,7 @@
 """One rank of the reference trainer: build, parallelize, train, write the run directory.
 
-Order of parallelization (as torchtitan does): build the full model under a
-fixed seed on every rank -> cut pipeline stages -> tensor parallel -> context
+Order of parallelization (as torchtitan does): check the settings (checks.py),
+build the full model under a fixed seed on every rank -> cut pipeline stages -> tensor parallel -> context
 parallel -> expert parallel -> activation recomputation -> torch.compile ->
 FSDP/DDP.  Every rank sees the same global batch of a step and takes its own
 rows (data ranks) and sequence chunks (context ranks).
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -29,7 +28,8 @@ from mfuscope.collectors.session import ProfileSession
 from mfuscope.errors import UserInputError
 
 from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
-from .config import TrainConfig, load_config
+from .checks import check_run, reshard_after_forward
+from .config import TrainConfig, load_config, parse_overrides
 from .data import global_batch, shard_rows
 from .inject import apply_faults, apply_paced, parse_faults, parse_paced
 from .model import Transformer, cross_entropy
@@ -42,7 +42,7 @@ class RunOptions:
     layout: str = ""
     schedule: str = "1f1b"
     dp_mode: str = "fsdp"          # fsdp | ddp
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None  # None: on without pp, off with pp (checks.reshard_after_forward)
     steps: int | None = None
     microbatches: int | None = None
     inject: str | None = None
@@ -50,8 +50,7 @@ class RunOptions:
     out: str | None = None         # run directory: steps, communication, GPU samples (the collectors)
     window: str | None = None      # Kineto window "START:STEPS" into RUN_DIR/traces; None: no traces
     force: bool = False            # replace an earlier run directory at ``out``
-    result: str | None = None      # tests: where each rank saves losses and parameters
-    snapshot_step: int = 1         # tests: parameters are saved after this many optimizer steps
+    result: str | None = None      # tests: where each rank saves losses and every step's full gradients
     # benchmarks: rank -> a context manager with .step(tokens, loss), used instead of the collectors
     instrument: Any = None
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -74,13 +73,15 @@ def _strip(name: str) -> str:
 def run_rank(opts: RunOptions) -> dict[str, Any]:
     """Train on this rank; returns {'losses': [...], 'step_times': [...]} (rank-local)."""
     cfg: TrainConfig = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    dims = ParallelDims.parse(opts.layout, world)
+    check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward)
     device = _device()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if device.type == "cpu":
         torch.set_num_threads(1)  # many ranks share few cores
-    dims = ParallelDims.parse(opts.layout, world)
     coords = dims.coords(rank)
     mesh = dims.mesh
 
@@ -102,20 +103,24 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     paced = parse_paced(opts.paced)
     expert_params: list = []
     edp_group = None
+    extra_groups = {}
+    if cfg.model.n_experts and dims.dp * dims.tp > 1:
+        # The balance loss counts the tokens of every rank that routes different ones: data, context
+        # and (each on its own sequence shard) tensor-parallel ranks.  Labelled as what it is.
+        extra_groups["moe_aux"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("moe_aux").get_group()
     for m in modules:
         if dims.tp > 1:
             tensor_parallel.apply_tp(m, dims)
         if dims.cp > 1:
             context_parallel.apply_cp(m, mesh["cp"].get_group(), dims.cp, coords["cp"], cfg.seq_len)
-        if cfg.model.n_experts and dims.dp > 1:
-            for block in m.layers.values():
-                block.feed_forward.balance_group = mesh["dp_cp"].get_group()
-    extra_groups = {}
+        for block in m.layers.values():
+            if hasattr(block.feed_forward, "balance_group"):
+                block.feed_forward.balance_group = extra_groups.get("moe_aux")
     if cfg.model.n_experts and dims.ep > 1:
         ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, rank)
         for m in modules:
             expert_params += expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
-        extra_groups = {"ep": ep_group, "ep_dp": edp_group}
+        extra_groups.update(ep=ep_group, ep_dp=edp_group)
     apply_faults(modules, ids, faults, rank, coords)
     if paced:
         apply_paced(modules, *paced)
@@ -130,12 +135,16 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         if opts.dp_mode == "ddp":
             modules = [data_parallel.apply_ddp(m, dims) for m in modules]
         else:
-            modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=opts.reshard_after_forward,
+            reshard = reshard_after_forward(dims, opts.reshard_after_forward)
+            modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=reshard,
                                                 param_dtype=param_dtype, ignored_params=set(expert_params) or None)
                        for m in modules]
+    # MoE weights replicated over tp (each tp rank routes its own sequence shard): gradients summed over tp.
+    tp_moe_params = tensor_parallel.moe_params(modules) if dims.tp > 1 and cfg.model.n_experts else []
 
     params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    opt = (torch.optim.SGD(params, lr=cfg.lr) if cfg.optimizer == "sgd"
+           else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0))
 
     if dims.tp > 1:  # vocab-sharded logits: forward and backward of the loss under loss_parallel
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
@@ -153,8 +162,6 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     has_first, has_last = 0 in ids, n_stages - 1 in ids
 
     dp_rows = dims.dp_replicate * dims.dp_shard
-    if cfg.global_batch % dp_rows:
-        raise UserInputError(f"global_batch {cfg.global_batch} does not split over {dp_rows} data ranks")
     dp_index = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
     # Microbatch m of every data rank comes from chunk m of the global batch, so MoE routing
     # statistics (taken per microbatch) are those of single-process gradient accumulation.
@@ -163,7 +170,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     tokens_per_step = cfg.global_batch * cfg.seq_len
     session = (opts.instrument(rank) if opts.instrument else
                _session(opts, cfg, dims, modules[0], extra_groups, tokens_per_step))
-    loop_starts = []
+    loop_starts, grads = [], []
     with session:
         for step in range(cfg.steps):
             loop_starts.append(time.perf_counter())
@@ -200,6 +207,10 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                                 p.grad.div_(micro)
                 if expert_params:
                     expert_parallel.reduce_expert_grads(expert_params, edp_group, dims.dp)
+                if tp_moe_params:
+                    tensor_parallel.reduce_moe_grads(tp_moe_params, mesh["tp"].get_group())
+                if opts.result:
+                    grads.append(_full_grads(modules, expert_params))
                 opt.step()
             end = time.time_ns()
             loss_value = _global_loss(local, device)
@@ -207,8 +218,6 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             step_times.append((end - start) / 1e9)
             if rank == 0:
                 print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
-            if opts.result and step + 1 == opts.snapshot_step:
-                snapshot = _full_params(modules, expert_params)
             session.step(tokens=tokens_per_step, loss=loss_value)
 
     loop_starts.append(time.perf_counter())
@@ -217,7 +226,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
               "loop_times": [b - a for a, b in zip(loop_starts, loop_starts[1:])]}
     if opts.result:
         Path(opts.result).mkdir(parents=True, exist_ok=True)
-        torch.save({"params": snapshot, **result}, Path(opts.result) / f"rank{rank}.pt")
+        torch.save({"grads": grads, **result}, Path(opts.result) / f"rank{rank}.pt")
     dist.barrier()
     return result
 
@@ -265,19 +274,24 @@ def _apply_recompute(modules, mode: str) -> None:
                 m.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def _full_params(modules, expert_params) -> dict[str, torch.Tensor]:
-    """Full parameter values by name (DTensors gathered; expert slices keyed ``name@first_expert``)."""
+def _full_grads(modules, expert_params) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as a full tensor, by parameter name (DTensors gathered; expert
+    slices keyed ``name@first_expert``).  Every rank of a stage calls this: the gathers are
+    collectives."""
     experts = {id(p) for p in expert_params}
-    params = {}
+    out = {}
     for m in modules:
         offsets = {_strip(n): mod.expert_offset for n, mod in m.named_modules() if hasattr(mod, "expert_offset")}
         for name, p in m.named_parameters():
-            value = p.full_tensor() if hasattr(p, "full_tensor") else p
+            value = p.grad
+            if value is None:
+                continue
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
             key = _strip(name)
             if id(p) in experts:
                 key = f"{key}@{offsets[key.rsplit('.', 1)[0]]}"
-            params[key] = value.detach().cpu().clone()
-    return params
+            out[key] = value.detach().cpu().clone()
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> RunOptions:
@@ -286,7 +300,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--layout", default="")
     p.add_argument("--schedule", default="1f1b", choices=pipeline_parallel.SCHEDULES)
     p.add_argument("--dp-mode", default="fsdp", choices=("fsdp", "ddp"))
-    p.add_argument("--no-reshard-after-forward", action="store_true")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="FSDP2: free gathered weights after each forward (default: on without pp, off with pp)")
     p.add_argument("--steps", type=int)
     p.add_argument("--microbatches", type=int)
     p.add_argument("--inject")
@@ -298,23 +313,15 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a train setting, e.g. --set recompute=full --set dtype=bf16")
     a = p.parse_args(argv)
-    overrides = {}
-    for item in a.set:
-        k, _, v = item.partition("=")
-        try:
-            overrides[k] = json.loads(v)
-        except ValueError:
-            overrides[k] = v
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
-                      reshard_after_forward=not a.no_reshard_after_forward, steps=a.steps,
+                      reshard_after_forward=a.reshard_after_forward, steps=a.steps,
                       microbatches=a.microbatches, inject=a.inject, paced=a.paced, out=a.out, window=a.window, force=a.force,
-                      result=a.result, overrides=overrides)
+                      result=a.result, overrides=parse_overrides(a.set))
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(argv)
     try:
-        run_rank(opts)
+        run_rank(parse_args(argv))
     except UserInputError as e:
         print(f"mfuscope train: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,79 @@
+"""Every check of a training run's settings, made once, before any rank builds a model.
+
+``mfuscope train`` runs these in the launching process, so a bad combination
+is one line and exit code 2 instead of a traceback from every rank; each rank
+runs them again first thing (the torchrun entry point can be started by hand).
+A combination is refused when the trainer would otherwise train it wrongly or
+silently ignore part of it.
+"""
+from __future__ import annotations
+
+from mfuscope.errors import UserInputError
+
+from .config import TrainConfig
+from .parallel_dims import ParallelDims
+from .pipeline_parallel import SCHEDULES, ZERO_BUBBLE, virtual_stages
+
+
+def reshard_after_forward(dims: ParallelDims, requested: bool | None) -> bool:
+    """FSDP2's reshard-after-forward, defaulting as torchtitan does: on without pipeline parallelism
+    (frees the gathered weights between forward and backward), off with it (a pipeline runs many
+    microbatch forwards per step; resharding would re-gather the weights for every one)."""
+    return dims.pp == 1 if requested is None else requested
+
+
+def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: str,
+              reshard: bool | None) -> None:
+    """Raise :class:`UserInputError` naming the first thing that cannot work as asked."""
+    m = cfg.model
+    if schedule not in SCHEDULES:
+        raise UserInputError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if dp_mode not in ("fsdp", "ddp"):
+        raise UserInputError(f"dp_mode must be fsdp or ddp, not {dp_mode!r}")
+    if dp_mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):
+        raise UserInputError(f"layout {dims.describe()}: DDP is for pure data (+context) parallelism; "
+                             "use --dp-mode fsdp with tp, pp or ep")
+    if dims.tp > 1:
+        for what, n in (("attention heads", m.n_heads), ("KV heads", m.n_kv_heads),
+                        ("vocab entries", m.vocab_size)) + ((("FFN columns", m.ffn_dim),) if not m.n_experts else ()):
+            if n % dims.tp:
+                raise UserInputError(f"layout tp={dims.tp}: the model's {n} {what} do not split over tp "
+                                     f"(tp must divide n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, "
+                                     f"vocab_size={m.vocab_size}{'' if m.n_experts else f', ffn_dim={m.ffn_dim}'})")
+        local_seq = cfg.seq_len // dims.cp
+        if local_seq % dims.tp:
+            raise UserInputError(f"layout tp={dims.tp}: sequence parallelism splits each rank's {local_seq} tokens "
+                                 "over tp, which must divide them")
+    if dims.cp > 1 and cfg.seq_len % (2 * dims.cp):
+        raise UserInputError(f"layout cp={dims.cp}: seq_len {cfg.seq_len} must be divisible by 2*cp = {2 * dims.cp} "
+                             "(each context rank holds an early and a late chunk)")
+    if dims.ep > 1:
+        if not m.n_experts:
+            raise UserInputError(f"layout ep={dims.ep}: the model is dense (no experts to shard); use an MoE "
+                                 "config such as tiny_moe, or drop ep")
+        if m.n_experts % dims.ep:
+            raise UserInputError(f"layout ep={dims.ep}: {m.n_experts} experts do not split over ep={dims.ep}")
+    if dims.pp > 1:
+        stages = dims.pp * virtual_stages(schedule)
+        if m.n_layers < stages:
+            raise UserInputError(f"layout pp={dims.pp} with {schedule}: {stages} pipeline stages need at least "
+                                 f"{stages} layers; the model has {m.n_layers}")
+        if cfg.grad_accum > 1:
+            raise UserInputError("grad_accum with pipeline parallelism: the schedule's microbatches are the "
+                                 "accumulation; raise --microbatches instead")
+        if cfg.microbatches < 1:
+            raise UserInputError(f"microbatches must be at least 1, not {cfg.microbatches}")
+        if (schedule in ZERO_BUBBLE and dims.dp > 1 and dp_mode == "fsdp"
+                and reshard_after_forward(dims, reshard)):
+            raise UserInputError(f"schedule {schedule} with FSDP and --reshard-after-forward trains wrong (the "
+                                 "weight-gradient passes run after FSDP has resharded and reduced); use "
+                                 "--no-reshard-after-forward (the default with pp)")
+    if cfg.grad_accum < 1:
+        raise UserInputError(f"grad_accum must be at least 1, not {cfg.grad_accum}")
+    chunks = cfg.microbatches if dims.pp > 1 else cfg.grad_accum
+    data_ranks = dims.dp_replicate * dims.dp_shard
+    if cfg.global_batch % (data_ranks * chunks):
+        what = "pipeline microbatches" if dims.pp > 1 else "accumulation steps"
+        raise UserInputError(f"global_batch {cfg.global_batch} does not split into {chunks} {what} x "
+                             f"{data_ranks} data ranks (dp_replicate*dp_shard); set --set global_batch=N with N "
+                             f"a multiple of {data_ranks * chunks}")
