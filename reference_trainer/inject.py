@@ -3,8 +3,9 @@
 ``--inject`` takes one or more specs, separated by ``;``:
 
 - ``compute:rank=3:ms=50``      sleep 50 ms in every forward (per microbatch) of rank 3;
-- ``comm:dim=tp:ms=20[:rank=R]`` rank R (default 0) arrives 20 ms late at every tensor-parallel
-  collective region (attention and MLP input gathers), so its tp peers wait 20 ms in communication;
+- ``comm:dim=tp:ms=20[:rank=R]`` global rank R (default 0) arrives 20 ms late at every
+  sequence-parallel all-gather in front of attention and the MLP, so its tp peers wait 20 ms in
+  that all-gather;
 - ``stage:stage=1:ms=30``        pipeline stage 1's forward is 30 ms heavier.
 
 ``--paced fwd_ms=20,bwd_ms=40`` makes every stage's forward and backward take a fixed time
@@ -83,8 +84,7 @@ class _SleepInBackward(torch.autograd.Function):
         return grad, None
 
 
-def apply_faults(modules: list[nn.Module], stage_ids: list[int], faults: list[Fault], rank: int,
-                 coords: dict[str, int]) -> None:
+def apply_faults(modules: list[nn.Module], stage_ids: list[int], faults: list[Fault], rank: int) -> None:
     for f in faults:
         if f.kind == "compute" and f.rank == rank:
             for m in modules:
@@ -93,13 +93,14 @@ def apply_faults(modules: list[nn.Module], stage_ids: list[int], faults: list[Fa
             for m, sid in zip(modules, stage_ids):
                 if sid == f.stage:
                     m.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/stage"))
-        elif f.kind == "comm" and f.dim == "tp" and coords.get("tp") == f.rank:
-            # Late to the sequence-parallel all-gathers in front of attention and MLP.
+        elif f.kind == "comm" and f.dim == "tp" and rank == f.rank:
+            # Late to the sequence-parallel all-gathers in front of attention and MLP: the sleep runs
+            # before tensor parallelism's own input hook (prepend), which starts the gather.  The late
+            # rank is busy elsewhere (compute/other); its peers wait in the collective.
             for m in modules:
                 for block in m.layers.values():
-                    # The late rank is busy elsewhere (compute/other); its peers wait in the collective.
-                    block.attention.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/late"))
-                    block.feed_forward.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/late"))
+                    for part in (block.attention, block.feed_forward):
+                        part.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/late"), prepend=True)
         elif f.kind == "comm" and f.dim != "tp":
             raise UserInputError(f"--inject comm: dimension {f.dim!r} is not supported yet (tp is)")
 

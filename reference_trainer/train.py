@@ -121,7 +121,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         for m in modules:
             expert_params += expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
         extra_groups.update(ep=ep_group, ep_dp=edp_group)
-    apply_faults(modules, ids, faults, rank, coords)
+    apply_faults(modules, ids, faults, rank)
     if paced:
         apply_paced(modules, *paced)
     if cfg.recompute != "none":
@@ -180,6 +180,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                 inputs = context_parallel.shard_sequence(inputs, dims.cp, coords["cp"])
                 targets = context_parallel.shard_sequence(targets, dims.cp, coords["cp"])
             inputs, targets = inputs.to(device), targets.to(device)
+            _sync(device)  # step times are the device's: the host only enqueues work on a GPU
             start = time.time_ns()
             with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context(), autocast():
                 opt.zero_grad(set_to_none=True)
@@ -212,6 +213,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                 if opts.result:
                     grads.append(_full_grads(modules, expert_params))
                 opt.step()
+            _sync(device)
             end = time.time_ns()
             loss_value = _global_loss(local, device)
             losses.append(loss_value)
@@ -245,6 +247,11 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _nvtx(name: str):
     """An NVTX range on GPU (Nsight Systems shows microbatches); nothing on CPU."""
     return torch.cuda.nvtx.range(name) if torch.cuda.is_available() else contextlib.nullcontext()
@@ -266,12 +273,21 @@ def _global_loss(local: torch.Tensor | None, device) -> float:
 
 
 def _apply_recompute(modules, mode: str) -> None:
+    """full: every block's activations are recomputed in backward; selective: the attention core only
+    (scores, softmax and the weighted sum, Korthikanti et al. 2022), which is what ``flops.py`` counts
+    for HFU.  Under context parallelism the core includes the K/V all-gathers, which run again."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    def recomputed(fn):
+        return lambda q, k, v: checkpoint(fn, q, k, v, use_reentrant=False, preserve_rng_state=False)
 
     for m in modules:
-        for i, (name, block) in enumerate(list(m.layers.items())):
-            if mode == "full" or i % 2 == 0:  # selective: every other block
+        for name, block in list(m.layers.items()):
+            if mode == "full":
                 m.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            else:
+                block.attention.attention_fn = recomputed(block.attention.attention_fn)
 
 
 def _full_grads(modules, expert_params) -> dict[str, torch.Tensor]:

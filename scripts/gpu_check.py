@@ -41,6 +41,8 @@ def main() -> int:
 
     cfg = load_config(args.config)
     result = run_rank(RunOptions(config=args.config, steps=args.steps, out=args.run_dir, window="5:2", force=True))
+    # The trainer synchronizes the device at each step boundary, so these are GPU step times (the
+    # collectors' CUDA-event times are reported beside them), not the host's time to enqueue a step.
     times = result["step_times"][3:]  # compile and warm-up steps excluded
     step = statistics.median(times)
     tokens = cfg.global_batch * cfg.seq_len

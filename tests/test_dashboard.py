@@ -33,6 +33,7 @@ from .helpers import DLRM, REPO
 
 pytestmark = pytest.mark.slow
 ARTIFACTS = REPO / "artifacts" / "dashboard"
+WAIT_S = 180  # seconds any page condition may take before the test gives up
 try:
     from playwright.sync_api import expect
 except ImportError:  # the browser fixture skips, saying why
@@ -57,9 +58,11 @@ def _train(out: Path, *extra: str) -> None:
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     _train(root / "pp8")
-    # paced stages (sleeps that dominate the tiny model's compute) keep 8 ranks on 2 cores timed like
-    # dedicated devices, so the injected straggler stands out in every step
-    _train(root / "pp8-straggler", "--paced", "fwd_ms=20,bwd_ms=40", "--inject", "compute:rank=5:ms=60")
+    # Paced stages (sleeps) keep 8 ranks on 2 cores timed like dedicated devices, and the injected
+    # straggler must stand out in every step: on a loaded 2-core machine the 8 ranks' busy time per
+    # step scatters by about 0.1 s over their real compute (3 scaled MADs, the detection threshold),
+    # so rank 5 sleeps 150 ms in each of its 4 microbatch forwards, 0.6 s a step.
+    _train(root / "pp8-straggler", "--paced", "fwd_ms=40,bwd_ms=80", "--inject", "compute:rank=5:ms=150")
     if DLRM.is_dir():
         (root / "dlrm").symlink_to(DLRM, target_is_directory=True)
     (root / "broken").mkdir()
@@ -140,12 +143,16 @@ class Page:
 
     def __init__(self, browser, base: str):
         self.page = browser.new_page(viewport={"width": 1400, "height": 900})
+        # Every wait is for a condition; the budget only bounds a hang.  A loaded 2-core CI machine
+        # (analysis, 8-rank views and chromium sharing the cores) has taken over 30 s for one view.
+        self.page.set_default_timeout(WAIT_S * 1000)
+        self.page.set_default_navigation_timeout(WAIT_S * 1000)
         self.base = base
         self.errors: list[str] = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
 
-    def open(self, path: str, ready: str, timeout_s: float = 180) -> float:
+    def open(self, path: str, ready: str, timeout_s: float = WAIT_S) -> float:
         """Go to ``path`` and wait for ``ready`` (a selector); seconds it took."""
         t = time.perf_counter()
         self.page.goto(self.base + path)
@@ -296,13 +303,13 @@ def test_runs_page_lists_every_run_and_the_broken_one(tab, runs):
     assert "no traces" in tab.text() and "2 recorded on 2 rank(s)" in info and "comm dp_cp" in info, info
     tab.open("/", "#runs-grid .ag-row")
     tab.page.locator("#runs-grid a", has_text="odd name #1 [x]").click()  # an awkward name round-trips the URL
-    tab.page.wait_for_selector("#summary-cards, #analysis-progress", timeout=60_000)
+    tab.page.wait_for_selector("#summary-cards, #analysis-progress")
     assert "odd name #1 [x]" in tab.text("h2")
     tab.open("/", "#runs-grid .ag-row")
     # open a run by its name: nothing has analyzed it yet, so its first view shows the progress
     tab.page.locator("#runs-grid a", has_text="pp8").filter(has_not_text="straggler").click()
     tab.page.wait_for_url("**/run/pp8")
-    tab.page.wait_for_selector("#analysis-progress", timeout=30_000)
+    tab.page.wait_for_selector("#analysis-progress")
     progress = tab.text()
     tab.page.screenshot(path=str(ARTIFACTS / "pp8-analyzing.png"))
     assert "Analyzing pp8" in progress and "%" in progress, progress
@@ -379,7 +386,7 @@ def test_clicking_a_straggler_cell_opens_that_rank_and_step(tab):
     box = tab.page.locator("#straggler-heatmap .nsewdrag").bounding_box()
     steps, ranks = 3, 8  # steps 1..3 in the window, ranks 0..7 top to bottom
     tab.page.mouse.click(box["x"] + box["width"] * (1.5 / steps), box["y"] + box["height"] * (5.5 / ranks))
-    tab.page.wait_for_url("**/run/pp8-straggler/timeline?step=2&rank=5", timeout=30_000)
+    tab.page.wait_for_url("**/run/pp8-straggler/timeline?step=2&rank=5")
     tab.page.wait_for_selector("#timeline-graph .barlayer")
     assert "rank 5, step 2" in tab.text("#timeline-title")
     assert tab.page.locator("#timeline-step").inner_text().strip() == "step 2"
@@ -412,6 +419,8 @@ def test_ticking_two_runs_then_switching_the_compare_pair(tab):
     tab.page.locator("#compare-a").click()
     tab.page.get_by_role("option", name="pp8-straggler", exact=True).click()
     tab.page.wait_for_url("**/compare?a=pp8-straggler&b=pp8-straggler")
+    # the page redraws for the new pair (the dropdowns too): open the next one only once it has
+    expect(tab.page.locator('#compare-summary-box .ag-header-cell[col-id="base"]')).to_have_text("base: pp8-straggler")
     tab.page.locator("#compare-b").click()
     tab.page.get_by_role("option", name="pp8", exact=True).click()
     tab.page.wait_for_url("**/compare?a=pp8-straggler&b=pp8")
