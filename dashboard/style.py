@@ -19,6 +19,7 @@ DIM_COLORS = {
     "cp": "#9467bd",
     "tp": "#d62728",
     "ep": "#ff7f0e",
+    "moe_aux": "#ffbb78",  # the MoE balance loss's token counts (the trainer's own label)
     "pp": "#8c564b",
     "world": "#7f7f7f",
     "unknown": "#bcbd22",

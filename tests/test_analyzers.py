@@ -233,9 +233,14 @@ def test_compare_fails_on_the_slowed_run_and_passes_the_rerun(dp_runs):
     from mfuscope.report import write_report
     for out, report in dp_runs.values():
         write_report(out / "report.json", report)
+    # The slowed run adds 100 ms to each step: its MFU drops by 0.1 / (step + 0.1).  The gate sits
+    # halfway, so a rerun may differ by run-to-run noise (11% seen on a shared 2-core machine) and pass.
+    step = dp_runs["base"][1]["summary"]["step_time_s"]
+    gate = 0.5 * 0.1 / (step + 0.1)
+
     def compare(new):
         return subprocess.run([sys.executable, "-m", "mfuscope", "compare", str(dp_runs["base"][0]),
-                               str(dp_runs[new][0]), "--fail-on-mfu-drop", "0.10", "--format", "json"],
+                               str(dp_runs[new][0]), "--fail-on-mfu-drop", f"{gate:.4f}", "--format", "json"],
                               capture_output=True, text=True, timeout=120)
     slow, rerun = compare("slow"), compare("rerun")
     assert slow.returncode == 1, slow.stdout + slow.stderr
@@ -248,16 +253,16 @@ def _rank_leaf(report, rank, prefix):
 
 
 def test_late_tensor_parallel_rank_shows_as_exposed_tp_communication(tmp_path):
-    _, base = _run(tmp_path, "tp", "tp=2,dp_shard=4")
-    _, late = _run(tmp_path, "tp_late", "tp=2,dp_shard=4", inject="comm:dim=tp:ms=50:rank=1")
+    # tp alone, so nothing but the tp collectives stands between the two ranks (with FSDP beside
+    # it, part of the delay reaches rank 0 through the data-parallel gathers instead).
+    _, base = _run(tmp_path, "tp", "tp=2", world=2)
+    _, late = _run(tmp_path, "tp_late", "tp=2", world=2, inject="comm:dim=tp:ms=50:rank=1")
     # Rank 1 arrives 50 ms late at the 2 sequence-parallel gathers of each of 4 layers, in each of
-    # the 2 accumulation forwards; its tp peer, rank 0, waits that long in tp communication.  The
-    # other pairs see less: rank 1 delays its FSDP peers (ranks 3, 5, 7) in the per-layer weight
-    # gathers, and only what that hands on reaches their own tp peers.
+    # the 2 accumulation forwards; its tp peer, rank 0, waits that long in tp communication.
     expected = 4 * 2 * 2 * 0.050
-    grew = {rank: _rank_leaf(late, rank, "comm/tp/") - _rank_leaf(base, rank, "comm/tp/") for rank in (0, 2, 4, 6)}
+    grew = {rank: _rank_leaf(late, rank, "comm/tp/") - _rank_leaf(base, rank, "comm/tp/") for rank in (0, 1)}
     assert grew[0] == pytest.approx(expected, rel=0.2), grew
-    assert grew[0] > max(grew[r] for r in (2, 4, 6)), grew
+    assert grew[1] < 0.2 * expected, grew  # the late rank itself does not wait
 
 
 def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
