@@ -157,9 +157,9 @@ def _interactions(app: dash.Dash, store: Store) -> None:
 
     @app.callback(Output("timeline-graph", "figure"), Output("timeline-waits", "children"),
                   Input("timeline-step", "value"), Input("timeline-graph", "relayoutData"),
-                  State("timeline-rank", "data"), State("url", "pathname"))
+                  State("timeline-rank", "data"), State("url", "pathname"), State("timeline-graph", "figure"))
     @_safe(figures.empty, pages.error_panel)
-    def draw_timeline(step, relayout, rank, pathname):
+    def draw_timeline(step, relayout, rank, pathname, shown):
         run, a = _run_of(store, pathname)
         if step is None:
             return figures.empty("no step chosen"), None
@@ -174,8 +174,12 @@ def _interactions(app: dash.Dash, store: Store) -> None:
             if "xaxis.range[0]" in relayout:  # zoomed: cut the lanes again at the new resolution
                 x_range = (float(relayout["xaxis.range[0]"]), float(relayout["xaxis.range[1]"]))
                 lo, hi = max(t0, t0 + int(x_range[0] * 1e6)), min(t1, t0 + int(x_range[1] * 1e6))
-            elif not relayout.get("xaxis.autorange"):
-                return no_update, no_update  # a hover or a resize: nothing to redraw
+            elif not relayout.get("xaxis.autorange") and (shown or {}).get("data"):
+                # A hover or a resize: nothing to redraw.  But plotly also reports the first draw of
+                # the empty graph as a relayout, and Dash drops the answer of an earlier call of this
+                # callback once a later one is asked: on a slow server that later call would leave
+                # the timeline empty for good, so an empty graph is always drawn.
+                return no_update, no_update
         labels = pages.rank_labels(run.manifest, seg["rank"].unique())
         bins = max(100, min(1500, TIMELINE_BARS // max(1, len(labels))))
         lanes = timeline_views.lanes(seg.assign(leaf=seg["leaf"].astype(str).map(lane_category)), lo, hi, bins)

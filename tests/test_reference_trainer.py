@@ -18,6 +18,7 @@ tolerance.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -244,6 +245,9 @@ def test_a_wrong_layout_fails_the_check(tmp_path, tmp_path_factory, monkeypatch,
 # ----------------------------------------------------------------------------- other properties
 
 def test_torch_compile_trains_like_eager(tmp_path, tmp_path_factory):
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default":
+        pytest.skip("torch.compile's C++ backend does not build under ATEN_CPU_CAPABILITY=default (inductor emits "
+                    "at::vec code that level leaves undeclared); eager numerics are checked at this level")
     ref_losses, ref_grads = _reference(tmp_path_factory, "tiny_dense")
     worst, where = _worst_miss((ref_losses, ref_grads), _run(tmp_path, 1, "compiled", config="tiny_dense",
                                                              overrides={"compile": True}), fp32_tolerance("tiny_dense"))
