@@ -1,12 +1,15 @@
 """Expert parallelism, written here: experts sharded over an ``ep`` group, tokens moved by all-to-all.
 
-Each rank keeps ``n_experts / ep`` experts.  Routed rows are sorted by expert,
-sent to the rank that owns the expert (``all_to_all_single``, autograd-aware,
-so the backward pass sends gradients the same way back), run there, and sent
-home.  Expert groups are consecutive blocks of ``ep`` ranks along the
-flattened ``dp_shard x cp`` dimension; ranks in different blocks with the
-same position hold the same experts, and their expert gradients are
-averaged over that "expert data-parallel" group after backward.
+Each rank keeps ``n_experts / ep`` experts.  Routed rows are sorted by
+expert, sent to the rank that owns the expert (``all_to_all_single``,
+autograd-aware, so the backward pass sends gradients the same way back), run
+there, and sent home.  The ranks first swap their rows-per-expert counts: one
+copy of them to the host per layer gives both the all-to-all split sizes and
+the experts' slice sizes.  Expert groups are consecutive blocks of ``ep``
+ranks along the flattened ``dp_shard x cp`` dimension; ranks in different
+blocks with the same position hold the same experts, and their expert
+gradients are averaged over that "expert data-parallel" group after backward,
+in one all-reduce for all of them (:func:`buckets.all_reduce_flat`).
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .buckets import all_reduce_flat
+from .model import expert_counts, unsort
 from .parallel_dims import DIMS, ParallelDims
 
 
@@ -82,23 +87,24 @@ class _AllToAll(torch.autograd.Function):
 
 def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int, local: int) -> torch.Tensor:
     order = torch.argsort(expert, stable=True)
-    send_rows, send_expert = rows[order], expert[order]
-    send_counts = torch.bincount(send_expert // local, minlength=ep)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-    recv_expert = send_expert.new_empty(sum(recv_split))
-    dist.all_to_all_single(recv_expert, send_expert, recv_split, send_split, group=group)
-    received = _AllToAll.apply(send_rows, send_split, recv_split, group)
-    out = moe.experts(received, recv_expert - moe.expert_offset)
+    # Rows per expert, expert-major, so chunk r of ``send`` is what goes to rank r; ``recv`` holds
+    # (source rank x local expert) counts, the layout of the rows that arrive.
+    send = expert_counts(expert, ep * local)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_counts, recv_counts = torch.stack([send, recv]).view(2, ep, local).tolist()  # the one host copy
+    send_split, recv_split = [sum(c) for c in send_counts], [sum(c) for c in recv_counts]
+    received = _AllToAll.apply(rows.index_select(0, order), send_split, recv_split, group)
+    recv_expert = torch.arange(local, device=expert.device).repeat(ep).repeat_interleave(
+        recv, output_size=sum(recv_split))  # output_size: no host read of the repeats
+    out = moe.experts(received, recv_expert, counts=[sum(c) for c in zip(*recv_counts)])
     back = _AllToAll.apply(out, recv_split, send_split, group)
-    return back[torch.argsort(order)]
+    return unsort(back, order)
 
 
 def reduce_expert_grads(expert_params: list[nn.Parameter], edp_group, dp: int) -> None:
-    """Sum expert gradients over the ranks holding the same experts, then average over all data ranks."""
-    for p in expert_params:
-        if p.grad is None:
-            continue
-        dist.all_reduce(p.grad, group=edp_group)
-        p.grad.div_(dp)
+    """Sum expert gradients over the ranks holding the same experts, then average over all data ranks.
+
+    Every rank has a gradient for every expert parameter (``MoE.experts`` runs empty slices too),
+    so the flattened buckets line up across the group."""
+    all_reduce_flat([p.grad for p in expert_params if p.grad is not None], edp_group, divisor=dp)

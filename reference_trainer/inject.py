@@ -1,112 +1,319 @@
 """Known faults, injected on purpose, so tests can check that analysis finds exactly them.
 
-``--inject`` takes one or more specs, separated by ``;``:
+``--inject`` takes one or more specs, separated by ``;``, each ``kind:key=value:...``:
 
-- ``compute:rank=3:ms=50``      sleep 50 ms in every forward (per microbatch) of rank 3;
-- ``comm:dim=tp:ms=20[:rank=R]`` global rank R (default 0) arrives 20 ms late at every
-  sequence-parallel all-gather in front of attention and the MLP, so its tp peers wait 20 ms in
-  that all-gather;
-- ``stage:stage=1:ms=30``        pipeline stage 1's forward is 30 ms heavier.
+==========  =====================================  ===================================================
+kind        keys                                   what happens
+==========  =====================================  ===================================================
+compute     ms, rank, pass=fwd|bwd                 every forward (or backward) of the rank's stage
+                                                   modules takes ``ms`` more (per microbatch)
+stage       ms, stage, pass=fwd|bwd                pipeline stage ``stage`` is that much heavier
+comm        dim=tp, ms, rank (default 0)           global rank R arrives ``ms`` late at every
+                                                   sequence-parallel all-gather in front of attention
+                                                   and the MLP: its tp peers wait there
+link        dim=dp|pp|cp|ep, gbps                  a slow link: every collective on that dimension's
+                                                   groups moves its bytes at ``gbps`` gigabits/s; each
+                                                   member waits for the call to complete, then
+                                                   bytes/bandwidth more, inside the call -- the whole
+                                                   group sees long collectives, nobody arrives late
+loader      ms, rank                               a data-loader stall at the start of each step (a
+                                                   ``DataLoader`` region, as PyTorch names real ones)
+gc          ms, rank                               the training thread pauses with no operator running,
+                                                   which is what a garbage-collection pass looks like
+optimizer   ms, rank                               a slow optimizer step (inside ``Optimizer.step``)
+sync        rank                                   a device-to-host sync (``.item()``) after every
+                                                   transformer block's forward
+==========  =====================================  ===================================================
 
-``--paced fwd_ms=20,bwd_ms=40`` makes every stage's forward and backward take a fixed time
-(a sleep that dominates the tiny model's compute): 16 ranks on 2 cores then keep the timing
-of dedicated devices, which pipeline-bubble tests need.
+Every kind also takes ``every=N`` (only on steps divisible by N: an intermittent
+fault) and ``jitter_ms=J`` (each occurrence lasts ``ms`` plus a uniform draw in
+[-J, J], from a generator seeded by rank, so a run repeats).  ``rank`` is the
+global rank; without it a fault hits every rank (``comm`` defaults to rank 0).
+
+``--paced fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample]`` makes every stage's
+forward, input-gradient backward and weight-gradient pass take a fixed time (a
+sleep that dominates the tiny model's compute): 16 ranks on 2 cores then keep
+the timing of dedicated devices, which pipeline-bubble tests need.  ``w_ms``
+sleeps in a node that only the weight gradients depend on, so zero-bubble
+schedules run it in their W pass (others in the backward); with ``per=sample``
+the times are per sample of the microbatch, so more microbatches mean less
+work each, as on a real device.
 """
 from __future__ import annotations
 
+import functools
+import random
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
 from mfuscope.errors import UserInputError
 
+_KEYS = {  # kind -> (required keys, optional keys)
+    "compute": ({"ms"}, {"rank", "pass"}),
+    "stage": ({"ms", "stage"}, {"pass"}),
+    "comm": ({"ms", "dim"}, {"rank"}),
+    "link": ({"dim", "gbps"}, set()),
+    "loader": ({"ms"}, {"rank"}),
+    "gc": ({"ms"}, {"rank"}),
+    "optimizer": ({"ms"}, {"rank"}),
+    "sync": (set(), {"rank"}),
+}
+_COMMON = {"every", "jitter_ms"}
+LINK_DIMS = ("dp", "pp", "cp", "ep")
+# The c10d entry points data, pipeline, context and expert parallelism reach the process group by.
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+                "send", "recv", "batch_isend_irecv")
+_EXAMPLES = ("e.g. compute:rank=3:ms=50, compute:rank=1:ms=30:pass=bwd, comm:dim=tp:ms=20, "
+             "stage:stage=1:ms=30, link:dim=dp:gbps=1, loader:ms=200:every=4, gc:ms=80:rank=2, "
+             "optimizer:ms=40, sync:rank=0")
+
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    ms: float
-    rank: int | None = None
+    ms: float = 0.0
+    rank: int | None = None    # global rank; None: every rank
     dim: str | None = None
     stage: int | None = None
+    phase: str = "fwd"         # compute/stage: the forward or the backward
+    gbps: float | None = None  # link
+    every: int = 1
+    jitter_ms: float = 0.0
+
+    def hits(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
 
 
 def parse_faults(text: str | None) -> list[Fault]:
-    faults = []
-    for spec in filter(None, (s.strip() for s in (text or "").split(";"))):
-        kind, *fields = spec.split(":")
-        kv = dict(f.split("=", 1) for f in fields if "=" in f)
-        try:
-            if kind == "compute":
-                faults.append(Fault("compute", float(kv["ms"]), rank=int(kv["rank"])))
-            elif kind == "comm":
-                faults.append(Fault("comm", float(kv["ms"]), rank=int(kv.get("rank", 0)), dim=kv["dim"]))
-            elif kind == "stage":
-                faults.append(Fault("stage", float(kv["ms"]), stage=int(kv["stage"])))
-            else:
-                raise KeyError(kind)
-        except (KeyError, ValueError):
-            raise UserInputError(f"--inject: cannot read {spec!r}; e.g. compute:rank=3:ms=50, "
-                                 "comm:dim=tp:ms=20, stage:stage=1:ms=30") from None
-    return faults
+    return [_parse_one(s) for s in filter(None, (s.strip() for s in (text or "").split(";")))]
 
 
-def parse_paced(text: str | None) -> tuple[float, float] | None:
+def _parse_one(spec: str) -> Fault:
+    kind, *fields = spec.split(":")
+    if kind not in _KEYS:
+        raise UserInputError(f"--inject: unknown fault kind {kind!r} in {spec!r}; kinds: {', '.join(_KEYS)}; {_EXAMPLES}")
+    try:
+        kv = dict(f.split("=", 1) for f in fields)
+    except ValueError:
+        raise UserInputError(f"--inject: cannot read {spec!r} (fields are key=value); {_EXAMPLES}") from None
+    required, optional = _KEYS[kind]
+    if missing := required - set(kv):
+        raise UserInputError(f"--inject: {spec!r} needs {', '.join(sorted(missing))}; {_EXAMPLES}")
+    if unknown := set(kv) - required - optional - _COMMON:
+        raise UserInputError(f"--inject: {spec!r}: {kind} takes no {', '.join(sorted(unknown))} "
+                             f"(it takes {', '.join(sorted(required | optional | _COMMON))})")
+    try:
+        fault = Fault(kind, ms=float(kv.get("ms", 0)), rank=int(kv["rank"]) if "rank" in kv else (0 if kind == "comm" else None),
+                      dim=kv.get("dim"), stage=int(kv["stage"]) if "stage" in kv else None, phase=kv.get("pass", "fwd"),
+                      gbps=float(kv["gbps"]) if "gbps" in kv else None, every=int(kv.get("every", 1)),
+                      jitter_ms=float(kv.get("jitter_ms", 0)))
+    except ValueError:
+        raise UserInputError(f"--inject: cannot read the numbers in {spec!r}; {_EXAMPLES}") from None
+    if fault.phase not in ("fwd", "bwd"):
+        raise UserInputError(f"--inject: {spec!r}: pass is fwd or bwd")
+    if fault.every < 1 or fault.ms < 0 or fault.jitter_ms < 0 or (fault.gbps is not None and fault.gbps <= 0):
+        raise UserInputError(f"--inject: {spec!r}: every must be >= 1, ms and jitter_ms >= 0, gbps > 0")
+    if kind == "comm" and fault.dim != "tp":
+        raise UserInputError(f"--inject: {spec!r}: late arrival is injected on tp (a slow link on other "
+                             f"dimensions is link:dim=...:gbps=...)")
+    if kind == "link" and fault.dim not in LINK_DIMS:
+        raise UserInputError(f"--inject: {spec!r}: link dim is one of {', '.join(LINK_DIMS)}")
+    return fault
+
+
+@dataclass(frozen=True)
+class Pacing:
+    fwd_ms: float
+    bwd_ms: float
+    w_ms: float = 0.0
+    per_sample: bool = False
+
+
+def parse_paced(text: str | None) -> Pacing | None:
     if not text:
         return None
+    hint = "e.g. fwd_ms=20,bwd_ms=40 or fwd_ms=5,bwd_ms=5,w_ms=5,per=sample"
     try:
         kv = dict(p.split("=", 1) for p in text.split(","))
-        return float(kv["fwd_ms"]), float(kv["bwd_ms"])
+        if set(kv) - {"fwd_ms", "bwd_ms", "w_ms", "per"} or kv.get("per", "microbatch") not in ("microbatch", "sample"):
+            raise KeyError
+        return Pacing(float(kv["fwd_ms"]), float(kv["bwd_ms"]), float(kv.get("w_ms", 0)), kv.get("per") == "sample")
     except (KeyError, ValueError):
-        raise UserInputError(f"--paced: cannot read {text!r}; e.g. fwd_ms=20,bwd_ms=40") from None
+        raise UserInputError(f"--paced: cannot read {text!r}; {hint}") from None
 
 
-def _sleep_hook(ms: float, label: str):
+class Injector:
+    """This rank's faults while it trains: which apply, and how long each occurrence lasts.
+
+    The training loop tells it the step (:meth:`begin_step`); hooks ask :meth:`seconds`, which is
+    zero on steps an intermittent fault skips and draws the jitter.
+    """
+
+    def __init__(self, faults: list[Fault], rank: int, seed: int = 0):
+        self.rank = rank
+        self.faults = [f for f in faults if f.hits(rank) or f.kind in ("stage", "link")]
+        self.step = 0
+        self._rng = random.Random(seed * 1_000_003 + rank)
+
+    def of(self, kind: str) -> list[Fault]:
+        return [f for f in self.faults if f.kind == kind]
+
+    def seconds(self, f: Fault) -> float:
+        if self.step % f.every:
+            return 0.0
+        ms = f.ms + (self._rng.uniform(-f.jitter_ms, f.jitter_ms) if f.jitter_ms else 0.0)
+        return max(ms, 0.0) / 1e3
+
+    def begin_step(self, step: int) -> None:
+        """Called first thing inside each step: the step-level stalls happen here."""
+        self.step = step
+        for f in self.of("loader"):
+            if seconds := self.seconds(f):
+                with record_function("enumerate(DataLoader)#mfuscope.inject/loader"):
+                    time.sleep(seconds)
+        for f in self.of("gc"):
+            time.sleep(self.seconds(f))  # no region: a collector pass shows as a gap between operators
+
+    def attach_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        for f in self.of("optimizer"):
+            opt.register_step_pre_hook(lambda o, args, kwargs, f=f: time.sleep(self.seconds(f)))
+
+    def attach_modules(self, modules: list[nn.Module], stage_ids: list[int]) -> None:
+        for f in self.faults:
+            if f.kind == "compute":
+                for m in modules:
+                    _delay(m, f.phase, lambda f=f: self.seconds(f), "mfuscope.inject/compute")
+            elif f.kind == "stage":
+                for m, sid in zip(modules, stage_ids):
+                    if sid == f.stage:
+                        _delay(m, f.phase, lambda f=f: self.seconds(f), "mfuscope.inject/stage")
+            elif f.kind == "comm":
+                # Late to the sequence-parallel all-gathers in front of attention and MLP: the sleep
+                # runs before tensor parallelism's own input hook (prepend), which starts the gather.
+                # The late rank is busy elsewhere (compute/other); its peers wait in the collective.
+                for m in modules:
+                    for block in m.layers.values():
+                        for part in (block.attention, block.feed_forward):
+                            part.register_forward_pre_hook(_sleep_hook(lambda f=f: self.seconds(f), "mfuscope.inject/late"),
+                                                           prepend=True)
+            elif f.kind == "sync":
+                for m in modules:
+                    for block in m.layers.values():
+                        block.register_forward_hook(_host_sync)
+
+    def slow_links(self, groups_by_dim: dict[str, list]) -> None:
+        """Wrap the c10d collectives so calls on a slow dimension's groups take bytes/bandwidth longer
+        (before the collectors wrap them, so their timing and labels include the delay)."""
+        slow = {}  # group name -> fault
+        for f in self.of("link"):
+            for g in groups_by_dim.get(f.dim) or []:
+                if g is not None and dist.get_world_size(g) > 1:
+                    slow[g.group_name] = f
+        if not slow:
+            return
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):  # all_gather_single (FSDP2's since torch 2.12) is newer than others
+                setattr(dist, name, _slowed(getattr(dist, name), slow, self))
+
+
+def _host_sync(module, args, out) -> None:
+    """Read one element back to the host: on a GPU the thread waits for everything queued."""
+    (out.to_local() if hasattr(out, "to_local") else out).detach().reshape(-1)[0].item()
+
+
+def _sleep_hook(seconds, label: str, per_sample: bool = False):
     # Labelled, so the breakdown counts the sleep as the compute it stands for.
     def hook(module, args):
+        rows = args[0].shape[0] if per_sample else 1
         with record_function(label):
-            time.sleep(ms / 1e3)
+            time.sleep(seconds() * rows)
     return hook
 
 
+def _delay(module: nn.Module, phase: str, seconds, label: str, per_sample: bool = False) -> None:
+    if phase == "fwd":
+        module.register_forward_pre_hook(_sleep_hook(seconds, label, per_sample))
+    else:
+        def hook(mod, args, out):
+            rows = args[0].shape[0] if per_sample else 1
+            return _SleepInBackward.apply(out, seconds() * rows, label)
+        module.register_forward_hook(hook)
+
+
 class _SleepInBackward(torch.autograd.Function):
+    """Identity on the activations; its backward (the input-gradient pass) sleeps."""
+
     @staticmethod
-    def forward(ctx, x, ms):
-        ctx.ms = ms
+    def forward(ctx, x, seconds, label):
+        ctx.seconds, ctx.label = seconds, label
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        with record_function("mfuscope.paced/backward"):
-            time.sleep(ctx.ms / 1e3)
-        return grad, None
+        with record_function(ctx.label):
+            time.sleep(ctx.seconds)
+        return grad, None, None
 
 
-def apply_faults(modules: list[nn.Module], stage_ids: list[int], faults: list[Fault], rank: int) -> None:
-    for f in faults:
-        if f.kind == "compute" and f.rank == rank:
-            for m in modules:
-                m.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/compute"))
-        elif f.kind == "stage":
-            for m, sid in zip(modules, stage_ids):
-                if sid == f.stage:
-                    m.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/stage"))
-        elif f.kind == "comm" and f.dim == "tp" and rank == f.rank:
-            # Late to the sequence-parallel all-gathers in front of attention and MLP: the sleep runs
-            # before tensor parallelism's own input hook (prepend), which starts the gather.  The late
-            # rank is busy elsewhere (compute/other); its peers wait in the collective.
-            for m in modules:
-                for block in m.layers.values():
-                    for part in (block.attention, block.feed_forward):
-                        part.register_forward_pre_hook(_sleep_hook(f.ms, "mfuscope.inject/late"), prepend=True)
-        elif f.kind == "comm" and f.dim != "tp":
-            raise UserInputError(f"--inject comm: dimension {f.dim!r} is not supported yet (tp is)")
+class _SleepInWeightGrad(torch.autograd.Function):
+    """A zero added to the output from a parameter of its own: only that parameter's gradient
+    depends on this node, so a zero-bubble schedule runs its sleep in the weight-gradient pass."""
+
+    @staticmethod
+    def forward(ctx, anchor, seconds):
+        ctx.seconds, ctx.shape = seconds, anchor.shape
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        with record_function("mfuscope.paced/weight"):
+            time.sleep(ctx.seconds)
+        return grad.new_zeros(ctx.shape), None
 
 
-def apply_paced(modules: list[nn.Module], fwd_ms: float, bwd_ms: float) -> None:
-    """Each stage module's forward takes ``fwd_ms`` more, its backward ``bwd_ms`` more."""
+def apply_paced(modules: list[nn.Module], pacing: Pacing) -> None:
+    """Each stage module's forward takes ``fwd_ms`` more, its backward ``bwd_ms`` and its weight
+    gradients ``w_ms`` (times the microbatch's samples with ``per_sample``)."""
     for m in modules:
-        m.register_forward_pre_hook(_sleep_hook(fwd_ms, "mfuscope.paced/forward"))
-        m.register_forward_hook(lambda mod, args, out: _SleepInBackward.apply(out, bwd_ms))
+        _delay(m, "fwd", lambda: pacing.fwd_ms / 1e3, "mfuscope.paced/forward", pacing.per_sample)
+        _delay(m, "bwd", lambda: pacing.bwd_ms / 1e3, "mfuscope.paced/backward", pacing.per_sample)
+        if pacing.w_ms:
+            # Registered before data parallelism wraps the module, so it is sharded and reduced like
+            # any weight; its gradient is zero, so training is unchanged.
+            m.pace_weight = nn.Parameter(torch.zeros(1))
+
+            def add_weight_pass(mod, args, out):
+                rows = args[0].shape[0] if pacing.per_sample else 1
+                return out + _SleepInWeightGrad.apply(mod.pace_weight, pacing.w_ms / 1e3 * rows)
+            m.register_forward_hook(add_weight_pass)
+
+
+def _slowed(fn, slow: dict, injector: Injector):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if fn.__name__ == "batch_isend_irecv":
+            ops = args[0] if args else kwargs["p2p_op_list"]
+            group, nbytes = ops[0].group if ops else None, sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+        else:
+            group = kwargs.get("group") if "group" in kwargs else next(
+                (a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+            nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
+        fault = slow.get(getattr(group, "group_name", None))
+        out = fn(*args, **kwargs)
+        if fault is None or injector.step % fault.every:
+            return out
+        works = out if isinstance(out, list) else [out]
+        for w in works:
+            if isinstance(w, dist.Work):
+                w.wait()
+        ms = fault.jitter_ms and injector._rng.uniform(-fault.jitter_ms, fault.jitter_ms)
+        time.sleep(max(nbytes * 8 / (fault.gbps * 1e9) + ms / 1e3, 0.0))
+        return out
+    return call

@@ -5,7 +5,18 @@ Embedding, RMSNorm, RoPE, grouped-query attention through
 untied LM head.  The structure is what the parallel plans expect:
 ``tok_embeddings``, ``layers`` (a ModuleDict, so pipeline stages can drop the
 layers they do not own), ``norm``, ``output``; a stage without an embedding
-takes hidden states as input.
+takes hidden states as input.  Each parameter's initial value is drawn from a
+generator seeded with the seed and the parameter's name, so a model built on
+the meta device and cut to a pipeline stage initializes just its own
+parameters, to the values the full model has.
+
+The experts run without a host synchronization per expert: rows are sorted by
+expert once and each expert multiplies its contiguous slice, so the host needs
+one copy of all the experts' row counts per layer (under expert parallelism
+the dispatch's copy, which gives the all-to-all its split sizes).  The
+load-balancing loss needs token counts summed over the ranks that route
+different tokens; each MoE layer records its counts and the model reduces
+those of all its layers in one all-reduce after its last layer.
 
 Hooks the parallel dimensions use, and nothing else does:
 - ``Attention.attention_fn`` -- context parallel swaps in its all-gather
@@ -15,14 +26,15 @@ Hooks the parallel dimensions use, and nothing else does:
   the tokens this rank holds.  A plain attribute, not a buffer: DDP broadcasts
   buffers from rank 0, which would give every context rank rank 0's positions;
 - ``MoE.dispatch`` -- expert parallel swaps in all-to-all dispatch/combine;
-- ``MoE.balance_group`` -- the group whose token counts the load-balancing
-  loss uses, so the loss equals the single-process one;
-- ``MoE.aux_scale`` -- tensor parallelism runs the MoE on each rank's own
-  sequence shard and sums the MoE gradients over tp, so each rank's share of
-  the balance loss is 1/tp.
+- ``Transformer.balance_group`` -- the group whose token counts the
+  load-balancing loss uses, so the loss equals the single-process one;
+- ``Transformer.aux_scale`` -- tensor parallelism runs the MoE on each rank's
+  own sequence shard and sums the MoE gradients over tp, so each rank's share
+  of the balance loss is 1/tp.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -108,7 +120,9 @@ class _AuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(aux)
-        return x
+        # A copy, not ``x`` itself (which autograd would return as a view of it): this can be a
+        # pipeline stage's output, which the zero-bubble schedules detach in place.
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -116,33 +130,56 @@ class _AuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
+def expert_counts(expert: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows per expert, on the device.  Not ``torch.bincount``: on CUDA it reads the indices' max
+    back to the host first, a synchronization."""
+    return torch.zeros(n, dtype=torch.long, device=expert.device).index_add_(0, expert, torch.ones_like(expert))
+
+
+def unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``rows`` (in the order ``x[order]`` took) back in the order of ``x``."""
+    return torch.empty_like(rows).index_copy(0, order, rows)
+
+
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts with a Switch-style load-balancing loss."""
+    """Top-k routed SwiGLU experts.
+
+    During a forward of the model that holds it, each layer appends its routing (rows per expert,
+    mean router probability per expert) to ``routing``, a list the model hands out for that
+    forward and takes the balance loss of.  Outside it (a recomputation in backward, a layer run
+    alone) ``routing`` is None and nothing is kept.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, d, h = cfg.n_experts, cfg.dim, cfg.ffn_dim
-        self.n_experts, self.top_k, self.coef = e, cfg.top_k, cfg.aux_loss_coef
+        self.n_experts, self.top_k = e, cfg.top_k
         self.router = nn.Linear(d, e, bias=False)
         self.w1 = nn.Parameter(torch.empty(e, d, h))
         self.w3 = nn.Parameter(torch.empty(e, d, h))
         self.w2 = nn.Parameter(torch.empty(e, h, d))
         self.expert_offset = 0          # first expert held here (expert parallel shards them)
         self.dispatch = local_dispatch  # expert parallel swaps in all-to-all dispatch
-        self.balance_group = None       # process group whose tokens the balance loss counts
-        self.aux_scale = 1.0            # this rank's share of the balance loss (1/tp under tensor parallel)
+        self.routing: list | None = None
 
-    def experts(self, tokens: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
-        """Run tokens through the experts held here; ``local_expert`` indexes them."""
-        # tokens * 0, not zeros_like: the result stays in the autograd graph even when no row
-        # reaches these experts, so the backward all-to-all runs on every expert-parallel rank.
-        out = tokens * 0
-        for e in range(self.w1.shape[0]):
-            rows = (local_expert == e).nonzero(as_tuple=True)[0]
-            if len(rows):
-                t = tokens[rows]
-                out = out.index_add(0, rows, (F.silu(t @ self.w1[e]) * (t @ self.w3[e])) @ self.w2[e])
-        return out
+    def experts(self, tokens: torch.Tensor, local_expert: torch.Tensor,
+                counts: list[int] | None = None) -> torch.Tensor:
+        """Run tokens through the experts held here; ``local_expert`` indexes them.
+
+        One sort groups the rows by expert and each expert runs on its contiguous slice; the slice
+        sizes are the only values the host needs: ``counts`` (rows per local expert) when the
+        caller has them on the host already, else one copy of all of them.  An expert without rows
+        multiplies an empty slice, so every expert's weights get a gradient (zero) on every rank,
+        and the output depends on ``tokens`` even when no row arrives, so the backward all-to-all
+        runs on every expert-parallel rank.
+        """
+        if counts is None:
+            counts = expert_counts(local_expert, self.w1.shape[0]).tolist()
+        order = torch.argsort(local_expert, stable=True)
+        slices = tokens.index_select(0, order).split(counts)
+        out = torch.cat([(F.silu(t @ w1) * (t @ w3)) @ w2 for t, w1, w3, w2
+                         in zip(slices, self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))])
+        return unsort(out, order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -155,18 +192,9 @@ class MoE(nn.Module):
         rows = tokens.repeat_interleave(self.top_k, dim=0)
         routed = self.dispatch(self, rows, flat_expert)
         out = (routed.view(-1, self.top_k, d) * weight.unsqueeze(-1)).sum(1)
-        aux = self.coef * self.aux_scale * self._balance_loss(probs, flat_expert)
-        return _AuxLoss.apply(out.view(b, s, d), aux)
-
-    def _balance_loss(self, probs: torch.Tensor, flat_expert: torch.Tensor) -> torch.Tensor:
-        """E * sum_e f_e * P_e; f from token counts over ``balance_group`` (constant), P local."""
-        counts = torch.bincount(flat_expert, minlength=self.n_experts).to(probs.dtype)
-        if self.balance_group is not None:
-            import torch.distributed as dist
-            counts = counts.clone()
-            dist.all_reduce(counts, group=self.balance_group)
-        f = counts / counts.sum()
-        return self.n_experts * (f.detach() * probs.mean(0)).sum()
+        if self.routing is not None:
+            self.routing.append((expert_counts(flat_expert, self.n_experts), probs.mean(0)))
+        return out.view(b, s, d)
 
 
 def local_dispatch(moe: MoE, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -188,33 +216,73 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, seq_len: int):
+    def __init__(self, cfg: ModelConfig, seq_len: int, seed: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, seed
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.positions = torch.arange(seq_len)  # not a buffer: see the module docstring
+        # Not a buffer (see the module docstring); on the CPU even when the model is built on meta.
+        self.positions = torch.arange(seq_len, device="cpu")
+        self.balance_group = None  # process group whose tokens the balance loss counts
+        self.aux_scale = 1.0       # this rank's share of the balance loss (1/tp under tensor parallel)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Deterministic under a seed: every rank builds the same full model before sharding."""
+        """Every parameter from its own generator, seeded with ``seed`` and the parameter's name.
+
+        A pipeline stage holds some of the layers under the full model's names, so it draws the
+        values the full model has without drawing the rest.  Drawn on the CPU: every device starts
+        from the same values.  Parameters on the meta device have no values to set (materialize
+        them with ``to_empty`` and call this again).
+        """
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            value = torch.empty(p.shape, dtype=p.dtype, device="cpu")
             if name.endswith("norm.weight"):
-                nn.init.ones_(p)
+                value.fill_(1.0)
             else:
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "w2")) else 0.02
-                nn.init.normal_(p, std=std)
+                generator = torch.Generator().manual_seed(_name_seed(self.seed, name))
+                value.normal_(0.0, std, generator=generator)
+            with torch.no_grad():
+                p.copy_(value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if self.positions.device != h.device:  # once: Module.to() moves buffers, not this
             self.positions = self.positions.to(h.device)
+        # Wrapped blocks (checkpointing, torch.compile, FSDP) still hold their MoE as a submodule.
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        routing: list = []
+        for moe in moes:
+            moe.routing = routing
         for layer in self.layers.values():
             h = layer(h, self.positions)
+        for moe in moes:  # a recomputation in backward records nothing
+            moe.routing = None
+        if routing:
+            h = _AuxLoss.apply(h, self._balance_loss(routing))
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def _balance_loss(self, routing: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Switch-style: per layer E * sum_e f_e * P_e, f from token counts over ``balance_group``
+        (constant), P local.  One all-reduce for every layer held here, not one per layer."""
+        counts = torch.stack([c for c, _ in routing]).float()
+        if self.balance_group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(counts, group=self.balance_group)
+        f = counts / counts.sum(-1, keepdim=True)
+        mean_probs = torch.stack([p for _, p in routing])
+        return self.cfg.aux_loss_coef * self.aux_scale * self.cfg.n_experts * (f * mean_probs).sum()
+
+
+def _name_seed(seed: int, name: str) -> int:
+    """A 64-bit seed from the run's seed and a parameter name (not ``hash()``: it differs per process)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,11 @@
 """Pipeline parallelism through ``torch.distributed.pipelining``.
 
 The model's layers are cut into ``pp x virtual`` contiguous stages; stage 0
-keeps the embedding, the last stage the final norm and LM head.  Schedules:
+keeps the embedding, the last stage the final norm and LM head.  A rank
+builds each of its stages on the meta device, cuts it, and only then
+allocates and initializes what is left (:func:`build_stage`): no rank holds
+the full model, and the values are the full model's, as the model seeds each
+parameter from its name.  Schedules:
 
 ==================  ======================================  ==================
 name                PyTorch schedule                        stages per rank
@@ -13,15 +17,17 @@ zero_bubble         ScheduleInterleavedZeroBubble           2 (looped)
 zbv                 ScheduleZBVZeroBubble                   2 (V-shaped)
 ==================  ======================================  ==================
 
-Theory for the bubble (used by the analyzers): (p-1)/(m+p-1) of the step for
-GPipe and 1F1B, divided by the number of virtual stages for interleaved.
+The bubble theory of each schedule (1F1B's (p-1)/(m+p-1), interleaved's
+division by v, zero-bubble's from the F/B/W times) is in
+``analyzers/bubbles.py``.
 """
 from __future__ import annotations
 
-import copy
-
+import torch
 from torch import nn
 
+from .config import ModelConfig
+from .model import Transformer
 from .parallel_dims import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -51,18 +57,29 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
 
 
 def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-    """A copy of ``model`` with only what ``stage`` runs (same parameters' values, same names)."""
+    """``model`` cut, in place, to what ``stage`` runs; the parameters keep their names."""
     keep = layer_ranges(len(model.layers), n_stages)[stage]
-    part = copy.deepcopy(model)
-    for name in list(part.layers.keys()):
+    for name in list(model.layers.keys()):
         if int(name) not in keep:
-            del part.layers[name]
+            del model.layers[name]
     if stage != 0:
-        part.tok_embeddings = None
+        model.tok_embeddings = None
     if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
-    return part
+        model.norm = None
+        model.output = None
+    return model
+
+
+def build_stage(cfg: ModelConfig, seq_len: int, seed: int, stage: int, n_stages: int,
+                device: torch.device | str) -> Transformer:
+    """Stage ``stage`` of ``n_stages`` (the whole model for one stage), on ``device`` and initialized,
+    having allocated nothing else: built on meta, cut, then materialized."""
+    with torch.device("meta"):
+        model = Transformer(cfg, seq_len, seed=seed)
+    stage_module(model, stage, n_stages)
+    model.to_empty(device=device)
+    model.reset_parameters()
+    return model
 
 
 def build_schedule(stages: list, schedule: str, microbatches: int, loss_fn):

@@ -11,12 +11,14 @@ rank runs the router and experts on its own sequence shard -- the tokens
 sequence parallelism already gives it -- so no tp rank repeats another's
 expert work or all-to-all.  The MoE weights are then replicated over tp and
 see different tokens on each rank: :func:`reduce_moe_grads` sums their
-gradients over tp, and each rank's balance loss counts 1/tp.
+gradients over tp (one bucketed all-reduce), and each rank's balance loss
+counts 1/tp.
 """
 from __future__ import annotations
 
 from torch import nn
 
+from .buckets import all_reduce_flat
 from .parallel_dims import ParallelDims
 
 
@@ -34,6 +36,8 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     if model.output is not None:
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, top)
+    if model.cfg.n_experts:
+        model.aux_scale = 1.0 / dims.tp  # see the module docstring
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
@@ -45,7 +49,7 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
             "ffn_norm": SequenceParallel(),
         }
         if model.cfg.n_experts:
-            _moe_on_sequence_shard(block.feed_forward, dims.tp)
+            _moe_on_sequence_shard(block.feed_forward)
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -57,11 +61,10 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return model
 
 
-def _moe_on_sequence_shard(moe: nn.Module, tp: int) -> None:
+def _moe_on_sequence_shard(moe: nn.Module) -> None:
     """The MoE takes this rank's sequence shard of the norm's output (a plain tensor) and returns
     its output for those tokens, which is what the residual stream holds under sequence parallel."""
     moe.register_forward_pre_hook(lambda module, args: (args[0].to_local(),))
-    moe.aux_scale = 1.0 / tp
 
 
 def moe_params(modules: list[nn.Module]) -> list[nn.Parameter]:
@@ -72,9 +75,5 @@ def moe_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 def reduce_moe_grads(params: list[nn.Parameter], tp_group) -> None:
     """Sum MoE gradients over tp (after data-parallel reduction: every tp rank holds the same shard)."""
-    import torch.distributed as dist
-
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(grad, group=tp_group)
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    all_reduce_flat(grads, tp_group)

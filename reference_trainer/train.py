@@ -1,7 +1,8 @@
 """One rank of the reference trainer: build, parallelize, train, write the run directory.
 
 Order of parallelization (as torchtitan does): check the settings (checks.py),
-build the full model under a fixed seed on every rank -> cut pipeline stages -> tensor parallel -> context
+build this rank's pipeline stages on the meta device and initialize only them (each parameter
+seeded from its name, so the values are the full model's) -> tensor parallel -> context
 parallel -> expert parallel -> activation recomputation -> torch.compile ->
 FSDP/DDP.  Every rank sees the same global batch of a step and takes its own
 rows (data ranks) and sequence chunks (context ranks).
@@ -31,8 +32,8 @@ from . import context_parallel, data_parallel, expert_parallel, pipeline_paralle
 from .checks import check_run, reshard_after_forward
 from .config import TrainConfig, load_config, parse_overrides
 from .data import global_batch, shard_rows
-from .inject import apply_faults, apply_paced, parse_faults, parse_paced
-from .model import Transformer, cross_entropy
+from .inject import Injector, apply_paced, parse_faults, parse_paced
+from .model import cross_entropy
 from .parallel_dims import ParallelDims
 
 
@@ -85,21 +86,15 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     coords = dims.coords(rank)
     mesh = dims.mesh
 
-    torch.manual_seed(cfg.seed)
-    with torch.device("cpu"):
-        full = Transformer(cfg.model, cfg.seq_len)
-
-    # --- pipeline stages
+    # --- this rank's pipeline stages (the whole model without pp), built on meta, materialized on the device
     if dims.pp > 1:
         ids = pipeline_parallel.stage_ids(opts.schedule, dims.pp, coords["pp"])
         n_stages = dims.pp * len(ids)
-        modules = [pipeline_parallel.stage_module(full, s, n_stages) for s in ids]
     else:
-        ids, n_stages, modules = [0], 1, [full]
-    del full
-    modules = [m.to(device) for m in modules]
+        ids, n_stages = [0], 1
+    modules = [pipeline_parallel.build_stage(cfg.model, cfg.seq_len, cfg.seed, s, n_stages, device) for s in ids]
 
-    faults = parse_faults(opts.inject)
+    injector = Injector(parse_faults(opts.inject), rank, cfg.seed)
     paced = parse_paced(opts.paced)
     expert_params: list = []
     edp_group = None
@@ -113,20 +108,21 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             tensor_parallel.apply_tp(m, dims)
         if dims.cp > 1:
             context_parallel.apply_cp(m, mesh["cp"].get_group(), dims.cp, coords["cp"], cfg.seq_len)
-        for block in m.layers.values():
-            if hasattr(block.feed_forward, "balance_group"):
-                block.feed_forward.balance_group = extra_groups.get("moe_aux")
+        m.balance_group = extra_groups.get("moe_aux")
     if cfg.model.n_experts and dims.ep > 1:
         ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, rank)
         for m in modules:
             expert_params += expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
         extra_groups.update(ep=ep_group, ep_dp=edp_group)
-    apply_faults(modules, ids, faults, rank)
+    injector.attach_modules(modules, ids)
     if paced:
-        apply_paced(modules, *paced)
+        apply_paced(modules, paced)
     if cfg.recompute != "none":
         _apply_recompute(modules, cfg.recompute)
     if cfg.compile:
+        # MoE layers read their rows per expert to the host (split sizes): traced into the graph as
+        # data-dependent sizes instead of breaking it at every element.
+        torch._dynamo.config.capture_scalar_outputs = True
         for m in modules:
             for name, block in list(m.layers.items()):
                 m.layers[name] = torch.compile(block)
@@ -134,6 +130,9 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     if dims.dp > 1:
         if opts.dp_mode == "ddp":
             modules = [data_parallel.apply_ddp(m, dims) for m in modules]
+            if injector.of("link"):  # DDP reduces in C++; its Python hook makes the slow link reachable
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+                modules[0].register_comm_hook(modules[0].process_group, allreduce_hook)
         else:
             reshard = reshard_after_forward(dims, opts.reshard_after_forward)
             modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=reshard,
@@ -145,6 +144,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     params = [p for m in modules for p in m.parameters()]
     opt = (torch.optim.SGD(params, lr=cfg.lr) if cfg.optimizer == "sgd"
            else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0))
+    injector.attach_optimizer(opt)
+    injector.slow_links(_groups_by_dim(dims, extra_groups))  # before the collectors wrap the same calls
 
     if dims.tp > 1:  # vocab-sharded logits: forward and backward of the loss under loss_parallel
         from torch.distributed.tensor.parallel import loss_parallel as loss_context
@@ -183,6 +184,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             _sync(device)  # step times are the device's: the host only enqueues work on a GPU
             start = time.time_ns()
             with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context(), autocast():
+                injector.begin_step(step)
                 opt.zero_grad(set_to_none=True)
                 if schedule is not None:
                     mb_losses: list = []
@@ -245,6 +247,17 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                           extra_groups=extra_groups, dtype=cfg.dtype, force=opts.force,
                           manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
+
+
+def _groups_by_dim(dims: ParallelDims, extra_groups: dict) -> dict[str, list]:
+    """The process groups of each dimension a slow link can be injected on (--inject link:dim=...)."""
+    def group(name):
+        try:
+            return dims.mesh[name].get_group()
+        except (KeyError, RuntimeError, ValueError):
+            return None
+    return {"dp": [group(n) for n in ("dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp")] + [extra_groups.get("ep_dp")],
+            "pp": [group("pp")], "cp": [group("cp")], "ep": [extra_groups.get("ep")]}
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,155 @@
+"""Each injected fault lands where a real one would, with the size it was given.
+
+The expected sizes come from the injection itself (a sleep of known length); the tolerance is a
+wake-up latency: ``time.sleep`` never returns early, and on a loaded 2-core machine a woken
+process can wait up to ``WAKE_S`` for a core.  Faults land in different leaves of the breakdown
+(optimizer, data loading, idle, communication), so one run checks several.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mfuscope.analyzers import breakdown, overview, trace_set
+from mfuscope.errors import UserInputError
+from mfuscope.reference_trainer.inject import Injector, parse_faults, parse_paced
+from mfuscope.reference_trainer.launch import fork_ranks
+from mfuscope.reference_trainer.train import RunOptions, run_rank
+
+WAKE_S = 0.015
+MICRO = """
+[model]
+vocab_size = 64
+dim = 32
+n_layers = 2
+n_heads = 2
+n_kv_heads = 2
+ffn_dim = 64
+max_seq_len = 16
+[train]
+seq_len = 16
+global_batch = 8
+grad_accum = 1
+microbatches = 4
+"""
+
+
+def _profiled(tmp_path, name, layout, world, steps=5, **kw):
+    config = tmp_path / "micro.toml"
+    config.write_text(MICRO)
+    out = tmp_path / name
+    fork_ranks(run_rank, world, RunOptions(config=str(config), layout=layout, steps=steps, window="1:", out=str(out), **kw))
+    events = trace_set.load(out, use_cache=False).events
+    leaves = breakdown.step_leaves(events)
+    return out, events, leaves.pivot_table(index=["rank", "step"], columns="leaf", values="seconds", fill_value=0.0)
+
+
+def test_loader_gc_and_optimizer_faults_land_in_their_leaves(tmp_path):
+    faults = "loader:ms=80:every=2;gc:ms=60:rank=0:every=2;optimizer:ms=100:rank=1"
+    _, _, leaf = _profiled(tmp_path, "faults", "dp_shard=2", 2, steps=6, dp_mode="ddp", inject=faults)
+    steps = sorted(leaf.index.get_level_values("step").unique())
+    hit = [s for s in steps if s % 2 == 0]
+    miss = [s for s in steps if s % 2]
+    assert hit and miss
+    for rank in (0, 1):
+        loading = leaf.loc[rank]["data_loading"]
+        # every second step, on both ranks: a DataLoader region of 80 ms; nothing on the others
+        assert all(0.080 <= loading[s] <= 0.080 + WAKE_S for s in hit), loading
+        assert all(loading[s] == 0.0 for s in miss), loading
+    # rank 0's thread pauses 60 ms with no operator running: idle, only on the fault's steps
+    idle0 = leaf.loc[0]["idle"]
+    assert np.median([idle0[s] for s in hit]) - np.median([idle0[s] for s in miss]) == pytest.approx(0.060, abs=WAKE_S)
+    # rank 1's optimizer step is 100 ms slower, on every step; rank 0's is not
+    opt = leaf["compute/optimizer"].groupby("rank").median()
+    assert opt[1] - opt[0] == pytest.approx(0.100, abs=WAKE_S)
+
+
+def test_slow_link_stretches_every_members_collectives_alike(tmp_path):
+    # Two DDP ranks all-reduce the micro model's gradients over a 0.005 Gbit/s link: every all-reduce
+    # takes bytes*8/0.005e9 longer on both ranks, and no rank arrives late.
+    _, _, base = _profiled(tmp_path, "base", "dp_shard=2", 2, dp_mode="ddp")
+    out, _, slow = _profiled(tmp_path, "slow", "dp_shard=2", 2, dp_mode="ddp", inject="link:dim=dp:gbps=0.005")
+    from mfuscope import run_dir
+    comm = run_dir.read_table(out, run_dir.COMM).to_pandas()
+    grads = comm[(comm["op"] == "all_reduce") & comm["dim"].astype(str).str.startswith("dp")]
+    per_step_bytes = grads.groupby(["rank", "step"])["bytes"].sum().groupby("rank").median()
+    expected = per_step_bytes * 8 / 0.005e9  # seconds per step each rank spends on the slow link
+    assert (expected > 0.05).all(), expected  # the delay must stand far above the noise to mean anything
+    dp = [c for c in slow.columns if c.startswith("comm/dp")]
+    dp_base = [c for c in base.columns if c.startswith("comm/dp")]
+    for rank in (0, 1):
+        grown = slow.loc[rank][dp].sum(axis=1).median() - base.loc[rank][dp_base].sum(axis=1).median()
+        # at least the link's time; at most that plus a wake-up per all-reduce and the base's own noise
+        calls = grads[grads["rank"] == rank].groupby("step").size().median()
+        assert expected[rank] - WAKE_S <= grown <= expected[rank] + calls * WAKE_S + 0.05, (rank, grown, expected[rank])
+    report = overview.build_report(trace_set.load(out, use_cache=False).events, source=str(out), files=[], run=out)
+    assert not report["stragglers"]  # a slow link is not a late rank
+
+
+def test_backward_fault_sleeps_in_the_backward(tmp_path):
+    _, events, _ = _profiled(tmp_path, "bwd", "dp_shard=2", 2, steps=3, inject="compute:rank=1:ms=50:pass=bwd")
+    df = events.to_pandas(["rank", "name", "ts_ns", "dur_ns", "step"])
+    sleeps = df[(df["name"] == "mfuscope.inject/compute") & (df["step"] >= 0)]
+    assert set(sleeps["rank"]) == {1} and (sleeps["dur_ns"] >= 50e6).all()
+    # inside autograd's backward: the sleep's span lies within a backward node's span on that thread
+    backward = df[(df["rank"] == 1) & df["name"].str.contains("Backward", regex=False)]
+    for s in sleeps.itertuples():
+        assert ((backward["ts_ns"] <= s.ts_ns) & (backward["ts_ns"] + backward["dur_ns"] >= s.ts_ns + s.dur_ns)).any()
+
+
+def test_host_sync_fault_reads_back_once_per_block(tmp_path):
+    _, events, _ = _profiled(tmp_path, "sync", "dp_shard=2", 2, steps=3, inject="sync:rank=0")
+    df = events.to_pandas(["rank", "name", "step"])
+    reads = df[(df["name"] == "aten::_local_scalar_dense") & (df["step"] >= 1)].groupby(["rank", "step"]).size()
+    base = df[(df["name"] == "aten::_local_scalar_dense") & (df["step"] >= 1) & (df["rank"] == 1)].groupby("step").size()
+    # 2 blocks x 1 microbatch more reads per step on rank 0 than on rank 1
+    assert (reads.loc[0] - base.reindex(reads.loc[0].index, fill_value=0) == 2).all(), reads
+
+
+def test_jitter_is_bounded_and_repeats_under_a_seed():
+    fault = parse_faults("compute:ms=50:jitter_ms=20:every=3")[0]
+    draws = []
+    for _ in range(2):
+        inj = Injector([fault], rank=1, seed=7)
+        seq = []
+        for step in range(9):
+            inj.step = step
+            seq.append(inj.seconds(fault))
+        draws.append(seq)
+    assert draws[0] == draws[1]
+    on = [d for s, d in enumerate(draws[0]) if s % 3 == 0]
+    assert all(0.030 <= d <= 0.070 for d in on) and len(set(on)) == len(on)
+    assert all(d == 0.0 for s, d in enumerate(draws[0]) if s % 3)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("compute:rank=1", "needs ms"),
+    ("link:dim=tp:gbps=1", "link dim is one of"),
+    ("comm:dim=dp:ms=5", "late arrival is injected on tp"),
+    ("loader:ms=5:stage=1", "takes no stage"),
+    ("compute:ms=5:pass=both", "pass is fwd or bwd"),
+    ("teleport:ms=5", "unknown fault kind"),
+    ("optimizer:ms=-1", "ms and jitter_ms >= 0"),
+])
+def test_bad_fault_specs_are_named(spec, message):
+    with pytest.raises(UserInputError, match=message):
+        parse_faults(spec)
+
+
+@pytest.mark.parametrize("spec", ["fwd_ms=5", "fwd_ms=5,bwd_ms=10,per=token", "fwd_ms=5,bwd_ms=x", "fwd_ms=5,bwd_ms=5,v_ms=1"])
+def test_bad_paced_specs_are_named(spec):
+    with pytest.raises(UserInputError, match="--paced: cannot read"):
+        parse_paced(spec)
+
+
+def test_per_sample_pacing_in_a_run(tmp_path):
+    times = {}
+    for m in (2, 4):
+        _, events, _ = _profiled(tmp_path, f"m{m}", "pp=2", 2, steps=3, microbatches=m,
+                                 paced="fwd_ms=10,bwd_ms=10,per=sample", overrides={"grad_accum": 1})
+        df = events.to_pandas(["rank", "name", "dur_ns", "step"])
+        fwd = df[(df["name"] == "mfuscope.paced/forward") & (df["step"] >= 1)]
+        times[m] = (fwd["dur_ns"].median() / 1e9, fwd.groupby(["rank", "step"]).size().median())
+    # 8 samples a step: 4 per microbatch at m=2 (40 ms), 2 at m=4 (20 ms); the same 80 ms per stage and step
+    assert times[2][0] == pytest.approx(0.040, abs=WAKE_S) and times[4][0] == pytest.approx(0.020, abs=WAKE_S)
+    assert times[2][1] == 2 and times[4][1] == 4
