@@ -4,8 +4,8 @@ Every instant of a step (its marker's span on the training thread) goes to
 exactly one leaf, by priority:
 
 On a GPU rank (device work in the trace), the device's view:
-  1. compute/<kind>   a compute kernel runs (gemm, attention, norm_elementwise,
-                      optimizer, other -- from the kernel name)
+  1. compute/<kind>   a compute kernel runs (gemm, conv, attention,
+                      norm_elementwise, optimizer, other -- from the kernel name)
   2. memory           only copies / fills run
   3. comm/<dim>/<op>  only communication runs: exposed communication
      bubble           ...of the pipeline dimension: a stage waiting on its neighbour
@@ -35,16 +35,27 @@ import pandas as pd
 
 from mfuscope.event_table import EventTable
 
+from . import collectives
 from . import intervals as iv
 
-COMPUTE_KINDS = ("gemm", "attention", "norm_elementwise", "optimizer", "other")
+COMPUTE_KINDS = ("gemm", "conv", "attention", "norm_elementwise", "optimizer", "other")
 
+# Kernel names are matched on words: a word is a run of letters (so ``lambda`` is not ``lamb``,
+# ``FusedAdamMathFunctor`` holds ``adam``), digits and underscores split them.  In this order:
+# convolutions before GEMMs (cuDNN's implicit-GEMM convolutions name both), attention before
+# both (flash kernels are built from GEMM tiles).
+_W = r"(?<![a-z])"  # a word starts here
 _KERNEL_RULES = [
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|softmax_warp_forward.*causal", re.I)),
-    ("gemm", re.compile(r"gemm|sgemm|hgemm|cutlass|cublas|Cijk_|nvjet|xmma|matmul|_mm_|wgmma|\bmm\b", re.I)),
-    ("optimizer", re.compile(r"adam|sgd|multi_tensor_apply|foreach|lamb|optimizer", re.I)),
-    ("norm_elementwise", re.compile(r"norm|elementwise|vectorized|reduce|softmax|silu|gelu|relu|swiglu|rope|"
-                                    r"triton_|unrolled|index|cat|copy|fill|where|cross_entropy|embedding", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|" + _W + r"mha(?![a-z])|softmax_warp_forward.*causal", re.I)),
+    ("conv", re.compile(r"conv|" + _W + r"(fprop|dgrad|wgrad)(?![a-z])|winograd|implicit_gemm.*(nhwc|nchw)|"
+                        r"dgrad_engine|wgrad_alg|igemm_(fwd|bwd|wrw)", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|wgmma|matmul|" + _W + r"cijk_|" + _W + r"(mm|bmm|addmm)(?![a-z])",
+                        re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|optimizer|" + _W + r"(sgd|lamb|lars|adagrad|rmsprop)(?![a-z])",
+                             re.I)),
+    ("norm_elementwise", re.compile(r"norm|" + _W + r"bn_|elementwise|vectorized|reduce|softmax|silu|gelu|relu|swiglu|"
+                                    r"rope|rotary|triton_|unrolled|index|cat|copy|fill|where|cross_entropy|embedding",
+                                    re.I)),
 ]
 _OP_RULES = [
     ("attention", re.compile(r"scaled_dot_product|flash|attention|_efficient_attention")),
@@ -56,6 +67,9 @@ _COMM_OP = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::|gloo:|nccl
 
 
 def kernel_kind(name: str) -> str:
+    """compute kind of a device kernel (``collective`` for communication kernels)."""
+    if collectives.is_comm_kernel(name):
+        return "collective"
     for kind, rule in _KERNEL_RULES:
         if rule.search(name):
             return kind

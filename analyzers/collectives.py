@@ -33,10 +33,21 @@ _OP_TOKENS = (
 _COMM_LABEL = re.compile(r"^mfuscope\.comm/(?P<dim>[^/]+)/(?P<op>[^/]+)")
 
 
+_EP_KERNEL = re.compile(r"deep_ep::|nvshmem", re.I)
+
+
 def is_comm_kernel(name: str) -> bool:
-    """NCCL and RCCL device kernels, every naming generation."""
+    """NCCL and RCCL device kernels, every naming generation, and expert-parallel communication
+    kernels: DeepEP's dispatch/combine (``deep_ep::intranode::dispatch``, ``internode``,
+    ``internode_ll``) and NVSHMEM's, which move tokens between GPUs without NCCL."""
     low = name.lower()
-    return "nccl" in low or "rccl" in low
+    return "nccl" in low or "rccl" in low or bool(_EP_KERNEL.search(name))
+
+
+def kernel_dim(name: str) -> str | None:
+    """The parallel dimension a communication kernel's name gives away: DeepEP and NVSHMEM
+    kernels are expert parallelism's token dispatch and combine."""
+    return "ep" if _EP_KERNEL.search(name) else None
 
 
 def is_comm_cpu_name(name: str) -> bool:
@@ -54,6 +65,8 @@ def normalize_op(name: str | None) -> str | None:
     base = name.split("(", 1)[0]
     if base.startswith(("nccl:", "gloo:", "c10d::")):
         base = base.split(":")[-1]
+    if _EP_KERNEL.search(name):  # dispatch and combine send every token to its experts' GPUs
+        return "all_to_all"
     key = re.sub(r"[^a-z]", "", base.lower())
     for token, op in _OP_TOKENS:
         if token in key:
@@ -62,9 +75,9 @@ def normalize_op(name: str | None) -> str | None:
 
 
 def label_dim(name: str) -> str | None:
-    """Parallel dimension from an ``mfuscope.comm/<dim>/<op>`` label."""
+    """Parallel dimension from an ``mfuscope.comm/<dim>/<op>`` label, or an expert-parallel kernel."""
     m = _COMM_LABEL.match(name)
-    return m.group("dim") if m else None
+    return m.group("dim") if m else kernel_dim(name)
 
 
 def dim_from_group_desc(desc: str | None) -> str | None:

@@ -7,7 +7,9 @@ step, dim, op, bytes, group_size, pg, seq, enqueue_ns, start_ns, end_ns.
 
 Exposed time of a call: on a GPU rank, the part of it no compute kernel
 overlaps; on a CPU rank, the part during which the training thread was
-blocked in communication (the breakdown's comm leaves).
+blocked in communication (the breakdown's comm leaves).  Overlapping calls
+share their time, one owner per instant (:func:`add_exposure`), so the table's
+total and exposed seconds never exceed the ranks' wall time.
 
 Bandwidth, as nccl-tests defines it: algbw = bytes / time; busbw = algbw x
 2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter and
@@ -15,6 +17,7 @@ all_to_all, 1 for broadcast and point-to-point.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,7 @@ from . import intervals as iv
 
 SIZE_BUCKETS = [0, 64 << 10, 1 << 20, 16 << 20, 256 << 20, np.inf]
 BUCKET_NAMES = ["<64KiB", "64KiB-1MiB", "1-16MiB", "16-256MiB", ">=256MiB"]
+UNKNOWN = "unknown size"
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -57,59 +61,101 @@ def calls_from_trace(events: EventTable) -> pd.DataFrame:
         "end_ns": df["ts_ns"] + df["dur_ns"]}).reset_index(drop=True)
 
 
-def exposure_sets(events: EventTable) -> dict[int, tuple[str, tuple[np.ndarray, np.ndarray]]]:
-    """rank -> ("hidden_by", compute union) on GPU ranks, ("blocked", wait union) on CPU ranks."""
+def exposure_sets(events: EventTable) -> dict[int, tuple[str, tuple, tuple]]:
+    """rank -> (how, set, steps): ("hidden_by", compute union) on GPU ranks, ("blocked", wait
+    union) on CPU ranks, each within ``steps``, the rank's step windows -- the time the breakdown
+    splits, so the table and the breakdown count the same instants."""
     df = events.to_pandas(["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns"])
     out = {}
     for rank, rdf in df.groupby("rank"):
         ends = rdf["ts_ns"] + rdf["dur_ns"]
+        steps = rdf[rdf["kind"] == "step"]
+        windows = iv.union(steps["ts_ns"].to_numpy(), (steps["ts_ns"] + steps["dur_ns"]).to_numpy())
         kernels = (rdf["kind"] == "kernel") & (rdf["device"] >= 0)
         if kernels.any():
-            out[rank] = ("hidden_by", iv.union(rdf["ts_ns"][kernels].to_numpy(), ends[kernels].to_numpy()))
+            compute = iv.union(rdf["ts_ns"][kernels].to_numpy(), ends[kernels].to_numpy())
+            out[rank] = ("hidden_by", iv.intersect(compute, windows), windows)
             continue
-        steps = rdf[rdf["kind"] == "step"]
         main = (rdf["lane"] == steps["lane"].iloc[0]) if len(steps) else pd.Series(False, index=rdf.index)
         blocked = main & breakdown.blocked_in_comm(rdf)
-        out[rank] = ("blocked", iv.union(rdf["ts_ns"][blocked].to_numpy(), ends[blocked].to_numpy()))
+        out[rank] = ("blocked", iv.intersect(iv.union(rdf["ts_ns"][blocked].to_numpy(), ends[blocked].to_numpy()),
+                                             windows), windows)
     return out
 
 
 def add_exposure(calls: pd.DataFrame, sets: dict) -> pd.DataFrame:
+    """Adds ``dur_ns`` (each call's own span, for bandwidths), ``inflight_ns`` and ``exposed_ns``.
+
+    Calls of a rank overlap -- a pipeline send is posted early and waited on at the step's end,
+    FSDP prefetches -- so summing their spans would count an instant several times and give a
+    rank more communication time than wall time.  Instead every instant goes to one call: of the
+    calls in flight then, the one that ends first (the one the rank is about to have back).
+    ``inflight_ns`` is a call's share of the time any call is in flight, ``exposed_ns`` its share
+    of the exposed time (not hidden by compute on a GPU rank; the training thread blocked in
+    communication on a CPU rank), both within the rank's step windows.  Per rank both add up
+    to at most its steps' time."""
     calls = calls.copy()
-    dur = (calls["end_ns"] - calls["start_ns"]).astype("float64")
-    exposed = np.full(len(calls), np.nan)
+    start = calls["start_ns"].to_numpy(dtype="float64")
+    end = calls["end_ns"].to_numpy(dtype="float64")
+    inflight, exposed = np.full(len(calls), np.nan), np.full(len(calls), np.nan)
     for rank, idx in calls.groupby("rank").indices.items():
-        if rank not in sets:
+        ok = idx[~(np.isnan(start[idx]) | np.isnan(end[idx]))]
+        if not len(ok):
             continue
-        how, union = sets[rank]
-        s = calls["start_ns"].to_numpy()[idx]
-        e = calls["end_ns"].to_numpy()[idx]
-        ok = ~(np.isnan(s.astype(float)) | np.isnan(e.astype(float)))
-        vals = np.full(len(idx), np.nan)
-        if ok.any():
-            s_ok, e_ok = s[ok].astype(np.int64), e[ok].astype(np.int64)
-            ov = iv.overlap(union, s_ok, e_ok)
-            vals[ok] = (e_ok - s_ok - ov) if how == "hidden_by" else ov
-        exposed[idx] = vals
-    calls["dur_ns"] = dur
+        s, e = start[ok].astype(np.int64), np.maximum(end[ok].astype(np.int64), start[ok].astype(np.int64))
+        points = np.unique(np.concatenate([s, e]))
+        seg = np.diff(points).astype(np.float64)
+        if rank not in sets:
+            inflight[ok] = _owned(s, e, points, seg)
+            continue
+        how, busy, windows = sets[rank]
+        in_steps = np.diff(iv.covered_before(windows, points)).astype(np.float64)
+        cover = np.diff(iv.covered_before(busy, points)).astype(np.float64)
+        inflight[ok] = _owned(s, e, points, in_steps)
+        exposed[ok] = _owned(s, e, points, in_steps - cover if how == "hidden_by" else cover)
+    calls["dur_ns"] = (calls["end_ns"] - calls["start_ns"]).astype("float64")
+    calls["inflight_ns"] = inflight
     calls["exposed_ns"] = exposed
     return calls
+
+
+def _owned(starts: np.ndarray, ends: np.ndarray, points: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Each elementary segment [points[i], points[i+1]) gives ``weight[i]`` to the in-flight
+    interval that ends first; returns what each interval got."""
+    out = np.zeros(len(starts))
+    order = np.argsort(starts, kind="stable")
+    heap: list[tuple[int, int]] = []
+    k = 0
+    for i in range(len(points) - 1):
+        t = points[i]
+        while k < len(order) and starts[order[k]] <= t:
+            heapq.heappush(heap, (int(ends[order[k]]), int(order[k])))
+            k += 1
+        while heap and heap[0][0] <= t:
+            heapq.heappop(heap)
+        if heap and weight[i] > 0:
+            out[heap[0][1]] += weight[i]
+    return out
 
 
 def summarize(calls: pd.DataFrame) -> list[dict[str, Any]]:
     """Per (dim, op, size bucket): count, bytes, total and exposed seconds, overlap, bandwidths."""
     if calls.empty:
         return []
-    c = calls.assign(bucket=pd.cut(calls["bytes"].fillna(0), SIZE_BUCKETS, labels=BUCKET_NAMES, right=False))
+    # A call whose size the trace does not give is in its own bucket, and out of the bandwidths:
+    # as 0 bytes it would pull the small-message figures down.
+    known = calls["bytes"].where(calls["bytes"] >= 0)
+    bucket = pd.cut(known, SIZE_BUCKETS, labels=BUCKET_NAMES, right=False).astype(object).where(known.notna(), UNKNOWN)
+    c = calls.assign(bytes=known, bucket=bucket)
     rows = []
     for (dim, op, bucket), g in c.groupby(["dim", "op", "bucket"], observed=True):
-        total = g["dur_ns"].sum() / 1e9
+        total = (g["inflight_ns"] if "inflight_ns" in g else g["dur_ns"]).sum() / 1e9  # in flight, one owner per instant
         exposed = g["exposed_ns"].sum() / 1e9 if g["exposed_ns"].notna().any() else None
         timed = g[(g["dur_ns"] > 0) & g["bytes"].notna()]
         algbw = float((timed["bytes"] / (timed["dur_ns"] / 1e9)).median()) if len(timed) else None
         n = int(g["group_size"].median()) if g["group_size"].notna().any() else 1
         rows.append({"dim": dim, "op": op, "size": str(bucket), "count": int(len(g)),
-                     "bytes": int(g["bytes"].fillna(0).sum()), "total_s": float(total),
+                     "bytes": int(g["bytes"].sum()) if g["bytes"].notna().any() else None, "total_s": float(total),
                      "exposed_s": None if exposed is None else float(exposed),
                      "overlap": None if exposed is None or total == 0 else float(1 - exposed / total),
                      "algbw_gbps": None if algbw is None else algbw / 1e9,

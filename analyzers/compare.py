@@ -5,11 +5,14 @@ more than F (a fraction) below BASE's, both taken against BASE's peak (a CPU
 run measures its peak each time; the runs, not the measurements, are
 compared).  Runs without MFU (no peak for the
 device) are gated on step time instead, the same way (a step more than F
-slower fails), and the output says so.
+slower fails), and the output says so.  Reports where neither is defined are
+not comparable: the gate neither passes nor fails them (``mfuscope compare``
+exits 2 and says why).
 """
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 from xml.sax.saxutils import escape
 
@@ -36,19 +39,21 @@ def compare(base: dict, new: dict, fail_on_mfu_drop: float | None = None) -> dic
     leaves.sort(key=lambda r: -abs(r["delta_s"]))
     gate = None
     if fail_on_mfu_drop is not None:
-        if b.get("mfu") and n.get("mfu") is not None:
+        if _defined(b.get("mfu")) and _defined(n.get("mfu")):
             # Against one peak: a CPU peak is measured per run and varies, and MFU on different
             # peaks would compare the measurements, not the runs.
             scale = (n["peak_flops"] / b["peak_flops"]) if b.get("peak_flops") and n.get("peak_flops") else 1.0
             drop = (b["mfu"] - n["mfu"] * scale) / b["mfu"]
             gate = {"metric": "mfu", "drop": drop, "limit": fail_on_mfu_drop, "failed": drop > fail_on_mfu_drop}
-        elif b.get("step_time_s") and n.get("step_time_s"):
+        elif _defined(b.get("step_time_s")) and _defined(n.get("step_time_s")):
             drop = n["step_time_s"] / b["step_time_s"] - 1  # slower = lower MFU by the same factor
             gate = {"metric": "step_time_s (no MFU in these reports)", "drop": drop, "limit": fail_on_mfu_drop,
                     "failed": drop > fail_on_mfu_drop}
         else:
-            gate = {"metric": None, "drop": None, "limit": fail_on_mfu_drop, "failed": True,
-                    "reason": "neither MFU nor step time in both reports"}
+            # Undefined is not a drop: the gate cannot judge, and says so (exit 2, not 1).
+            gate = {"metric": None, "drop": None, "limit": fail_on_mfu_drop, "failed": False, "comparable": False,
+                    "reason": "not comparable: neither MFU nor step time is defined in both reports "
+                              f"(base: {b.get('mfu_note') or 'no MFU'}; new: {n.get('mfu_note') or 'no MFU'})"}
     fb = {f["id"]: f for f in base.get("findings") or []}
     fn = {f["id"]: f for f in new.get("findings") or []}
     found = [{"id": k, "title": (fn.get(k) or fb[k])["title"], "fix": (fn.get(k) or fb[k])["fix"],
@@ -60,8 +65,13 @@ def compare(base: dict, new: dict, fail_on_mfu_drop: float | None = None) -> dic
             "leaves": leaves, "findings": found, "gate": gate}
 
 
+def _defined(v) -> bool:
+    """A positive, finite number (reports write undefined figures as null; older ones had NaN)."""
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
 def _change(a, b):
-    if a is None or b is None or a == 0:
+    if not _defined(a) or b is None or not math.isfinite(b):
         return None
     return b / a - 1
 
@@ -87,7 +97,8 @@ def render(result: dict[str, Any], fmt: str) -> str:
     if fmt == "junit":
         failed = gate is not None and gate["failed"]
         msg = escape(_gate_text(gate)) if gate else "no gate"
-        body = f'<failure message="{msg}">{msg}</failure>' if failed else ""
+        body = (f'<failure message="{msg}">{msg}</failure>' if failed else
+                f'<skipped message="{msg}"/>' if gate and gate.get("comparable") is False else "")
         return ('<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="mfuscope.compare" tests="1" '
                 f'failures="{int(failed)}"><testcase classname="mfuscope" name="mfu_regression">{body}'
                 "</testcase></testsuite>")
@@ -116,7 +127,7 @@ def render(result: dict[str, Any], fmt: str) -> str:
 
 def _gate_text(gate: dict) -> str:
     if gate.get("reason"):
-        return f"FAIL: {gate['reason']}"
+        return gate["reason"]
     verdict = "FAIL" if gate["failed"] else "ok"
     return (f"{verdict}: {gate['metric']} dropped {gate['drop']:+.1%} (limit {gate['limit']:.1%})"
             if gate["drop"] >= 0 else f"{verdict}: {gate['metric']} improved ({-gate['drop']:.1%})")

@@ -8,21 +8,21 @@ Rules (gains are per step, estimates, and say how they were made):
 - ``overlap_tp_comm``      exposed tensor/sequence-parallel communication; gain: half of it
                            (async TP overlaps about that much).
 - ``more_microbatches``    bubble above 5% of the step; gain: the bubble minus the theory
-                           at twice the microbatches.
+                           at twice the microbatches (both over the pipeline's time).
 - ``interleaved_schedule`` a non-interleaved schedule with a bubble; gain: bubble x (1 - 1/2).
 - ``rebalance_stages``     pipeline stage imbalance above 10%; gain: the excess of the slowest.
 - ``straggler_rank``       a rank holds the others up; gain: its cost.
 - ``fuse_elementwise``     norm/elementwise compute above 15% of the step; gain: half of it
                            (fused kernels read memory once).
 - ``reduce_host_overhead`` device idle while the host works, above 10%; gain: that time.
+                           Not for steps that capture CUDA graphs (the device idles by design).
 - ``cuda_graphs``          launch-bound ranks (median kernel shorter than a launch) that are
                            also host-bound; gain: the host-bound time (graphs launch once).
+                           Not for a job that already replays graphs.
 """
 from __future__ import annotations
 
 from typing import Any
-
-from .bubbles import theory
 
 
 def _leaves(tree: dict) -> dict[str, float]:
@@ -35,7 +35,7 @@ def _leaves(tree: dict) -> dict[str, float]:
 
 
 def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: float | None,
-           launch: list[dict] | None = None) -> list[dict[str, Any]]:
+           launch: list[dict] | None = None, graphs: dict | None = None) -> list[dict[str, Any]]:
     if not step_s:
         return []
     found = []
@@ -57,16 +57,19 @@ def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: flo
         elif dim in ("tp", "cp", "ep"):
             add("overlap_tp_comm", f"exposed {dim} communication ({leaf.split('/')[2]})", seconds / 2,
                 {"leaf": leaf, "seconds_per_step": seconds, "share_of_step": seconds / step_s})
-    bubble = leaves.get("bubble", 0.0)
-    if bubbles and bubble > 0.05 * step_s:
-        p, m, v = bubbles["stages"], bubbles["microbatches"], bubbles["virtual_stages"]
-        better = theory(p, 2 * m, v) * step_s
-        add("more_microbatches", f"pipeline bubble {bubble / step_s:.0%} of the step (theory "
-            f"{bubbles['theory_fraction']:.0%} at m={m})", bubble - better,
-            {"bubble_s": bubble, "microbatches": m, "stages": p, "theory_at_2m_s": better})
+    if bubbles and bubbles["share_of_step"] > 0.05:
+        # One basis throughout: the measured bubble and the theory are both shares of the pipeline's
+        # time (the step minus other exposed communication); the gain is in seconds of the step.
+        p, m, v, sched = bubbles["stages"], bubbles["microbatches"], bubbles["virtual_stages"], bubbles["schedule"]
+        bubble, pipeline = bubbles["bubble_s"], bubbles["pipeline_s"]
+        better = bubbles["theory_at_2m"] * pipeline
+        add("more_microbatches", f"pipeline bubble {bubbles['bubble_fraction']:.0%} of the pipeline's time "
+            f"(theory {bubbles['theory_fraction']:.0%} at m={m}; {bubbles['share_of_step']:.0%} of the step)",
+            bubble - better, {"bubble_s": bubble, "share_of_step": bubbles["share_of_step"], "microbatches": m,
+                              "stages": p, "theory_at_2m_s": better})
         if v == 1:
             add("interleaved_schedule", "pipeline bubble with a non-interleaved schedule", bubble / 2,
-                {"bubble_s": bubble, "schedule": bubbles.get("schedule")})
+                {"bubble_s": bubble, "schedule": sched})
     if bubbles and bubbles["imbalance"] > 0.10:
         slowest = max(bubbles["per_stage"], key=lambda s: s["busy_s"])
         add("rebalance_stages", f"pipeline stage {slowest['stage']} is {bubbles['imbalance']:.0%} busier than the "
@@ -80,11 +83,13 @@ def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: flo
         add("fuse_elementwise", f"norm/elementwise kernels take {elementwise / step_s:.0%} of the step",
             elementwise / 2, {"seconds_per_step": elementwise})
     host = leaves.get("host_bound", 0.0)
-    if host > 0.10 * step_s:
+    # A step that captures CUDA graphs idles the device while the host records: that is the
+    # capture, not host overhead to cut (the report's summary says graphs were captured).
+    if host > 0.10 * step_s and not (graphs or {}).get("captures"):
         add("reduce_host_overhead", f"device idle {host / step_s:.0%} of the step while the host works", host,
             {"seconds_per_step": host})
         bound = [r for r in launch or [] if r["launch_bound"]]
-        if bound:
+        if bound and not (graphs or {}).get("replays"):
             add("cuda_graphs", f"{len(bound)} rank(s) launch-bound: kernels shorter than their launches", host,
                 {"ranks": [r["rank"] for r in bound], "median_kernel_us": bound[0]["median_kernel_us"],
                  "median_launch_us": bound[0]["median_launch_us"]})

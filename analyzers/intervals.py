@@ -42,6 +42,22 @@ def combine(*sets: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarra
     return union(np.concatenate([s for s, _ in sets]), np.concatenate([e for _, e in sets]))
 
 
+def intersect(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The instants two disjoint interval sets share, as a disjoint set."""
+    points = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]).astype(np.int64))
+    if len(points) < 2:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    mid = (points[:-1] + points[1:]) / 2
+    keep = _inside(a, mid) & _inside(b, mid)
+    return union(points[:-1][keep], points[1:][keep])
+
+
+def _inside(iv: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> np.ndarray:
+    s, e = iv
+    i = np.searchsorted(s, t, side="right") - 1
+    return (i >= 0) & (t < e[np.clip(i, 0, None)]) if len(s) else np.zeros(len(t), bool)
+
+
 def covered_before(iv: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> np.ndarray:
     """Length of the interval set that lies before each time in ``t``."""
     s, e = iv

@@ -6,6 +6,8 @@ lanes -- the same population HTA's kernel breakdown counts.
 """
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from mfuscope.event_table import EventTable
@@ -72,3 +74,19 @@ def launch_stats(events: EventTable) -> pd.DataFrame:
                      "launch_bound": bool(median_launch is not None and median_kernel < median_launch)})
     return pd.DataFrame(rows, columns=["rank", "kernels", "median_kernel_us", "median_launch_us",
                                        "small_kernel_share", "small_kernel_s", "launch_bound"])
+
+
+_CAPTURE = re.compile(r"^(cuda|hip)(StreamBeginCapture|StreamEndCapture|GraphInstantiate)")
+_REPLAY = re.compile(r"^(cuda|hip)GraphLaunch")
+
+
+def graph_activity(events: EventTable) -> dict[str, int]:
+    """CUDA/HIP graph captures (stream capture, instantiation) and replays (graph launches) in the
+    traced steps.  While a graph is captured the host records and the device idles by design,
+    which is no steady-state host overhead; a replaying job already launches by graph."""
+    df = events.to_pandas(["kind", "name", "step"])
+    api = df[df["kind"].isin(["runtime", "driver"]) & (df["step"] >= 0)]["name"].astype(str)
+    names = pd.Series(api.unique())
+    capture = set(names[names.str.match(_CAPTURE)])
+    replay = set(names[names.str.match(_REPLAY)])
+    return {"captures": int(api.isin(capture).sum()), "replays": int(api.isin(replay).sum())}

@@ -32,7 +32,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
 from . import collectives
-from .steps import Steps, assign_steps, find_steps
+from .steps import WHOLE_TRACE, Steps, assign_steps, find_steps, with_whole_trace_marker
 
 try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
     from isal import igzip as _gzip
@@ -122,11 +122,20 @@ _CAT_KIND = {
     # Older Kineto spelled categories in title case.
     "Kernel": "kernel", "Memcpy": "memcpy", "Memset": "memset", "Runtime": "runtime",
     "Operator": "cpu_op", "user_annotation ": "annotation",
+    # Accelerators that are not CUDA/ROCm GPUs, as Kineto names their activities: their device
+    # work is device work (else an MTIA or Gaudi trace reads as CPU-only), their runtime calls
+    # are launches.
+    "mtia_ccp_events": "kernel", "mtia_runtime": "runtime", "hpu_op": "kernel",
+    "xpu_runtime": "runtime", "xpu_driver": "driver", "privateuse1_runtime": "runtime",
+    "privateuse1_driver": "driver", "mlu_memcpy": "memcpy", "mlu_memset": "memset",
+    "mlu_user_annotation": "gpu_annotation", "mlu_runtime": "runtime", "gcu_runtime": "runtime",
+    "gcu_driver": "driver", "GCU_MEMCPY": "memcpy", "GCU_MEMSET": "memset",
 }
 _SKIP_CATS = {"ac2g", "fwdbwd", "Trace", "flow", "async"}
 _WORK_PHASES = {"X", "i", "I"}
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation",
-                "Kernel", "Memcpy", "Memset"}
+                "Kernel", "Memcpy", "Memset", "mtia_ccp_events", "hpu_op", "mlu_memcpy", "mlu_memset",
+                "mlu_user_annotation", "GCU_MEMCPY", "GCU_MEMSET"}
 
 #: CPU ops whose input shapes are kept (FLOPs from shapes; collective sizes).
 _SHAPE_OPS = re.compile(
@@ -156,10 +165,12 @@ def read_trace_bytes(path: Path) -> bytearray:
 
 
 def peek_header(path: Path, limit: int = 1 << 18) -> dict[str, Any]:
-    """Rank and world size from the head of a trace, without parsing the events.
+    """Rank and world size from ``distributedInfo``, without parsing the events.
 
-    Kineto writes ``distributedInfo`` before ``traceEvents``; only the first
-    ``limit`` decompressed bytes are read.  Returns {} when the head has none.
+    Writers put ``distributedInfo`` before ``traceEvents`` or after it (Kineto
+    writes it at the end): the first ``limit`` decompressed bytes are searched,
+    then, if the file is longer, its last ``limit`` bytes (streamed, never held
+    whole).  Returns {} when neither has it.
     """
     try:
         with open(path, "rb") as f:
@@ -173,12 +184,27 @@ def peek_header(path: Path, limit: int = 1 << 18) -> dict[str, Any]:
     except (OSError, EOFError, zlib.error):
         return {}  # the full parse reports the problem with the file
     events_at = head.find(b'"traceEvents"')
-    if events_at >= 0:
-        head = head[:events_at]
-    m = re.search(rb'"distributedInfo"\s*:\s*\{', head)
+    found = _dist_info(head[:events_at] if events_at >= 0 else head)
+    if found is None and len(head) >= limit:
+        found = _dist_info(_tail(path, limit))
+    return found or {}
+
+
+def _tail(path: Path, limit: int) -> bytes:
+    tail = b""
+    try:
+        for chunk in _decompressed_chunks(path):
+            tail = (tail + chunk)[-limit:]
+    except (EOFError, OSError, zlib.error, ValueError, UserInputError):
+        return b""  # the full parse reports the problem with the file
+    return tail
+
+
+def _dist_info(text: bytes) -> dict[str, Any] | None:
+    m = re.search(rb'"distributedInfo"\s*:\s*\{', text)
     if not m:
-        return {}
-    info = head[m.end():]
+        return None
+    info = text[m.end():]
     out: dict[str, Any] = {}
     for key in ("rank", "world_size"):
         km = re.search(rb'"%s"\s*:\s*(\d+)' % key.encode(), info[:info.find(b'"pg_config"')] if b'"pg_config"' in info else info)
@@ -224,6 +250,8 @@ def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTab
         raise UserInputError("no complete events ('ph': 'X') in 'traceEvents'", path)
 
     table, steps = _columns(work, meta, step_annotation, path)
+    if steps.source == WHOLE_TRACE:
+        table = with_whole_trace_marker(table, meta["rank"])
     meta["steps_source"] = steps.source
     meta["n_steps"] = int(len(steps.number))
     meta["steps"] = [int(s) for s in steps.number]

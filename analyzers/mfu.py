@@ -44,23 +44,31 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
             events: EventTable | None = None, devices: int | None = None,
             rank_step_times: pd.DataFrame | None = None) -> dict[str, Any]:
     """``step_times``/``tokens``: per step (index = step), seconds and global tokens;
-    ``rank_step_times``: rank, step, seconds (for MFU per rank: the job's FLOPs shared evenly
-    over the devices, over that rank's own step time).  Returns summary fields, ``per_step``
-    and ``per_rank`` rows."""
+    ``devices``: the job's world size, if known; ``rank_step_times``: rank, step, seconds (for
+    MFU per rank: the job's FLOPs shared evenly over the devices, over that rank's own step
+    time).  Returns summary fields, ``per_step`` and ``per_rank`` rows.
+
+    FLOPs from the model spec are the job's (global tokens), so they are shared over the job's
+    world size; FLOPs from trace shapes are the loaded ranks' own, so they are shared over the
+    ranks loaded -- one rank of an 8-rank job is one device's work, not an eighth of it."""
     manifest = manifest or {}
     hw = manifest.get("hardware") or {}
     peak, peak_source = hw.get("peak_flops"), hw.get("peak_source")
     if peak is None and events is not None:  # a trace set: the device the traces name
         peak, peak_source = _table_peak(events)
     devices = devices or manifest.get("world_size")
+    loaded = len(events.ranks) if events is not None else None
     spec = manifest.get("model") or {}
     train = manifest.get("train") or {}
     seq_len = train.get("seq_len") or spec.get("max_seq_len")
     out: dict[str, Any] = {"mfu": None, "hfu": None, "tokens_per_s": None, "tflops_per_device": None,
                            "flops_source": None, "peak_flops": peak, "peak_source": peak_source,
                            "mfu_note": None, "per_step": [], "per_rank": []}
+    if not len(step_times):
+        out["mfu_note"] = "no timed steps"
+        return out
     have_tokens = tokens is not None and tokens.notna().all() and len(tokens) == len(step_times)
-    if have_tokens and len(step_times):
+    if have_tokens:
         out["tokens_per_s"] = float(tokens.sum() / step_times.sum())
     model_flops = hw_flops = None
     if {"dim", "n_layers", "n_heads", "ffn_dim", "vocab_size"} <= spec.keys() and seq_len and have_tokens:
@@ -69,16 +77,25 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
         out["flops_source"] = "model spec"
     elif events is not None:
         shaped = shape_flops_per_step(events)
-        if len(shaped):
+        if len(shaped) and shaped.reindex(step_times.index).notna().any():
             hw_flops = shaped.reindex(step_times.index)
-            out["flops_source"] = "GEMM and attention shapes in the trace (hardware FLOPs)"
+            devices = loaded
+            out["flops_source"] = (f"GEMM and attention shapes in the trace (hardware FLOPs) of the {loaded} "
+                                   f"rank(s) loaded")
     if hw_flops is None:
         out["mfu_note"] = "no model spec with tokens, and no GEMM shapes in the trace"
         return out
     achieved = (hw_flops if model_flops is None else model_flops) / step_times
     out["tflops_per_device"] = float((achieved / devices).median() / 1e12) if devices else None
-    if not peak or not devices:
-        out["mfu_note"] = "no peak FLOP/s for this device (unknown to the hardware table)"
+    if not devices:
+        out["mfu_note"] = ("world size unknown (no manifest, and the traces carry no distributedInfo.world_size): "
+                           "the job's FLOPs cannot be shared over its devices")
+        return out
+    if not peak:
+        name = next((m.get("device_name") for m in (events.ranks.values() if events is not None else [])
+                     if m.get("device_name")), None)
+        out["mfu_note"] = (f"no peak FLOP/s for {name!r} (not in the hardware table)" if name
+                           else "no peak FLOP/s: the traces do not name their device")
         return out
     capacity = step_times.sum() * devices * peak
     if model_flops is not None:

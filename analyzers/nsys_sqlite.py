@@ -22,7 +22,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
 from . import collectives
-from .steps import assign_steps, find_steps
+from .steps import WHOLE_TRACE, assign_steps, find_steps, with_whole_trace_marker
 
 SUPPORTED_MAJOR = 3
 
@@ -36,7 +36,7 @@ _DEVICE_TABLES = (
     ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", "sync"),
 )
 _NO_STREAM = 0xFFFFFFFF
-_API_VERSION_TAG = re.compile(r"_v\d{4}$")
+_API_VERSION_TAG = re.compile(r"_v\d+$")
 
 
 def is_nsys_sqlite(path: Path) -> bool:
@@ -197,18 +197,23 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
         "device": np.asarray(cols["device"], dtype=np.int16), "stream": np.asarray(cols["stream"], dtype=np.int32),
         "tid": np.asarray(cols["tid"], dtype=np.int64), "kind": kind, "name": name_arr,
         "ts_ns": ts, "dur_ns": dur, "step": step, "correlation": correlation,
-        "external_id": np.full(n, -1, dtype=np.int64), "op": op, "dim": np.full(n, None, dtype=object),
+        "external_id": np.full(n, -1, dtype=np.int64), "op": op,
+        "dim": np.array([collectives.kernel_dim(x) if c else None for x, c in zip(names, comm)], dtype=object),
         "pg": np.full(n, None, dtype=object), "group_ranks": np.full(n, None, dtype=object),
         "bytes": np.full(n, -1, dtype=np.int64), "seq": np.full(n, -1, dtype=np.int64),
         "peer": np.full(n, -1, dtype=np.int32), "shapes": np.full(n, None, dtype=object),
     })
     order = np.argsort(ts, kind="stable")
-    return EventTable(table.take(pa.array(order)), {int(rank): meta})
+    table = table.take(pa.array(order))
+    if steps.source == WHOLE_TRACE:
+        table = with_whole_trace_marker(table, int(rank))
+    return EventTable(table, {int(rank): meta})
 
 
 def _api_name(name: str) -> str:
-    """``cudaLaunchKernel_v7000`` -> ``cudaLaunchKernel``: drop the 4-digit ABI version tag, as
-    ``nsys stats`` does, so runtime calls read the same as in Kineto traces."""
+    """``cudaLaunchKernel_v7000`` -> ``cudaLaunchKernel``, ``cudaStreamIsCapturing_v10000`` ->
+    ``cudaStreamIsCapturing``: drop the ABI version tag (any number of digits), as ``nsys stats``
+    does, so runtime calls read the same as in Kineto traces."""
     return _API_VERSION_TAG.sub("", name)
 
 

@@ -20,12 +20,12 @@ from mfuscope import run_dir
 from mfuscope.event_table import EventTable
 from mfuscope.report import new_report
 
-from . import breakdown, bubbles, comm_stats, findings, kernel_time, mfu, stragglers
+from . import breakdown, bubbles, comm_stats, findings, kernel_time, mfu, stragglers, timeline
 
 
 def build_report(events: EventTable, *, source: str, files: list[str], run: str | Path | None = None) -> dict[str, Any]:
     manifest = run_dir.read_manifest(run) if run is not None else None
-    step_s, tokens = _step_times(events, run)
+    step_s, tokens, step_source = _step_times(events, run)
     metas = events.ranks
     device = next((m.get("device_name") for m in metas.values() if m.get("device_name")), None)
     if device is None and manifest:
@@ -37,7 +37,9 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
     rank_steps = breakdown.per_rank_step(leaves)
     flops = mfu.compute(step_s, tokens, manifest, events, devices=world, rank_step_times=_rank_step_times(run))
     strag, matrix = stragglers.find(rank_steps, (manifest or {}).get("rank_coords"))
-    bub = bubbles.analyze(leaves, rank_steps, manifest)
+    pp = int(((manifest or {}).get("layout") or {}).get("pp") or 1)
+    stage_of = {int(r): int(c.get("pp", 0)) for r, c in ((manifest or {}).get("rank_coords") or {}).items()}
+    bub = bubbles.analyze(leaves, rank_steps, manifest, timeline.microbatches(events, stage_of) if pp > 1 else None)
 
     if run is not None and (Path(run) / run_dir.COMM).exists():
         calls = comm_stats.calls_from_run(run_dir.read_table(run, run_dir.COMM).to_pandas())
@@ -51,12 +53,13 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
     summary = {
         "mfu": flops["mfu"], "hfu": flops["hfu"], "mfu_note": flops["mfu_note"],
         "flops_source": flops["flops_source"], "peak_flops": flops["peak_flops"], "peak_source": flops["peak_source"],
-        "step_time_s": step_time,
+        "step_time_s": step_time, "step_time_source": step_source,
         "step_time_p50_s": float(np.percentile(step_s, 50)) if len(step_s) else None,
         "step_time_p90_s": float(np.percentile(step_s, 90)) if len(step_s) else None,
         "tokens_per_s": flops["tokens_per_s"], "tflops_per_device": flops["tflops_per_device"],
         "device": device, "world_size": world, "ranks": len(metas), "steps": int(len(step_s)),
         "status": (manifest or {}).get("status"),
+        "cuda_graphs": kernel_time.graph_activity(events),
     }
     kernels = kernel_time.top_kernels(events, n=20)
     launch = kernel_time.launch_stats(events)
@@ -70,7 +73,7 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
                  for k in kernels.itertuples()],
         kernel_launch=launch.to_dict("records"),
         findings=findings.derive(tree, bub, strag, float(rank_steps["step_s"].mean()) if len(rank_steps) else step_time,
-                                 launch.to_dict("records")),
+                                 launch.to_dict("records"), summary["cuda_graphs"]),
         per_step=flops["per_step"], per_rank_mfu=flops["per_rank"],
         comm_skew=skew, clock_offsets=offsets, comm_arrival=comm_stats.arrival_lags(calls),
         comm_overlap=overlap.to_dict("records"),
@@ -81,19 +84,23 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
     )
 
 
-def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None]:
+def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None, str | None]:
     if run is not None and (Path(run) / run_dir.STEPS).exists():
         steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
         if len(steps):
             g = steps.assign(dur=(steps["end_ns"] - steps["start_ns"]) / 1e9).groupby("step")
             step_s, tokens = g["dur"].max(), g["tokens"].max()
+            source = "every step the collectors timed"
             if len(step_s) >= 3:
                 step_s, tokens = step_s.iloc[1:], tokens.iloc[1:]
-            return step_s, (tokens if tokens.notna().all() else None)
+                source += ", the first (warm-up) left out"
+            return step_s, (tokens if tokens.notna().all() else None), source
     spans = kernel_time.step_spans(events)
     if spans.empty:
-        return pd.Series(dtype=float), None
-    return spans.groupby("step")["dur_ns"].max() / 1e9, None
+        return pd.Series(dtype=float), None, None
+    sources = {m.get("steps_source") for m in events.ranks.values()}
+    return spans.groupby("step")["dur_ns"].max() / 1e9, None, (
+        "the whole trace, no step markers" if sources == {"whole trace"} else "the traces' step markers")
 
 
 def _rank_step_times(run) -> pd.DataFrame | None:
@@ -155,28 +162,35 @@ def format_text(report: dict[str, Any]) -> str:
     s = report["summary"]
     ms = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "-"  # noqa: E731
     lines = [
-        f"device        {s.get('device') or 'unknown'}   ranks {s['ranks']}   world size {s.get('world_size') or '?'}"
+        f"device        {s.get('device') or 'unknown'}   ranks {s['ranks']} of world size {s.get('world_size') or '?'}"
         + (f"   run {s['status']}" if s.get("status") else ""),
         f"steps         {s['steps']}   step time mean {ms(s['step_time_s'])}   p50 {ms(s.get('step_time_p50_s'))}"
-        f"   p90 {ms(s.get('step_time_p90_s'))}",
+        f"   p90 {ms(s.get('step_time_p90_s'))}   (the slowest rank's, {s.get('step_time_source') or 'step markers'})",
         f"MFU           {_pct(s['mfu'])}   HFU {_pct(s['hfu'])}"
         + (f"   tokens/s {s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "")
         + (f"   ({s['mfu_note']})" if s.get("mfu_note") else ""),
     ]
+    graphs = s.get("cuda_graphs") or {}
+    if graphs.get("captures") or graphs.get("replays"):
+        lines.append(f"CUDA graphs   {graphs['captures']} capture call(s), {graphs['replays']} replay(s) in the traced "
+                     "steps" + ("; the device idles while graphs are captured, so no host-overhead finding is made"
+                                if graphs["captures"] else ""))
     if s.get("peak_source"):
         lines.append(f"peak          {s['peak_flops'] / 1e12:.3g} TFLOP/s per device ({s['peak_source']})")
     tree = report.get("breakdown")
     if tree and tree["seconds"]:
-        lines += ["", f"where a step's time went (mean of ranks and steps, {ms(tree['seconds'])}):"]
+        lines += ["", f"where a step's time went (each rank's own step markers, mean of ranks and traced steps, "
+                      f"{ms(tree['seconds'])}):"]
         for c in tree["children"]:
             lines.append(f"  {c['name']:<28} {c['seconds'] * 1e3:9.1f} ms  {c['seconds'] / tree['seconds']:6.1%}")
             for g in c["children"][:4]:
                 if g["name"] != c["name"]:
                     lines.append(f"    {g['name']:<26} {g['seconds'] * 1e3:9.1f} ms  {g['seconds'] / tree['seconds']:6.1%}")
     for b in report.get("bubbles") or []:
-        lines.append(f"pipeline      bubble {b['bubble_fraction']:.1%} of the step (theory {b['theory_fraction']:.1%}, "
-                     f"p={b['stages']} m={b['microbatches']} v={b['virtual_stages']}), stage imbalance "
-                     f"{b['imbalance']:.1%}")
+        lines.append(f"pipeline      bubble {b['bubble_fraction']:.1%} of the pipeline's time (theory "
+                     f"{b['theory_fraction']:.1%}: {b['theory_formula']}, {b['schedule'] or 'schedule unknown'} "
+                     f"p={b['stages']} m={b['microbatches']} v={b['virtual_stages']}); {b['share_of_step']:.1%} "
+                     f"of the step; stage imbalance {b['imbalance']:.1%}")
     if report.get("stragglers"):
         lines.append("stragglers    " + ", ".join(f"rank {x['rank']} (+{x['cost_s'] * 1e3:.1f} ms/step)"
                                               for x in report["stragglers"]))

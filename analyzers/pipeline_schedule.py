@@ -12,7 +12,7 @@ cost nothing and every forward takes ``t_f``, every backward ``t_b``.  Orders:
 The resulting bubble is (p-1)/(m+p-1) of the step for both (Narayanan et
 al. 2021) -- :mod:`bubbles` uses that closed form; the tests check this
 simulation against it.  Interleaved and zero-bubble schedules are drawn as
-1F1B, whose bubble they divide by v or shrink further.
+1F1B; :mod:`bubbles` holds their own theory.
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 A step is marked by an annotation -- ``ProfilerStep#N`` from
 ``torch.profiler.schedule``, ``mfuscope.step#N`` from mfuscope's collectors,
 or one the user names with ``--step-annotation REGEX``.  With no marker the
-whole trace is one window, step 0.  CPU events belong to the step whose span
+whole trace is one window, step 0, and :func:`with_whole_trace_marker` adds a
+marker row (``mfuscope.whole_trace``) for it, so every analysis runs on such a
+trace as on any other; the rank's ``steps_source`` says "whole trace".  CPU events belong to the step whose span
 contains them; device events to the step of the CPU call that launched them
 (a kernel often runs after its step's CPU span has ended).
 """
@@ -14,10 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from mfuscope.errors import UserInputError
+from mfuscope.event_table import build_table
 
 STEP_RE = re.compile(r"^(ProfilerStep|mfuscope\.step)#(\d+)$")
+WHOLE_TRACE = "whole trace"
+WHOLE_TRACE_MARKER = "mfuscope.whole_trace"
 
 
 @dataclass
@@ -57,7 +64,7 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
                 break
         if len(rows) == 0:
             start, end = int(ts_ns.min()), int((ts_ns + dur_ns).max())
-            return Steps(np.array([0]), np.array([start]), np.array([end]), "whole trace")
+            return Steps(np.array([0]), np.array([start]), np.array([end]), WHOLE_TRACE)
         rows = rows[np.argsort(ts_ns[rows], kind="stable")]
         numbers, source = step_num[name_idx][rows], prefix
     kind[rows] = "step"
@@ -82,3 +89,28 @@ def assign_steps(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: n
         found = sorted_corr[pos_c] == correlation[dev_rows]
         step[dev_rows[found]] = launch_step[pos_c[found]]
     return step
+
+
+def with_whole_trace_marker(table: pa.Table, rank: int) -> pa.Table:
+    """``table`` (one rank, no step markers) with a marker spanning all its events as step 0, on
+    the host thread that spent the most time in operators (the training thread; the first lane of
+    a device-only trace)."""
+    if table.num_rows == 0:
+        return table
+    ts, dur = table.column("ts_ns"), table.column("dur_ns")
+    start = pc.min(ts).as_py()
+    end = pc.max(pc.add(ts, dur)).as_py()
+    host = table.filter(pc.and_(pc.equal(table.column("device"), -1),
+                                pc.is_in(table.column("kind").cast(pa.string()), pa.array(["cpu_op", "annotation", "python"]))))
+    if host.num_rows:
+        busy = host.group_by("lane").aggregate([("dur_ns", "sum")]).sort_by([("dur_ns_sum", "descending")])
+        lane = busy.column("lane")[0].as_py()
+    else:
+        lane = table.column("lane").cast(pa.string())[0].as_py()
+    row = build_table({
+        "rank": [rank], "lane": [lane], "device": [-1], "stream": [-1], "tid": [-1], "kind": ["step"],
+        "name": [WHOLE_TRACE_MARKER], "ts_ns": [start], "dur_ns": [end - start], "step": [0], "correlation": [-1],
+        "external_id": [-1], "op": [None], "dim": [None], "pg": [None], "group_ranks": [None], "bytes": [-1],
+        "seq": [-1], "peer": [-1], "shapes": [None]})
+    # One chunk with one dictionary per column, as a freshly loaded (or cached) table has.
+    return pa.concat_tables([row, table]).unify_dictionaries().combine_chunks()

@@ -151,8 +151,12 @@ def _take_hand_off(path: str) -> EventTable:
 
 def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
          use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
-         progress: bool | None = None, on_file: Callable[[int, int], None] | None = None) -> LoadResult:
+         progress: bool | None = None, on_file: Callable[[int, int], None] | None = None,
+         allow_mixed: bool = False) -> LoadResult:
     """Load every trace under ``path`` into one EventTable.
+
+    The files must be ranks of one job (:func:`check_one_job`); ``allow_mixed`` loads them
+    anyway, with a warning.
 
     ``rank`` applies to a single file without rank information.  With
     ``skip_bad``, files that fail to load are listed in ``skipped`` instead of
@@ -249,4 +253,27 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
             by_rank[r] = f
     results.sort(key=lambda fe: min(fe[1].ranks))
     events = EventTable.concat([ev for _, ev in results])
+    check_one_job(events.ranks, Path(path), allow_mixed)
     return LoadResult(events, [f for f, _ in results], skipped, cached)
+
+
+def check_one_job(metas: dict[int, dict], path: Path, allow_mixed: bool = False) -> None:
+    """Ranks of one job agree on the world size and the device, and no rank lies outside the
+    world: a folder holding ranks of two jobs would otherwise be analyzed as one job, with one
+    world size and one peak."""
+    worlds = {m["world_size"] for m in metas.values() if m.get("world_size")}
+    devices = {m["device_name"] for m in metas.values() if m.get("device_name")}
+    problems = []
+    if len(worlds) > 1:
+        problems.append("world sizes " + ", ".join(map(str, sorted(worlds))))
+    if len(devices) > 1:
+        problems.append("devices " + ", ".join(sorted(devices)))
+    if len(worlds) == 1 and max(metas) >= next(iter(worlds)):
+        problems.append(f"rank {max(metas)} in a world of {next(iter(worlds))}")
+    if not problems:
+        return
+    files = ", ".join(sorted({Path(m.get("file", "?")).name for m in metas.values()}))
+    message = f"these traces are not ranks of one job ({'; '.join(problems)}; files {files})"
+    if not allow_mixed:
+        raise UserInputError(message + ": load each job's folder alone, or pass --allow-mixed", path)
+    print(f"mfuscope: warning: {message}; loaded together as asked (--allow-mixed)", file=sys.stderr)

@@ -257,7 +257,9 @@ def pipeline_page(run: Run, a: Analysis) -> html.Div:
         parts.append(html.Div([
             card("measured bubble", style.percent(bubbles["bubble_fraction"]), "of the pipeline's time"),
             card("theory", style.percent(bubbles["theory_fraction"]),
-                 f"(p-1)/(m+p-1)/v, p={bubbles['stages']} m={bubbles['microbatches']} v={bubbles['virtual_stages']}"),
+                 f"of the pipeline's time: {bubbles.get('theory_formula', '(p-1)/(m+p-1)')}, p={bubbles['stages']} "
+                 f"m={bubbles['microbatches']} v={bubbles['virtual_stages']}"),
+            card("of the step", style.percent(bubbles["share_of_step"]), "the bubble over the whole step"),
             card("vs theory", f"{bubbles['vs_theory']:.2f}×" if bubbles.get("vs_theory") else "–", "measured / theory"),
             card("stage imbalance", style.percent(bubbles["imbalance"]), "slowest stage's busy time over the mean"),
         ], className="cards", id="bubble-cards"))
@@ -305,7 +307,7 @@ def _executed_schedule(a: Analysis, mb: pd.DataFrame, bubbles: dict | None) -> h
 # ----------------------------------------------------------------------------- communication
 def comm_page(run: Run, a: Analysis) -> html.Div:
     r = a.report
-    rows = [{"dim": c["dim"], "op": c["op"], "size": c["size"], "count": c["count"], "bytes": c["bytes"] / 2**20,
+    rows = [{"dim": c["dim"], "op": c["op"], "size": c["size"], "count": c["count"], "bytes": None if c["bytes"] is None else c["bytes"] / 2**20,
              "total_ms": c["total_s"] * 1e3, "exposed_ms": None if c["exposed_s"] is None else c["exposed_s"] * 1e3,
              "overlap": c.get("overlap"), "algbw": c.get("algbw_gbps"), "busbw": c.get("busbw_gbps")}
             for c in r.get("comm") or []]

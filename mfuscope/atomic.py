@@ -39,7 +39,8 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n").encode())
+    # Strict JSON (no NaN/Infinity, which JSON.parse and most readers reject): callers write null.
+    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=_json_default, allow_nan=False) + "\n").encode())
 
 
 def write_parquet(path: str | os.PathLike, table: "Any", **options: Any) -> None:

@@ -23,6 +23,8 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-annotation", metavar="REGEX", default=None,
                    help="annotation that marks a step, for traces without ProfilerStep#N")
     p.add_argument("--skip-bad", action="store_true", help="with several ranks, load the good files and list the bad ones")
+    p.add_argument("--allow-mixed", action="store_true",
+                   help="load traces that disagree on world size or device as one job anyway (with a warning)")
     p.add_argument("--workers", type=int, default=None, help="parallel parse processes (default: CPU count)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
 
@@ -62,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="FSDP2: free the gathered weights after each forward (default: on without pp, off with pp, "
                         "where it would re-gather them for every microbatch)")
-    p.add_argument("--inject", default=None, help="faults: compute:rank=3:ms=50; comm:dim=tp:ms=20; stage:stage=1:ms=30")
-    p.add_argument("--paced", default=None, help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40")
+    p.add_argument("--inject", default=None, help="faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
+                   "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, "
+                   "jitter_ms=J (docs/reference_trainer.md)")
+    p.add_argument("--paced", default=None, help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
     p.add_argument("--profile", action="store_true",
                    help="record torch.profiler traces of every step after the first into RUN_DIR/traces "
@@ -124,7 +128,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UserInputError(f"--fail-on-mfu-drop {args.fail_on_mfu_drop}: give a fraction between 0 and 1")
     result = compare(_report_of(args.base), _report_of(args.new), args.fail_on_mfu_drop)
     print(render(result, args.format))
-    return 1 if result["gate"] and result["gate"]["failed"] else 0
+    gate = result["gate"]
+    if gate and gate.get("comparable") is False:
+        print(f"mfuscope compare: {gate['reason']}", file=sys.stderr)
+        return 2
+    return 1 if gate and gate["failed"] else 0
 
 
 def _report_of(path: str) -> dict:
@@ -223,7 +231,8 @@ def _load(args: argparse.Namespace):
     from mfuscope.analyzers import trace_set
 
     result = trace_set.load(args.path, rank=args.rank, step_annotation=args.step_annotation,
-                            use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers)
+                            use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers,
+                            allow_mixed=args.allow_mixed)
     for f, reason in result.skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     return result
@@ -265,7 +274,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     # A run directory keeps the dashboard's views beside its report.
     report, result = analyze(args.path, out, Path(args.path) / VIEWS if run else None, rank=args.rank,
                              step_annotation=args.step_annotation, use_cache=not args.no_cache,
-                             skip_bad=args.skip_bad, workers=args.workers)
+                             skip_bad=args.skip_bad, workers=args.workers, allow_mixed=args.allow_mixed)
     for f, reason in result.skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     if args.json:

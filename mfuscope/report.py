@@ -5,6 +5,7 @@ docs/report.md for every field; ``schemas/report.schema.json`` is the law.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,27 @@ def new_report(source: str, files: list[str], summary: dict[str, Any], **section
 
 
 def write_report(path: str | Path, report: dict[str, Any]) -> Path:
+    """Validate and write strict JSON: a figure that came out undefined (0/0, inf) is written as
+    null and its place listed in ``provenance.undefined``, never as the non-JSON ``NaN``."""
     path = Path(path)
+    undefined: list[str] = []
+    report = _finite(report, "", undefined)
+    if undefined:
+        report["provenance"]["undefined"] = undefined
     validate("report", report, path)
     atomic.write_json(path, report)
     return path
+
+
+def _finite(value: Any, where: str, undefined: list[str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        undefined.append(where or "/")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{where}/{k}", undefined) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v, f"{where}/{i}", undefined) for i, v in enumerate(value)]
+    return value
 
 
 def read_report(path: str | Path) -> dict[str, Any]:

@@ -171,12 +171,24 @@ def _run(tmp_path, name, layout, layers=4, world=8, **kw):
 
 def _assert_leaves_add_up(out, report, world):
     """Per rank, the breakdown's leaves add up to that rank's step markers in the raw traces (read
-    with the standard library): the trainer's mfuscope.step#N spans."""
+    with the standard library): the trainer's mfuscope.step#N spans.  The communication table
+    counts the same time: its exposed seconds, over all ranks and steps, are the breakdown's
+    exposed communication and bubble (both are the training thread blocked in a collective
+    inside a step), and its in-flight seconds fit in the ranks' steps."""
+    wall = blocked = 0.0
     for rank in range(world):
         raw = read_raw(out / "traces" / f"rank{rank}.pt.trace.json.gz")["traceEvents"]
         spans = [e for e in raw if e.get("ph") == "X" and e["name"].startswith("mfuscope.step#")]
-        leaves = sum(r["seconds"] for r in report["breakdown_by_rank"] if r["rank"] == rank) * len(spans)
+        mine = [r for r in report["breakdown_by_rank"] if r["rank"] == rank]
+        leaves = sum(r["seconds"] for r in mine) * len(spans)
         assert leaves == pytest.approx(sum(e["dur"] for e in spans) / 1e6, rel=1e-6), rank
+        wall += leaves
+        blocked += sum(r["seconds"] for r in mine if r["leaf"].startswith("comm/") or r["leaf"] == "bubble") * len(spans)
+    exposed = sum(c["exposed_s"] or 0.0 for c in report["comm"])
+    # At most the blocked time (an instant blocked with no call of the table in flight is the
+    # breakdown's alone), and all of it but the waits no collective call is behind (< 1%).
+    assert 0.99 * blocked - 1e-4 <= exposed <= blocked * (1 + 1e-9) + 1e-9, (exposed, blocked)
+    assert sum(c["total_s"] for c in report["comm"]) <= wall * (1 + 1e-9)
 
 
 SLOW_MS = 250  # rank 3's sleep per forward in the slowed run: 2 forwards a step
@@ -304,7 +316,45 @@ def test_pipeline_bubbles_follow_1f1b_theory(tmp_path):
         upper = ((p - 1) * t + hops) / ((m + p - 1) * t + hops)
         assert 0.8 * theory(p, m) <= b["bubble_fraction"] <= upper, (m, b["bubble_fraction"], theory(p, m), upper)
         fractions[m] = b["bubble_fraction"]
+        # Every figure says its basis, and the finding compares like with like.
+        text = overview.format_text(report)
+        assert f"bubble {b['bubble_fraction']:.1%} of the pipeline's time (theory {b['theory_fraction']:.1%}" in text
+        assert f"{b['share_of_step']:.1%} of the step" in text
+        more = [f for f in report["findings"] if f["fix"] == "more_microbatches"]
+        if more:
+            assert f"{b['bubble_fraction']:.0%} of the pipeline's time (theory {b['theory_fraction']:.0%}" in more[0]["title"]
+            assert more[0]["evidence"]["share_of_step"] == b["share_of_step"]
     assert fractions[4] > fractions[12]
+
+
+@pytest.mark.parametrize("schedule, v, rate", [
+    ("1f1b", 1, lambda p, m: (p - 1) / m), ("interleaved_1f1b", 2, lambda p, m: (p - 1) / (2 * m)),
+    ("zero_bubble", 1, lambda p, m: (p - 1) / (3 * m)), ("zbv", 2, lambda p, m: 0.0)])
+def test_bubble_theory_matches_the_published_rates(schedule, v, rate):
+    """With F = B = W, idle over work is (p-1)/m for 1F1B, divided by v interleaved, (p-1)/3m for
+    ZB-H1 and 0 for ZB-V (Qi et al. 2024; Narayanan et al. 2021).  theory() is idle/(idle+work)."""
+    for p, m in ((2, 4), (4, 8), (8, 32)):
+        t = theory(p, m, v, schedule, (1.0, 1.0, 1.0))
+        assert t / (1 - t) == pytest.approx(rate(p, m), abs=1e-12)
+    assert theory(4, 8) == pytest.approx(3 / 11)  # 1F1B: (p-1)/(m+p-1) on the pipeline-time basis
+
+
+def test_zero_bubble_theory_uses_the_measured_phases(tmp_path):
+    """ZB-V on 2 paced stages with a weight-gradient pass of its own: the theory comes from the F/B/W
+    times the trace shows, and the measured bubble sits far below the 1F1B theory a zero-bubble run
+    used to be held to."""
+    p, m = 2, 4
+    _, report = _run(tmp_path, "zbv", "pp=2", world=2, schedule="zbv", microbatches=m, steps=3,
+                     paced="fwd_ms=50,bwd_ms=50,w_ms=50", overrides={"global_batch": m})
+    b = report["bubbles"][0]
+    f, bwd, w = (b["phase_times_s"][k] for k in "FBW")
+    # Two chunks per rank, each paced 50 ms per phase.  Stage 0's input needs no gradient, so its
+    # whole backward runs as W: B and W move between each other, the backward as a whole does not.
+    assert f >= 0.100 and bwd + w >= 0.200 and b["theory_phases"].startswith("measured"), b["phase_times_s"]
+    idle = (p - 1) * max(f + bwd - 2 * w, 0.0) / 2  # ZB-V: ZB-H2's bubble at half the chunk size
+    assert b["theory_fraction"] == pytest.approx(idle / (idle + m * (f + bwd + w)), rel=1e-9)
+    assert b["bubble_fraction"] < 0.75 * theory(p, m), {k: b[k] for k in ("bubble_fraction", "theory_fraction")}
+    assert "pipeline's time" in b["basis"]
 
 
 def test_small_kernels_and_launch_bound_ranks(tmp_path):

@@ -8,8 +8,10 @@ from mfuscope.tests.helpers import write_trace
 
 
 def _events(n):
-    return [{"ph": "X", "cat": "cpu_op", "name": f"op{i % 7}", "pid": 1, "tid": 1, "ts": float(i), "dur": 0.5}
-            for i in range(n)]
+    """n operators and a step marker around them (len(events) == n + 1)."""
+    return [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "pid": 1, "tid": 1, "ts": 0.0,
+             "dur": float(n)}] + [{"ph": "X", "cat": "cpu_op", "name": f"op{i % 7}", "pid": 1, "tid": 1,
+                                   "ts": float(i), "dur": 0.5} for i in range(n)]
 
 
 def test_second_load_is_served_from_cache_and_equal(tmp_path):
@@ -28,7 +30,7 @@ def test_changed_content_misses_and_no_cache_writes_nothing(tmp_path):
     assert trace_set.load(f).cached == 1
     write_trace(f, _events(11))  # same name, new content
     result = trace_set.load(f)
-    assert result.cached == 0 and len(result.events) == 11
+    assert result.cached == 0 and len(result.events) == 12
 
     g = write_trace(tmp_path / "other" / "rank0.json", _events(12))
     before = set(os.listdir(trace_cache.cache_dir()))
@@ -42,5 +44,5 @@ def test_damaged_cache_entry_is_reparsed(tmp_path):
     key = trace_cache.cache_key(f, 0, None)
     (trace_cache.cache_dir() / f"{key}.parquet").write_bytes(b"garbage")
     result = trace_set.load(f)
-    assert result.cached == 0 and len(result.events) == 20
+    assert result.cached == 0 and len(result.events) == 21
     assert trace_set.load(f).cached == 1

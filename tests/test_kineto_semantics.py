@@ -9,6 +9,7 @@ import pytest
 
 from mfuscope.analyzers import trace_set
 from mfuscope.analyzers.kineto_json import load_kineto_file, peek_header
+from mfuscope.analyzers.steps import WHOLE_TRACE_MARKER
 from mfuscope.errors import UserInputError
 from mfuscope.tests.helpers import write_trace
 
@@ -23,10 +24,11 @@ def _x(name, ts, dur, cat="cpu_op", pid=1, tid=1, **args):
 
 
 def _df(events):
+    """The trace's own events (without the marker a trace with no step markers gets)."""
     df = events.to_pandas()
     df["kind"] = df["kind"].astype(str)
     df["name"] = df["name"].astype(str)
-    return df
+    return df[df["name"] != WHOLE_TRACE_MARKER].reset_index(drop=True)
 
 
 def test_epoch_and_base_relative_ranks_land_on_one_clock(tmp_path):
