@@ -5,11 +5,11 @@ call, with group and sequence number), else from the trace's communication
 work (NCCL kernels, gloo threads).  Columns of :func:`calls_from_*`: rank,
 step, dim, op, bytes, group_size, pg, seq, enqueue_ns, start_ns, end_ns.
 
-Exposed time of a call: on a GPU rank, the part of it no compute kernel
-overlaps; on a CPU rank, the part during which the training thread was
-blocked in communication (the breakdown's comm leaves).  Overlapping calls
-share their time, one owner per instant (:func:`add_exposure`), so the table's
-total and exposed seconds never exceed the ranks' wall time.
+Exposed time of a call: the part of it the breakdown gives to communication
+or bubble -- on a GPU rank, nothing but communication runs; on a CPU rank, the
+training thread is blocked in communication.  Overlapping calls share their
+time, one owner per instant (:func:`add_exposure`), so the table's total and
+exposed seconds never exceed the ranks' step time.
 
 Bandwidth, as nccl-tests defines it: algbw = bytes / time; busbw = algbw x
 2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter and
@@ -61,25 +61,21 @@ def calls_from_trace(events: EventTable) -> pd.DataFrame:
         "end_ns": df["ts_ns"] + df["dur_ns"]}).reset_index(drop=True)
 
 
-def exposure_sets(events: EventTable) -> dict[int, tuple[str, tuple, tuple]]:
-    """rank -> (how, set, steps): ("hidden_by", compute union) on GPU ranks, ("blocked", wait
-    union) on CPU ranks, each within ``steps``, the rank's step windows -- the time the breakdown
-    splits, so the table and the breakdown count the same instants."""
-    df = events.to_pandas(["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns"])
+def exposure_sets(events: EventTable) -> dict[int, tuple[tuple, tuple]]:
+    """rank -> (exposed, steps): the instants the breakdown gives to communication or bubble
+    (exposed communication: on a GPU rank nothing but communication runs, on a CPU rank the
+    training thread waits for a collective), and the rank's step windows.  The table takes its
+    exposed time from these, so it counts what the breakdown counts."""
+    parts: dict[int, list] = {}
+    for rank, _, (lo, hi), plan in breakdown.step_plans(events):
+        s, e, names = iv.segments_by_priority((lo, hi), plan, rest="idle")
+        waiting = np.array([n.startswith("comm/") or n == "bubble" for n in names], dtype=bool)
+        parts.setdefault(rank, []).append((s[waiting], e[waiting], lo, hi))
     out = {}
-    for rank, rdf in df.groupby("rank"):
-        ends = rdf["ts_ns"] + rdf["dur_ns"]
-        steps = rdf[rdf["kind"] == "step"]
-        windows = iv.union(steps["ts_ns"].to_numpy(), (steps["ts_ns"] + steps["dur_ns"]).to_numpy())
-        kernels = (rdf["kind"] == "kernel") & (rdf["device"] >= 0)
-        if kernels.any():
-            compute = iv.union(rdf["ts_ns"][kernels].to_numpy(), ends[kernels].to_numpy())
-            out[rank] = ("hidden_by", iv.intersect(compute, windows), windows)
-            continue
-        main = (rdf["lane"] == steps["lane"].iloc[0]) if len(steps) else pd.Series(False, index=rdf.index)
-        blocked = main & breakdown.blocked_in_comm(rdf)
-        out[rank] = ("blocked", iv.intersect(iv.union(rdf["ts_ns"][blocked].to_numpy(), ends[blocked].to_numpy()),
-                                             windows), windows)
+    for rank, p in parts.items():
+        exposed = iv.union(np.concatenate([x[0] for x in p]), np.concatenate([x[1] for x in p]))
+        windows = iv.union(np.array([x[2] for x in p]), np.array([x[3] for x in p]))
+        out[rank] = (exposed, windows)
     return out
 
 
@@ -91,9 +87,9 @@ def add_exposure(calls: pd.DataFrame, sets: dict) -> pd.DataFrame:
     rank more communication time than wall time.  Instead every instant goes to one call: of the
     calls in flight then, the one that ends first (the one the rank is about to have back).
     ``inflight_ns`` is a call's share of the time any call is in flight, ``exposed_ns`` its share
-    of the exposed time (not hidden by compute on a GPU rank; the training thread blocked in
-    communication on a CPU rank), both within the rank's step windows.  Per rank both add up
-    to at most its steps' time."""
+    of the breakdown's exposed communication and bubble (:func:`exposure_sets`), both within the
+    rank's step windows.  Per rank both add up to at most its steps' time, and the exposed
+    seconds of a rank with calls add up to its breakdown's."""
     calls = calls.copy()
     start = calls["start_ns"].to_numpy(dtype="float64")
     end = calls["end_ns"].to_numpy(dtype="float64")
@@ -108,33 +104,41 @@ def add_exposure(calls: pd.DataFrame, sets: dict) -> pd.DataFrame:
         if rank not in sets:
             inflight[ok] = _owned(s, e, points, seg)
             continue
-        how, busy, windows = sets[rank]
-        in_steps = np.diff(iv.covered_before(windows, points)).astype(np.float64)
-        cover = np.diff(iv.covered_before(busy, points)).astype(np.float64)
-        inflight[ok] = _owned(s, e, points, in_steps)
-        exposed[ok] = _owned(s, e, points, in_steps - cover if how == "hidden_by" else cover)
+        waiting, windows = sets[rank]
+        inflight[ok] = _owned(s, e, points, np.diff(iv.covered_before(windows, points)).astype(np.float64))
+        # The breakdown's waits before the first or after the last call too: the points must span them.
+        wpoints = np.unique(np.concatenate([points, waiting[0], waiting[1]]))
+        exposed[ok] = _owned(s, e, wpoints, np.diff(iv.covered_before(waiting, wpoints)).astype(np.float64), nearest=True)
     calls["dur_ns"] = (calls["end_ns"] - calls["start_ns"]).astype("float64")
     calls["inflight_ns"] = inflight
     calls["exposed_ns"] = exposed
     return calls
 
 
-def _owned(starts: np.ndarray, ends: np.ndarray, points: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def _owned(starts: np.ndarray, ends: np.ndarray, points: np.ndarray, weight: np.ndarray,
+           nearest: bool = False) -> np.ndarray:
     """Each elementary segment [points[i], points[i+1]) gives ``weight[i]`` to the in-flight
-    interval that ends first; returns what each interval got."""
+    interval that ends first; returns what each interval got.  With ``nearest``, a segment no
+    interval covers goes to the one that ended last before it (else the next to start): the
+    breakdown sees a thread still waiting a little after the collectors stamped the call's end
+    (its future's callback), and that wait is the call's."""
     out = np.zeros(len(starts))
     order = np.argsort(starts, kind="stable")
     heap: list[tuple[int, int]] = []
-    k = 0
+    k, recent = 0, -1
     for i in range(len(points) - 1):
         t = points[i]
         while k < len(order) and starts[order[k]] <= t:
             heapq.heappush(heap, (int(ends[order[k]]), int(order[k])))
             k += 1
         while heap and heap[0][0] <= t:
-            heapq.heappop(heap)
-        if heap and weight[i] > 0:
+            recent = heapq.heappop(heap)[1]
+        if weight[i] <= 0:
+            continue
+        if heap:
             out[heap[0][1]] += weight[i]
+        elif nearest:
+            out[recent if recent >= 0 else order[min(k, len(order) - 1)]] += weight[i]
     return out
 
 

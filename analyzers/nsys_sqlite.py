@@ -36,7 +36,7 @@ _DEVICE_TABLES = (
     ("CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", "sync"),
 )
 _NO_STREAM = 0xFFFFFFFF
-_API_VERSION_TAG = re.compile(r"_v\d+$")
+_API_VERSION_TAG = re.compile(r"_v\d{4,}$")  # ABI tags (_v7000, _v10000); _v2 is part of an API name
 
 
 def is_nsys_sqlite(path: Path) -> bool:
@@ -212,8 +212,9 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
 
 def _api_name(name: str) -> str:
     """``cudaLaunchKernel_v7000`` -> ``cudaLaunchKernel``, ``cudaStreamIsCapturing_v10000`` ->
-    ``cudaStreamIsCapturing``: drop the ABI version tag (any number of digits), as ``nsys stats``
-    does, so runtime calls read the same as in Kineto traces."""
+    ``cudaStreamIsCapturing``: drop the ABI version tag (four digits or more; ``nsys stats`` drops
+    only four), so runtime calls read the same as in Kineto traces.  ``cuGetProcAddress_v2`` keeps
+    its ``_v2``: that is another API, not a tag."""
     return _API_VERSION_TAG.sub("", name)
 
 

@@ -49,3 +49,23 @@ def write_trace(path: Path, events: list[dict], **top) -> Path:
     else:
         path.write_bytes(data)
     return path
+
+
+def micro_config(n_layers: int = 4, global_batch: int = 16, grad_accum: int = 2, microbatches: int = 4) -> str:
+    """A micro dense model's config (d=32, 2 heads, vocab 64, 16-token sequences): small enough
+    that paced sleeps, not CPU sharing, decide the timing of 8 ranks on 2 cores."""
+    return f"""
+[model]
+vocab_size = 64
+dim = 32
+n_layers = {n_layers}
+n_heads = 2
+n_kv_heads = 2
+ffn_dim = 64
+max_seq_len = 16
+[train]
+seq_len = 16
+global_batch = {global_batch}
+grad_accum = {grad_accum}
+microbatches = {microbatches}
+"""

@@ -15,23 +15,10 @@ from mfuscope.errors import UserInputError
 from mfuscope.reference_trainer.inject import Injector, parse_faults, parse_paced
 from mfuscope.reference_trainer.launch import fork_ranks
 from mfuscope.reference_trainer.train import RunOptions, run_rank
+from mfuscope.tests.helpers import micro_config
 
 WAKE_S = 0.015
-MICRO = """
-[model]
-vocab_size = 64
-dim = 32
-n_layers = 2
-n_heads = 2
-n_kv_heads = 2
-ffn_dim = 64
-max_seq_len = 16
-[train]
-seq_len = 16
-global_batch = 8
-grad_accum = 1
-microbatches = 4
-"""
+MICRO = micro_config(n_layers=2, global_batch=8, grad_accum=1)
 
 
 def _profiled(tmp_path, name, layout, world, steps=5, **kw):

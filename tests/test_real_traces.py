@@ -233,6 +233,8 @@ def test_nsight_api_names_lose_any_version_tag():
     assert _api_name("cudaStreamIsCapturing_v10000") == "cudaStreamIsCapturing"
     assert _api_name("cudaLaunchKernel_v7000") == "cudaLaunchKernel"
     assert _api_name("cuLaunchKernelEx") == "cuLaunchKernelEx"
+    assert _api_name("cuGetProcAddress_v2") == "cuGetProcAddress_v2"  # an API of its own, not a tag
+    assert _api_name("cudaGetDeviceProperties_v2_v12000") == "cudaGetDeviceProperties_v2"
 
 
 def test_accelerator_work_that_is_not_a_gpu_kernel_is_device_work(tmp_path):
