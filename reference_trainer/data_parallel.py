@@ -3,23 +3,36 @@
 Gradients are averaged over every rank that saw different tokens -- the data
 ranks and the context-parallel ranks -- so the flattened ``dp_shard_cp`` mesh
 dimension is what FSDP shards over.  Expert weights under expert parallelism
-are not ours to average here: :mod:`expert_parallel` reduces them over the
-ranks that hold the same experts.
+differ between the ranks of one expert group, so they are sharded over the
+ranks that hold the same experts instead (:mod:`expert_parallel`): a unit of
+their own inside each block, on that mesh.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .model import Experts
 from .parallel_dims import ParallelDims
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: bool = True,
-               param_dtype: torch.dtype | None = None, ignored_params: set | None = None) -> nn.Module:
+               param_dtype: torch.dtype | None = None, ignored_params: set | None = None,
+               expert_mesh=None) -> nn.Module:
+    """Shard ``model`` over the data ranks, except ``ignored_params``; with ``expert_mesh``, each
+    MoE's experts (already cut to this rank's slice) over that mesh first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dims.mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims.mesh["dp_shard_cp"]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    if expert_mesh is not None:
+        for experts in (m for m in model.modules() if isinstance(m, Experts)):
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            # FSDP would average over its mesh; an expert's gradient is the sum over the ranks
+            # holding it, averaged over every data rank (the loss is a mean over all their tokens).
+            # Sums in the collective, division after: gloo has no premultiplied sum.
+            experts.set_gradient_divide_factor(dims.dp)
+            experts.set_force_sum_reduction_for_comms(True)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if ignored_params:
         kwargs["ignored_params"] = ignored_params

@@ -7,9 +7,14 @@ there, and sent home.  The ranks first swap their rows-per-expert counts: one
 copy of them to the host per layer gives both the all-to-all split sizes and
 the experts' slice sizes.  Expert groups are consecutive blocks of ``ep``
 ranks along the flattened ``dp_shard x cp`` dimension; ranks in different
-blocks with the same position hold the same experts, and their expert
-gradients are averaged over that "expert data-parallel" group after backward,
-in one all-reduce for all of them (:func:`buckets.all_reduce_flat`).
+blocks with the same position hold the same experts: the "expert
+data-parallel" group.  FSDP shards each rank's experts over that group
+(:func:`expert_mesh`, :func:`data_parallel.apply_fsdp`), as it shards the rest
+of the model over all the data ranks, so a rank stores, and keeps optimizer
+state for, ``1/|group|`` of its experts; it gathers them for the forward and
+reduce-scatters their gradients.  Where the group is this rank alone (``ep``
+spans every data rank), there is nothing to shard: the experts stay whole,
+outside FSDP, and :func:`scale_local_expert_grads` averages their gradients.
 """
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buckets import all_reduce_flat
 from .model import expert_counts, unsort
 from .parallel_dims import DIMS, ParallelDims
 
@@ -51,7 +55,7 @@ def expert_groups(dims: ParallelDims, rank: int):
 
 
 def apply_ep(model: nn.Module, ep_group, ep: int, ep_rank: int) -> list[nn.Parameter]:
-    """Keep this rank's experts; return the expert parameters (FSDP must ignore them)."""
+    """Keep this rank's experts; return their parameters."""
     expert_params = []
     for block in model.layers.values():
         moe = block.feed_forward
@@ -60,10 +64,10 @@ def apply_ep(model: nn.Module, ep_group, ep: int, ep_rank: int) -> list[nn.Param
         local = moe.n_experts // ep
         lo = ep_rank * local
         for name in ("w1", "w2", "w3"):
-            p = nn.Parameter(getattr(moe, name).detach()[lo:lo + local].clone())
-            setattr(moe, name, p)
+            p = nn.Parameter(getattr(moe.experts, name).detach()[lo:lo + local].clone())
+            setattr(moe.experts, name, p)
             expert_params.append(p)
-        moe.expert_offset = lo
+        moe.experts.offset = lo
         moe.dispatch = functools.partial(ep_dispatch, group=ep_group, ep=ep, local=local)
     return expert_params
 
@@ -102,9 +106,23 @@ def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int
     return unsort(back, order)
 
 
-def reduce_expert_grads(expert_params: list[nn.Parameter], edp_group, dp: int) -> None:
-    """Sum expert gradients over the ranks holding the same experts, then average over all data ranks.
+def expert_mesh(edp_group, device_type: str):
+    """The expert data-parallel group as the 1-D DeviceMesh FSDP shards the experts over; None
+    where the group is this rank alone.
 
-    Every rank has a gradient for every expert parameter (``MoE.experts`` runs empty slices too),
-    so the flattened buckets line up across the group."""
-    all_reduce_flat([p.grad for p in expert_params if p.grad is not None], edp_group, divisor=dp)
+    Not FSDP over one rank: it would only copy the experts in and out, and how FSDP applies a
+    gradient divide factor on a one-rank mesh has changed between torch releases (2.13 divides
+    twice when sums are forced)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.get_world_size(edp_group) == 1:
+        return None
+    return DeviceMesh.from_group(edp_group, device_type)
+
+
+def scale_local_expert_grads(expert_params: list[nn.Parameter], dp: int) -> None:
+    """Experts no other rank holds (no FSDP over them): the loss is a mean over the ``dp`` data
+    ranks' tokens, and this rank's gradient is the sum over the tokens routed to it."""
+    for p in expert_params:
+        if p.grad is not None:
+            p.grad.div_(dp)

@@ -26,6 +26,8 @@ Hooks the parallel dimensions use, and nothing else does:
   the tokens this rank holds.  A plain attribute, not a buffer: DDP broadcasts
   buffers from rank 0, which would give every context rank rank 0's positions;
 - ``MoE.dispatch`` -- expert parallel swaps in all-to-all dispatch/combine;
+- ``MoE.experts`` -- the expert weights in a module of their own, which expert parallel cuts to
+  this rank's slice and FSDP shards over the ranks holding the same slice;
 - ``Transformer.balance_group`` -- the group whose token counts the
   load-balancing loss uses, so the loss equals the single-process one;
 - ``Transformer.aux_scale`` -- tensor parallelism runs the MoE on each rank's
@@ -141,28 +143,22 @@ def unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(rows).index_copy(0, order, rows)
 
 
-class MoE(nn.Module):
-    """Top-k routed SwiGLU experts.
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked (expert, in, out).
 
-    During a forward of the model that holds it, each layer appends its routing (rows per expert,
-    mean router probability per expert) to ``routing``, a list the model hands out for that
-    forward and takes the balance loss of.  Outside it (a recomputation in backward, a layer run
-    alone) ``routing`` is None and nothing is kept.
+    A module of their own, not parameters of :class:`MoE`: FSDP shards every direct parameter of
+    the module it wraps over one mesh, and under expert parallelism the experts are sharded over
+    other ranks (those holding the same experts) than the rest of the block.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, n: int, dim: int, hidden: int):
         super().__init__()
-        e, d, h = cfg.n_experts, cfg.dim, cfg.ffn_dim
-        self.n_experts, self.top_k = e, cfg.top_k
-        self.router = nn.Linear(d, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, d, h))
-        self.w3 = nn.Parameter(torch.empty(e, d, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, d))
-        self.expert_offset = 0          # first expert held here (expert parallel shards them)
-        self.dispatch = local_dispatch  # expert parallel swaps in all-to-all dispatch
-        self.routing: list | None = None
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.offset = 0  # first expert held here (expert parallel keeps a slice)
 
-    def experts(self, tokens: torch.Tensor, local_expert: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, local_expert: torch.Tensor,
                 counts: list[int] | None = None) -> torch.Tensor:
         """Run tokens through the experts held here; ``local_expert`` indexes them.
 
@@ -180,6 +176,25 @@ class MoE(nn.Module):
         out = torch.cat([(F.silu(t @ w1) * (t @ w3)) @ w2 for t, w1, w3, w2
                          in zip(slices, self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))])
         return unsort(out, order)
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts.
+
+    During a forward of the model that holds it, each layer appends its routing (rows per expert,
+    mean router probability per expert) to ``routing``, a list the model hands out for that
+    forward and takes the balance loss of.  Outside it (a recomputation in backward, a layer run
+    alone) ``routing`` is None and nothing is kept.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, h = cfg.n_experts, cfg.dim, cfg.ffn_dim
+        self.n_experts, self.top_k = e, cfg.top_k
+        self.router = nn.Linear(d, e, bias=False)
+        self.experts = Experts(e, d, h)
+        self.dispatch = local_dispatch  # expert parallel swaps in all-to-all dispatch
+        self.routing: list | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -199,7 +214,7 @@ class MoE(nn.Module):
 
 def local_dispatch(moe: MoE, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """No expert parallelism: every expert is here."""
-    return moe.experts(rows, expert - moe.expert_offset)
+    return moe.experts(rows, expert)
 
 
 class TransformerBlock(nn.Module):

@@ -33,7 +33,7 @@ from .checks import check_run, reshard_after_forward
 from .config import TrainConfig, load_config, parse_overrides
 from .data import global_batch, shard_rows
 from .inject import Injector, apply_paced, parse_faults, parse_paced
-from .model import cross_entropy
+from .model import Experts, cross_entropy
 from .parallel_dims import ParallelDims
 
 
@@ -96,8 +96,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
 
     injector = Injector(parse_faults(opts.inject), rank, cfg.seed)
     paced = parse_paced(opts.paced)
-    expert_params: list = []
-    edp_group = None
+    local_experts: list = []  # experts no other rank holds: outside FSDP, averaged by the trainer
+    expert_mesh = None         # where other ranks hold the same experts: FSDP shards them over these
     extra_groups = {}
     if cfg.model.n_experts and dims.dp * dims.tp > 1:
         # The balance loss counts the tokens of every rank that routes different ones: data, context
@@ -111,8 +111,10 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         m.balance_group = extra_groups.get("moe_aux")
     if cfg.model.n_experts and dims.ep > 1:
         ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, rank)
-        for m in modules:
-            expert_params += expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
+        expert_params = [p for m in modules for p in expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)]
+        expert_mesh = expert_parallel.expert_mesh(edp_group, device.type)
+        if expert_mesh is None:
+            local_experts = expert_params
         extra_groups.update(ep=ep_group, ep_dp=edp_group)
     injector.attach_modules(modules, ids)
     if paced:
@@ -135,8 +137,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                 modules[0].register_comm_hook(modules[0].process_group, allreduce_hook)
         else:
             reshard = reshard_after_forward(dims, opts.reshard_after_forward)
-            modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=reshard,
-                                                param_dtype=param_dtype, ignored_params=set(expert_params) or None)
+            modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=reshard, param_dtype=param_dtype,
+                                                ignored_params=set(local_experts) or None, expert_mesh=expert_mesh)
                        for m in modules]
     # MoE weights replicated over tp (each tp rank routes its own sequence shard): gradients summed over tp.
     tp_moe_params = tensor_parallel.moe_params(modules) if dims.tp > 1 and cfg.model.n_experts else []
@@ -208,12 +210,12 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                         for p in params:
                             if p.grad is not None:
                                 p.grad.div_(micro)
-                if expert_params:
-                    expert_parallel.reduce_expert_grads(expert_params, edp_group, dims.dp)
+                if local_experts:
+                    expert_parallel.scale_local_expert_grads(local_experts, dims.dp)
                 if tp_moe_params:
                     tensor_parallel.reduce_moe_grads(tp_moe_params, mesh["tp"].get_group())
                 if opts.result:
-                    grads.append(_full_grads(modules, expert_params))
+                    grads.append(_full_grads(modules))
                 opt.step()
             _sync(device)
             end = time.time_ns()
@@ -303,22 +305,22 @@ def _apply_recompute(modules, mode: str) -> None:
                 block.attention.attention_fn = recomputed(block.attention.attention_fn)
 
 
-def _full_grads(modules, expert_params) -> dict[str, torch.Tensor]:
+def _full_grads(modules) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as a full tensor, by parameter name (DTensors gathered; expert
-    slices keyed ``name@first_expert``).  Every rank of a stage calls this: the gathers are
-    collectives."""
-    experts = {id(p) for p in expert_params}
+    weights, of which a rank may hold a slice, keyed ``name@first_expert``).  Every rank of a stage
+    calls this: the gathers are collectives."""
     out = {}
     for m in modules:
-        offsets = {_strip(n): mod.expert_offset for n, mod in m.named_modules() if hasattr(mod, "expert_offset")}
+        offsets = {_strip(n): mod.offset for n, mod in m.named_modules() if isinstance(mod, Experts)}
         for name, p in m.named_parameters():
             value = p.grad
             if value is None:
                 continue
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             key = _strip(name)
-            if id(p) in experts:
-                key = f"{key}@{offsets[key.rsplit('.', 1)[0]]}"
+            owner = key.rsplit(".", 1)[0]
+            if owner in offsets:
+                key = f"{key}@{offsets[owner]}"
             out[key] = value.detach().cpu().clone()
     return out
 

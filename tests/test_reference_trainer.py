@@ -10,10 +10,10 @@ the reference within :func:`fp32_tolerance`, norm-wise per tensor.  Ranks are
 real gloo processes, forked.
 
 The comparison must also fail: deliberately wrong layouts (a missing gradient
-reduction, a dropped sequence chunk, expert gradients scaled, pipeline
-gradients unscaled, norm gradients doubled, RoPE positions broadcast from rank
-0) are run through the same check and must miss by far more than the
-tolerance.
+reduction, a dropped sequence chunk, expert gradients scaled or averaged over
+the wrong ranks, pipeline gradients unscaled, norm gradients doubled, RoPE
+positions broadcast from rank 0) are run through the same check and must miss
+by far more than the tolerance.
 """
 from __future__ import annotations
 
@@ -139,7 +139,10 @@ PIPELINED = [(f"{sched}_{dim}", world, f"pp=2,{extra}", {"schedule": sched})
              for sched in SCHEDULES
              for dim, world, extra in (("fsdp", 4, "dp_shard=2"), ("hsdp", 8, "dp_replicate=2,dp_shard=2"),
                                        ("cp", 4, "cp=2"), ("tp", 4, "tp=2"))]
-MOE = [("ep2", 2, "dp_shard=2,ep=2", {}), ("tp2", 2, "tp=2", {})] + [
+# ep2: every data rank in the one expert group (experts outside FSDP); ep2_edp2 and hsdp_ep2: two
+# ranks hold each half of the experts and FSDP shards it over them (over the replicas too in HSDP).
+MOE = [("ep2", 2, "dp_shard=2,ep=2", {}), ("ep2_edp2", 4, "dp_shard=4,ep=2", {}),
+       ("hsdp_ep2", 4, "dp_replicate=2,dp_shard=2,ep=2", {}), ("tp2", 2, "tp=2", {})] + [
     (f"{sched}_ep2", 4, "pp=2,dp_shard=2,ep=2", {"schedule": sched}) for sched in SCHEDULES]
 
 
@@ -174,13 +177,14 @@ def _doubled_norm_grads(monkeypatch):
 
 
 def _expert_grads_quartered(monkeypatch):
-    original = expert_parallel.reduce_expert_grads
+    original = expert_parallel.scale_local_expert_grads
+    monkeypatch.setattr(expert_parallel, "scale_local_expert_grads", lambda params, dp: original(params, 4 * dp))
 
-    def reduce(params, group, dp):
-        original(params, group, dp)
-        for p in params:
-            p.grad.div_(4)
-    monkeypatch.setattr(expert_parallel, "reduce_expert_grads", reduce)
+
+def _sharded_expert_grads_averaged_over_their_group(monkeypatch):
+    # FSDP's default: the mean over the ranks holding the experts, not the sum over them / all data ranks.
+    from torch.distributed.fsdp import FSDPModule
+    monkeypatch.setattr(FSDPModule, "set_gradient_divide_factor", lambda self, factor: None)
 
 
 def _pipeline_grads_unscaled(monkeypatch):
@@ -228,6 +232,8 @@ MUTANTS = [
     ("ddp_cp_positions_broadcast", _positions_broadcast, "tiny_dense", 4, "dp_shard=2,cp=2", {"dp_mode": "ddp"}),
     ("pipeline_grads_unscaled", _pipeline_grads_unscaled, "tiny_dense", 2, "pp=2", {"schedule": "1f1b"}),
     ("expert_grads_quartered", _expert_grads_quartered, "tiny_moe", 2, "dp_shard=2,ep=2", {}),
+    ("sharded_expert_grads_averaged_over_their_group", _sharded_expert_grads_averaged_over_their_group,
+     "tiny_moe", 4, "dp_shard=4,ep=2", {}),
     ("tp_moe_grads_not_summed", _no_tp_moe_reduction, "tiny_moe", 2, "tp=2", {}),
 ]
 

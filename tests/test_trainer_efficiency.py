@@ -4,8 +4,9 @@ Measured on CPU, by what a GPU would pay for: the host reads of device values
 an MoE layer makes (each one a synchronization on a GPU: ``nonzero``,
 ``item``, ``bincount``'s max, ``tolist``), the all-reduces after backward
 and in the balance loss (profiled ``c10d::allreduce_`` calls), the
-graph breaks of a compiled MoE block, and what building a pipeline stage
-allocates and initializes.  That the results stay right is
+graph breaks of a compiled MoE block, the expert weights a rank stores under
+expert parallelism, and what building a pipeline stage allocates and
+initializes.  That the results stay right is
 test_reference_trainer's job; these tests pin the costs.
 """
 from __future__ import annotations
@@ -21,8 +22,10 @@ from torch import nn  # noqa: E402
 
 from mfuscope.reference_trainer import expert_parallel, tensor_parallel  # noqa: E402
 from mfuscope.reference_trainer.config import load_config  # noqa: E402
+from mfuscope.reference_trainer.data_parallel import apply_fsdp  # noqa: E402
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.model import Transformer, cross_entropy  # noqa: E402
+from mfuscope.reference_trainer.model import Experts, Transformer, cross_entropy  # noqa: E402
+from mfuscope.reference_trainer.parallel_dims import ParallelDims  # noqa: E402
 from mfuscope.reference_trainer.pipeline_parallel import build_stage, layer_ranges  # noqa: E402
 
 # Ops that read a device value on the host, so a GPU run waits there for everything queued before.
@@ -84,27 +87,48 @@ def _ep_rank(n_experts: int) -> dict:
     dist.init_process_group("gloo")
     cfg = _moe_config(n_experts)
     model = Transformer(cfg.model, cfg.seq_len)
-    expert_params = expert_parallel.apply_ep(model, dist.group.WORLD, 2, dist.get_rank())
+    expert_parallel.apply_ep(model, dist.group.WORLD, 2, dist.get_rank())
     model.balance_group = dist.group.WORLD
     with _Costs() as forward:
         tokens = torch.randint(0, cfg.model.vocab_size, (4, cfg.seq_len + 1),
                                generator=torch.Generator().manual_seed(dist.get_rank()))
-        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-    loss.backward()
-    with _Costs() as reduction:
-        expert_parallel.reduce_expert_grads(expert_params, dist.group.WORLD, 2)
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     return {"host_reads": forward.host_reads(), "all_to_all": forward.count("c10d::alltoall_base_"),
-            "balance_all_reduce": forward.count("c10d::allreduce_"),
-            "expert_all_reduce": reduction.count("c10d::allreduce_")}
+            "balance_all_reduce": forward.count("c10d::allreduce_")}
 
 
 @pytest.mark.parametrize("n_experts", [4, 8])
 def test_expert_parallel_moe_costs_do_not_grow_with_layers_or_experts_where_they_need_not(n_experts):
     """Under ep=2: per layer one host read and three all-to-alls (counts, rows out, rows back); one
-    balance-loss all-reduce for all the layers; one all-reduce for every expert gradient."""
+    balance-loss all-reduce for all the layers."""
     for rank, costs in enumerate(fork_ranks(_ep_rank, 2, n_experts)):
-        assert costs == {"host_reads": LAYERS, "all_to_all": 3 * LAYERS, "balance_all_reduce": 1,
-                         "expert_all_reduce": 1}, (rank, costs)
+        assert costs == {"host_reads": LAYERS, "all_to_all": 3 * LAYERS, "balance_all_reduce": 1}, (rank, costs)
+
+
+def _sharded_experts_rank() -> dict:
+    dist.init_process_group("gloo")
+    cfg = _moe_config(4)
+    dims = ParallelDims.parse("dp_shard=4,ep=2", 4)
+    model = Transformer(cfg.model, cfg.seq_len)
+    ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, dist.get_rank())
+    held = sorted(p.numel() for p in expert_parallel.apply_ep(model, ep_group, dims.ep, ep_rank))
+    model.balance_group = dist.group.WORLD
+    apply_fsdp(model, dims, expert_mesh=expert_parallel.expert_mesh(edp_group, "cpu"))
+    _step(model, cfg)
+    experts = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+    # Lists, not tensors: tensors would travel to the parent through this rank's shared memory.
+    return {"held": held, "stored": sorted(p.to_local().numel() for p in experts),
+            "grads": sorted(p.grad.to_local().numel() for p in experts),
+            "mesh": sorted(experts[0].device_mesh.mesh.tolist()),
+            "edp": sorted(dist.get_process_group_ranks(edp_group))}
+
+
+def test_experts_are_sharded_over_the_ranks_that_hold_the_same_ones():
+    """dp_shard=4, ep=2: two ranks hold each half of the experts; each stores, and gets the
+    gradient of, half of that half (FSDP over those two ranks), not a replica of it."""
+    for rank, got in enumerate(fork_ranks(_sharded_experts_rank, 4)):
+        assert got["mesh"] == got["edp"] and len(got["edp"]) == 2, (rank, got)
+        assert got["stored"] == got["grads"] == [n // 2 for n in got["held"]], (rank, got)
 
 
 SHAPES = [((4, 3, 2), torch.float32), ((4, 2, 3), torch.float32), ((5,), torch.float32), ((3,), torch.float64)]
@@ -114,28 +138,22 @@ def _reduce_rank() -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in SHAPES]
-    out = {}
-    for name, reduce in (("ep", lambda: expert_parallel.reduce_expert_grads(params, dist.group.WORLD, 2)),
-                         ("tp", lambda: tensor_parallel.reduce_moe_grads(params, dist.group.WORLD))):
-        for i, p in enumerate(params):
-            p.grad = torch.full_like(p, (rank + 1.0) * (i + 1))
-        with _Costs() as costs:
-            reduce()
-        # Lists, not tensors: tensors would travel to the parent through this rank's shared memory.
-        out[name] = (costs.count("c10d::allreduce_"), [p.grad.tolist() for p in params])
-    return out
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, (rank + 1.0) * (i + 1))
+    with _Costs() as costs:
+        tensor_parallel.reduce_moe_grads(params, dist.group.WORLD)
+    # Lists, not tensors: tensors would travel to the parent through this rank's shared memory.
+    return costs.count("c10d::allreduce_"), [p.grad.tolist() for p in params]
 
 
 def test_gradient_reductions_are_one_all_reduce_per_dtype():
-    """Expert gradients (averaged over data ranks) and tp MoE gradients (summed): four tensors of two
-    dtypes take two all-reduces, and each tensor gets its own values back."""
-    for result in fork_ranks(_reduce_rank, 2):
-        for name, divisor in (("ep", 2), ("tp", 1)):
-            calls, grads = result[name]
-            assert calls == 2, (name, calls)
-            for i, (g, (shape, dtype)) in enumerate(zip(grads, SHAPES)):
-                g = torch.tensor(g, dtype=dtype)
-                assert torch.equal(g, torch.full(shape, (1 + 2) * (i + 1) / divisor, dtype=dtype)), (name, i)
+    """tp MoE gradients (summed over tp): four tensors of two dtypes take two all-reduces, and each
+    tensor gets its own values back."""
+    for calls, grads in fork_ranks(_reduce_rank, 2):
+        assert calls == 2, calls
+        for i, (g, (shape, dtype)) in enumerate(zip(grads, SHAPES)):
+            g = torch.tensor(g, dtype=dtype)
+            assert torch.equal(g, torch.full(shape, (1 + 2) * (i + 1), dtype=dtype)), i
 
 
 def test_a_compiled_moe_block_is_one_graph():
@@ -191,7 +209,7 @@ def test_initial_values_depend_on_the_seed_not_on_the_global_random_state():
 
     a, b, c = weights(0, 1), weights(0, 2), weights(1, 1)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["layers.0.feed_forward.w1"], c["layers.0.feed_forward.w1"])
+    assert not torch.equal(a["layers.0.feed_forward.experts.w1"], c["layers.0.feed_forward.experts.w1"])
     # Each parameter has its own stream: same shapes, different values.
     assert not torch.equal(a["layers.0.attention.wk.weight"], a["layers.0.attention.wv.weight"])
 
