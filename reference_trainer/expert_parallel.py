@@ -54,9 +54,9 @@ def expert_groups(dims: ParallelDims, rank: int):
     return ep_group, f_of(mine) % dims.ep, edp_group
 
 
-def apply_ep(model: nn.Module, ep_group, ep: int, ep_rank: int) -> list[nn.Parameter]:
-    """Keep this rank's experts; return their parameters."""
-    expert_params = []
+def apply_ep(model: nn.Module, ep_group, ep: int, ep_rank: int) -> None:
+    """Keep this rank's experts (on the meta device too: the trainer materializes afterwards, which
+    makes new parameter objects -- take them with :func:`expert_parameters` then)."""
     for block in model.layers.values():
         moe = block.feed_forward
         if moe.n_experts % ep:
@@ -64,12 +64,16 @@ def apply_ep(model: nn.Module, ep_group, ep: int, ep_rank: int) -> list[nn.Param
         local = moe.n_experts // ep
         lo = ep_rank * local
         for name in ("w1", "w2", "w3"):
-            p = nn.Parameter(getattr(moe.experts, name).detach()[lo:lo + local].clone())
-            setattr(moe.experts, name, p)
-            expert_params.append(p)
+            setattr(moe.experts, name, nn.Parameter(getattr(moe.experts, name).detach()[lo:lo + local].clone()))
         moe.experts.offset = lo
         moe.dispatch = functools.partial(ep_dispatch, group=ep_group, ep=ep, local=local)
-    return expert_params
+
+
+def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The routed experts' weights this rank holds."""
+    from .model import Experts
+
+    return [p for m in modules for mod in m.modules() if isinstance(mod, Experts) for p in mod.parameters()]
 
 
 class _AllToAll(torch.autograd.Function):

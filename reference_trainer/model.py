@@ -248,22 +248,37 @@ class Transformer(nn.Module):
         """Every parameter from its own generator, seeded with ``seed`` and the parameter's name.
 
         A pipeline stage holds some of the layers under the full model's names, so it draws the
-        values the full model has without drawing the rest.  Drawn on the CPU: every device starts
-        from the same values.  Parameters on the meta device have no values to set (materialize
-        them with ``to_empty`` and call this again).
+        values the full model has without drawing the rest.  A parameter that holds part of the
+        full one -- an expert-parallel slice of the experts, a tensor-parallel shard (a DTensor)
+        -- gets that part of the full parameter's values, drawn one parameter at a time: a rank
+        never holds more than one full parameter beyond its own part.  Drawn on the CPU: every
+        device starts from the same values.  Parameters on the meta device have no values to set
+        (materialize them with ``to_empty`` and call this again).
         """
-        for name, p in self.named_parameters():
-            if p.is_meta:
-                continue
-            value = torch.empty(p.shape, dtype=p.dtype, device="cpu")
-            if name.endswith("norm.weight"):
-                value.fill_(1.0)
-            else:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "w2")) else 0.02
-                generator = torch.Generator().manual_seed(_name_seed(self.seed, name))
-                value.normal_(0.0, std, generator=generator)
-            with torch.no_grad():
-                p.copy_(value)
+        for module_name, module in self.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if p.is_meta:
+                    continue
+                name = f"{module_name}.{pname}" if module_name else pname
+                full = tuple(p.shape)
+                if isinstance(module, Experts):  # this rank's experts: rows offset.. of all of them
+                    full = (self.cfg.n_experts, *full[1:])
+                value = self._initial_value(name, full)
+                if isinstance(module, Experts):
+                    value = value[module.offset:module.offset + p.shape[0]]
+                local = p
+                if hasattr(p, "to_local"):  # a DTensor: this rank's shard of the value
+                    local = p.to_local()
+                    value = value[_shard_slices(p)]
+                with torch.no_grad():
+                    local.copy_(value)
+
+    def _initial_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        value = torch.empty(shape, dtype=torch.float32, device="cpu")
+        if name.endswith("norm.weight"):
+            return value.fill_(1.0)
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "w2")) else 0.02
+        return value.normal_(0.0, std, generator=torch.Generator().manual_seed(_name_seed(self.seed, name)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
@@ -293,6 +308,14 @@ class Transformer(nn.Module):
         f = counts / counts.sum(-1, keepdim=True)
         mean_probs = torch.stack([p for _, p in routing])
         return self.cfg.aux_loss_coef * self.aux_scale * self.cfg.n_experts * (f * mean_probs).sum()
+
+
+def _shard_slices(p) -> tuple[slice, ...]:
+    """Where a DTensor's local shard sits in the full tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def _name_seed(seed: int, name: str) -> int:

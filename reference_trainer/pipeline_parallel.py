@@ -2,8 +2,9 @@
 
 The model's layers are cut into ``pp x virtual`` contiguous stages; stage 0
 keeps the embedding, the last stage the final norm and LM head.  A rank
-builds each of its stages on the meta device, cuts it, and only then
-allocates and initializes what is left (:func:`build_stage`): no rank holds
+builds each of its stages on the meta device and cuts it there
+(:func:`build_stage`); the trainer shards it, still on meta, and then
+allocates and initializes what is left (:func:`materialize`): no rank holds
 the full model, and the values are the full model's, as the model seeds each
 parameter from its name.  Schedules:
 
@@ -72,11 +73,19 @@ def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
 
 def build_stage(cfg: ModelConfig, seq_len: int, seed: int, stage: int, n_stages: int,
                 device: torch.device | str) -> Transformer:
-    """Stage ``stage`` of ``n_stages`` (the whole model for one stage), on ``device`` and initialized,
-    having allocated nothing else: built on meta, cut, then materialized."""
+    """Stage ``stage`` of ``n_stages`` (the whole model for one stage) on ``device``: built on meta
+    and cut.  On the meta device it holds no values yet: the trainer shards it there (tensor and
+    expert parallelism) and then :func:`materialize` s it, so a rank allocates only its part."""
     with torch.device("meta"):
         model = Transformer(cfg, seq_len, seed=seed)
     stage_module(model, stage, n_stages)
+    if torch.device(device).type != "meta":
+        materialize(model, device)
+    return model
+
+
+def materialize(model: Transformer, device: torch.device | str) -> Transformer:
+    """Allocate a meta-built (and maybe sharded) model on ``device`` and draw its initial values."""
     model.to_empty(device=device)
     model.reset_parameters()
     return model

@@ -1,9 +1,10 @@
 """One rank of the reference trainer: build, parallelize, train, write the run directory.
 
 Order of parallelization (as torchtitan does): check the settings (checks.py),
-build this rank's pipeline stages on the meta device and initialize only them (each parameter
-seeded from its name, so the values are the full model's) -> tensor parallel -> context
-parallel -> expert parallel -> activation recomputation -> torch.compile ->
+build this rank's pipeline stages on the meta device -> tensor parallel -> context parallel
+-> expert parallel (all still on meta) -> allocate and initialize only this rank's part (each
+parameter seeded from its name, so the values are the full model's) -> activation
+recomputation -> torch.compile ->
 FSDP/DDP.  Every rank sees the same global batch of a step and takes its own
 rows (data ranks) and sequence chunks (context ranks).
 
@@ -86,13 +87,14 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     coords = dims.coords(rank)
     mesh = dims.mesh
 
-    # --- this rank's pipeline stages (the whole model without pp), built on meta, materialized on the device
+    # --- this rank's pipeline stages (the whole model without pp), built on meta; sharded there by
+    # tensor and expert parallelism, then materialized: a rank allocates only its part
     if dims.pp > 1:
         ids = pipeline_parallel.stage_ids(opts.schedule, dims.pp, coords["pp"])
         n_stages = dims.pp * len(ids)
     else:
         ids, n_stages = [0], 1
-    modules = [pipeline_parallel.build_stage(cfg.model, cfg.seq_len, cfg.seed, s, n_stages, device) for s in ids]
+    modules = [pipeline_parallel.build_stage(cfg.model, cfg.seq_len, cfg.seed, s, n_stages, "meta") for s in ids]
 
     injector = Injector(parse_faults(opts.inject), rank, cfg.seed)
     paced = parse_paced(opts.paced)
@@ -111,11 +113,14 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         m.balance_group = extra_groups.get("moe_aux")
     if cfg.model.n_experts and dims.ep > 1:
         ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, rank)
-        expert_params = [p for m in modules for p in expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)]
+        for m in modules:
+            expert_parallel.apply_ep(m, ep_group, dims.ep, ep_rank)
         expert_mesh = expert_parallel.expert_mesh(edp_group, device.type)
-        if expert_mesh is None:
-            local_experts = expert_params
         extra_groups.update(ep=ep_group, ep_dp=edp_group)
+    for m in modules:
+        pipeline_parallel.materialize(m, device)
+    if cfg.model.n_experts and dims.ep > 1 and expert_mesh is None:
+        local_experts = expert_parallel.expert_parameters(modules)
     injector.attach_modules(modules, ids)
     if paced:
         apply_paced(modules, paced)

@@ -137,8 +137,9 @@ def test_every_corpus_trace_gets_a_breakdown_that_adds_up_and_a_strict_report(tm
 
 # Real kernel names, as public traces and profiler dumps print them (cuBLAS/cuBLASLt across
 # Volta..Hopper, CUTLASS, hipBLASLt/Tensile, cuDNN and MIOpen convolutions and batch norm,
-# flash-attention 2 and 3, PyTorch's memory-efficient attention, cuDNN fused attention, Triton
-# (Inductor), PyTorch's elementwise/reduction/optimizer kernels, NCCL/RCCL, DeepEP).
+# flash-attention 2 and 3, PyTorch's memory-efficient attention, cuDNN fused attention (as
+# Transformer Engine calls it), TE's own norm kernels, Triton (Inductor), PyTorch's
+# elementwise/reduction/optimizer kernels, NCCL/RCCL, DeepEP).
 KERNEL_NAMES = [
     ("volta_sgemm_128x64_nt", "gemm"),
     ("ampere_sgemm_128x64_nn", "gemm"),
@@ -170,6 +171,8 @@ KERNEL_NAMES = [
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, bool*, float*, float, float, float, float, float, bool, float*, float*>(at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, bool*, float*, float, float, float, float, float, bool, float*, float*)", "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
     ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "collective"),
+    ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", "collective"),  # RCCL
+    ("void transformer_engine::rmsnorm::rmsnorm_fwd_tuned_kernel<transformer_engine::rmsnorm::Kernel_traits<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, unsigned int, 4096u, 1u, 1u, 4u, 16u, transformer_engine::rmsnorm::Kernel_traits_base<4096u, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, unsigned int, 128u> > >(transformer_engine::layer_norm::FwdParams)", "norm_elementwise"),
     ("void deep_ep::intranode::dispatch<8, 768, 8192>(int4*, float*, int*, long*, float*, int*, int*, int4 const*, float const*, long const*, float const*, bool const*, int const*, int, int, int, int, int, int, int, int, int, int, void**, int, int, int)", "collective"),
     ("void deep_ep::internode::combine<false, 2, 4, 8, 4, 2>(int4*, float*, bool const*, int4 const*, float const*, int const*, int const*, int const*, deep_ep::internode::SourceMeta const*, int const*, int const*, int, int, void*, int, int, void**, int, int, int, int)", "collective"),
 ]

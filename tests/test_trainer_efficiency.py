@@ -111,7 +111,8 @@ def _sharded_experts_rank() -> dict:
     dims = ParallelDims.parse("dp_shard=4,ep=2", 4)
     model = Transformer(cfg.model, cfg.seq_len)
     ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, dist.get_rank())
-    held = sorted(p.numel() for p in expert_parallel.apply_ep(model, ep_group, dims.ep, ep_rank))
+    expert_parallel.apply_ep(model, ep_group, dims.ep, ep_rank)
+    held = sorted(p.numel() for p in expert_parallel.expert_parameters([model]))
     model.balance_group = dist.group.WORLD
     apply_fsdp(model, dims, expert_mesh=expert_parallel.expert_mesh(edp_group, "cpu"))
     _step(model, cfg)
@@ -244,3 +245,60 @@ def test_the_balance_loss_taken_once_for_all_layers_is_the_switch_loss_of_each()
     for got_with, got_without, want in zip(with_aux, without, expected):
         assert want.norm() > 0
         torch.testing.assert_close(got_with - got_without, want, rtol=1e-4, atol=1e-9)
+
+
+def _sharded_build_rank(layout: str) -> dict:
+    """Build as the trainer does -- stage on meta, tensor/expert parallel on meta, then allocate and
+    draw -- and compare each local part with the full model's values, sliced here by hand."""
+    from mfuscope.reference_trainer.pipeline_parallel import materialize
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = load_config("tiny_moe")
+    dims = ParallelDims.parse(layout, dist.get_world_size())
+    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, "meta")
+    if dims.tp > 1:
+        tensor_parallel.apply_tp(model, dims)
+    if dims.ep > 1:
+        ep_group, ep_rank, _ = expert_parallel.expert_groups(dims, rank)
+        expert_parallel.apply_ep(model, ep_group, dims.ep, ep_rank)
+    drawn = []
+    normal_ = torch.Tensor.normal_
+
+    def counted(tensor, *args, **kwargs):
+        drawn.append(tensor.numel())
+        return normal_(tensor, *args, **kwargs)
+    torch.Tensor.normal_ = counted
+    try:
+        materialize(model, "cpu")
+    finally:
+        torch.Tensor.normal_ = normal_
+    full = dict(Transformer(cfg.model, cfg.seq_len, seed=cfg.seed).named_parameters())
+    mismatched, local_numel = [], 0
+    for name, p in model.named_parameters():
+        expected = full[name].detach()
+        if ".experts." in name:  # rows offset.. of the experts: this rank's expert-parallel slice
+            held = p.shape[0]
+            expected = expected[held * (rank % dims.ep):held * (rank % dims.ep + 1)]
+        if hasattr(p, "to_local"):
+            for mesh_dim, placement in enumerate(p.placements):
+                if placement.is_shard():
+                    coord = p.device_mesh.get_coordinate()[mesh_dim]
+                    expected = expected.chunk(p.device_mesh.size(mesh_dim), dim=placement.dim)[coord]
+            p = p.to_local()
+        local_numel += p.numel()
+        if not torch.equal(p.detach(), expected):
+            mismatched.append(name)
+    return {"mismatched": mismatched, "largest_draw": max(drawn),
+            "largest_param": max(x.numel() for x in full.values()), "local": local_numel,
+            "full": sum(x.numel() for x in full.values())}
+
+
+@pytest.mark.parametrize("layout", ["tp=2", "dp_shard=2,ep=2"])
+def test_tensor_and_expert_parallel_parts_are_drawn_as_slices_of_the_full_model(layout):
+    """Each rank allocates its shard (not the stage) and it equals that slice of the full model bit
+    for bit; no draw is larger than one full parameter."""
+    for rank, got in enumerate(fork_ranks(_sharded_build_rank, 2, layout)):
+        assert got["mismatched"] == [], (rank, got)
+        assert got["largest_draw"] <= got["largest_param"], (rank, got)
+        assert got["local"] < got["full"], (rank, got)
