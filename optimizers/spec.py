@@ -1,0 +1,135 @@
+"""The cost model's inputs: what is trained (:class:`ModelSpec`) and how it is laid out (:class:`Layout`).
+
+Two small frozen records, so a planner varies only the layout and every formula
+reads named fields.  Counts are plain integers; sizes in the cost model carry
+their unit in their name (``_bytes``, ``_s``).  The model spec uses the names of
+the run manifest's ``model`` section (``dim``, ``n_layers``, ``ffn_dim``, ...,
+see ``mfuscope/flops.py``), so a measured run can be predicted as it was run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-style decoder: GQA attention, SwiGLU (or GELU) MLP, optional routed experts."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    ffn_dim: int
+    vocab_size: int
+    n_kv_heads: int | None = None
+    n_experts: int = 0
+    top_k: int = 1
+    mlp: str = "swiglu"             # "gelu": two d x ffn matrices (GPT, Megatron's papers)
+    tied_embeddings: bool = False
+
+    @classmethod
+    def from_manifest(cls, spec: dict[str, Any]) -> "ModelSpec":
+        """From a run manifest's ``model`` section (unknown keys, such as ``max_seq_len``, ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in spec.items() if k in names and v is not None})
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def attention_params(self) -> int:
+        """q and o: d x d; k and v: d x (kv_heads x head_dim) each.  No biases."""
+        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_heads * self.head_dim
+
+    def mlp_params(self) -> int:
+        """One dense MLP (or one expert): three d x ffn matrices for SwiGLU, two for GELU."""
+        return (2 if self.mlp == "gelu" else 3) * self.dim * self.ffn_dim
+
+    def layer_params(self) -> tuple[int, int]:
+        """(parameters every rank of a tensor-parallel group splits, expert parameters) of one layer;
+        the two RMSNorm weights are counted with the first, the router too."""
+        norms = 2 * self.dim
+        if self.n_experts:
+            return self.attention_params() + norms + self.dim * self.n_experts, self.n_experts * self.mlp_params()
+        return self.attention_params() + self.mlp_params() + norms, 0
+
+    def embedding_params(self) -> int:
+        """Token embedding, plus the LM head unless tied; the final norm."""
+        return self.vocab_size * self.dim * (1 if self.tied_embeddings else 2) + self.dim
+
+    def total_params(self) -> int:
+        dense, experts = self.layer_params()
+        return self.n_layers * (dense + experts) + self.embedding_params()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job is split.  ``dp_shard`` > 1 shards parameters, gradients and optimizer state
+    over those ranks (FSDP / ZeRO-3); with ``dp_shard`` = 1, ``zero`` picks what the data ranks
+    shard (0: nothing, plain DDP; 1: optimizer state, Megatron's distributed optimizer; 2: and
+    gradients).  ``vpp``: model chunks per pipeline rank (interleaved schedules)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    zero: int = 0
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def problems(self, model: ModelSpec, seq_len: int) -> list[str]:
+        """Every rule the layout breaks for ``model`` (empty when it is legal)."""
+        out = []
+        for name in ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep", "micro_batch", "microbatches"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}={getattr(self, name)} must be at least 1")
+        if out:
+            return out
+        if model.n_heads % self.tp or model.kv_heads % self.tp:
+            out.append(f"tp={self.tp} must divide the {model.n_heads} heads and {model.kv_heads} KV heads")
+        if model.ffn_dim % self.tp:
+            out.append(f"tp={self.tp} must divide ffn_dim={model.ffn_dim}")
+        if model.n_layers % (self.pp * self.vpp):
+            out.append(f"pp x vpp = {self.pp * self.vpp} must divide the {model.n_layers} layers")
+        if seq_len % (self.cp * (self.tp if self.sequence_parallel else 1)):
+            out.append(f"the sequence ({seq_len}) must split over cp={self.cp}"
+                       + (f" x tp={self.tp} (sequence parallel)" if self.sequence_parallel else ""))
+        if self.ep > 1 and not model.n_experts:
+            out.append(f"ep={self.ep} on a dense model")
+        if model.n_experts and model.n_experts % self.ep:
+            out.append(f"ep={self.ep} must divide the {model.n_experts} experts")
+        if (self.dp * self.cp) % self.ep:
+            out.append(f"ep={self.ep} must divide the data x context ranks ({self.dp * self.cp})")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        elif (self.vpp > 1) != (self.schedule in ("interleaved_1f1b", "zero_bubble", "zbv")):
+            out.append(f"schedule {self.schedule} with vpp={self.vpp}: interleaved and zero-bubble schedules "
+                       "take vpp > 1, the others vpp = 1")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.zero not in (0, 1, 2):
+            out.append(f"zero={self.zero}: 0, 1 or 2 (ZeRO-3 is dp_shard > 1)")
+        if self.zero and self.dp_shard > 1:
+            out.append("zero applies to replicated data ranks (dp_shard = 1); dp_shard > 1 already shards all")
+        return out
