@@ -5,10 +5,12 @@ and pipeline bubble) and busy (everything else: compute, host work, idle gaps
 between operators).  Ranks of one job that do the same work are busy for the
 same time; a rank busy for longer holds the others up at the next collective,
 and they wait exactly that long.  Per step, a rank is an outlier when its busy
-time exceeds the median rank's by more than max(3 scaled MADs, 5% of the
-median); a straggler is an outlier in at least half the steps.  Its cost is the
-median over steps of how much longer it was busy than the median rank: the
-time it took from everyone else.
+time exceeds the median of the other ranks by more than max(3 scaled MADs of
+the cohort, 5% of that median) -- the center leaves the candidate out, so a
+straggler does not pull up the median it is measured from; a straggler is an
+outlier in at least half the steps.
+Its cost is the median over steps of how much longer it was busy than the
+others' median: the time it took from everyone else.
 
 Pipeline stages do different work, so with pipeline parallelism ranks are
 compared within their stage (the manifest's rank coordinates say which).
@@ -27,8 +29,7 @@ def find(per_rank_step: pd.DataFrame, rank_coords: dict | None = None) -> tuple[
         return [], df
     stage = {int(r): c.get("pp", 0) for r, c in (rank_coords or {}).items()}
     df["cohort"] = df["rank"].map(lambda r: stage.get(int(r), 0))
-    med = df.groupby(["cohort", "step"])["busy_s"].transform("median")
-    mad = df.groupby(["cohort", "step"])["busy_s"].transform(lambda s: (s - s.median()).abs().median()) * 1.4826
+    med, mad = _others(df)
     df["excess_s"] = df["busy_s"] - med
     df["outlier"] = df["excess_s"] > pd.concat([3 * mad, 0.05 * med], axis=1).max(axis=1)
     out = []
@@ -38,3 +39,20 @@ def find(per_rank_step: pd.DataFrame, rank_coords: dict | None = None) -> tuple[
                         "steps": [int(s) for s in r.loc[r["outlier"], "step"]]})
     out.sort(key=lambda x: -x["cost_s"])
     return out, df[["rank", "step", "step_s", "busy_s", "wait_s", "excess_s", "outlier"]]
+
+
+def _others(df: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per row: the median busy time of the *other* ranks of its cohort and step, and the scaled
+    MAD of the whole cohort.  The center leaves the candidate out, so a straggler in a small cohort
+    (four ranks of a pipeline stage) does not pull up the median it is measured from; the spread
+    keeps it, where it is one deviation of n and moves the MAD little, while a MAD of three values
+    alone can be near zero and would name ordinary noise.  A cohort of two keeps both ranks."""
+    med = pd.Series(index=df.index, dtype=float)
+    mad = pd.Series(index=df.index, dtype=float)
+    for _, g in df.groupby(["cohort", "step"]):
+        values = g["busy_s"]
+        spread = (values - values.median()).abs().median() * 1.4826
+        for i in g.index:
+            med[i] = (values.drop(i) if len(values) > 2 else values).median()
+            mad[i] = spread
+    return med, mad

@@ -272,9 +272,13 @@ def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
     _, report = _run(tmp_path, "pp_heavy", "pp=2,dp_shard=4", inject="stage:stage=1:ms=40")
     b = report["bubbles"][0]
     slowest = max(b["per_stage"], key=lambda s: s["busy_s"])
-    # stage 1 is 40 ms heavier per forward, 4 microbatches per step
+    # Stage 1 is 40 ms heavier per forward, 4 microbatches per step.  Beyond the pacing (4 x 60 ms
+    # a step), a stage is busy with its own real work, which CPU sharing stretches unevenly; the
+    # lighter stage's un-paced busy time, measured in this run, bounds that.
     fastest = min(b["per_stage"], key=lambda s: s["busy_s"])
-    assert slowest["stage"] == 1 and slowest["busy_s"] - fastest["busy_s"] == pytest.approx(4 * 0.040, rel=0.25)
+    unpaced = max(fastest["busy_s"] - 4 * (0.020 + 0.040), 0.0)
+    assert slowest["stage"] == 1, b["per_stage"]
+    assert abs(slowest["busy_s"] - fastest["busy_s"] - 4 * 0.040) <= 0.15 * 4 * 0.040 + unpaced, (b["per_stage"], unpaced)
     assert any(f["fix"] == "rebalance_stages" for f in report["findings"])
 
 

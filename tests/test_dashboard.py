@@ -59,10 +59,11 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     _train(root / "pp8")
     # Paced stages (sleeps) keep 8 ranks on 2 cores timed like dedicated devices, and the injected
-    # straggler must stand out in every step: on a loaded 2-core machine the 8 ranks' busy time per
-    # step scatters by about 0.1 s over their real compute (3 scaled MADs, the detection threshold),
-    # so rank 5 sleeps 150 ms in each of its 4 microbatch forwards, 0.6 s a step.
-    _train(root / "pp8-straggler", "--paced", "fwd_ms=40,bwd_ms=80", "--inject", "compute:rank=5:ms=150")
+    # straggler must stand out in every step: with one of the 2 cores busy elsewhere, the busy time
+    # of a stage's 4 ranks scatters by up to 0.2 s a step over their real compute (3 scaled MADs,
+    # the detection threshold, reached 0.56 s), so rank 5 sleeps 250 ms in each of its 4 microbatch
+    # forwards, 1 s a step.
+    _train(root / "pp8-straggler", "--paced", "fwd_ms=40,bwd_ms=80", "--inject", "compute:rank=5:ms=250")
     if DLRM.is_dir():
         (root / "dlrm").symlink_to(DLRM, target_is_directory=True)
     (root / "broken").mkdir()
