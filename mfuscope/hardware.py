@@ -57,6 +57,12 @@ _TABLE: list[tuple[str, Accelerator]] = [
     # H800 SXM: H100 compute with NVLink cut to 400 GB/s (NVIDIA H800 product brief).
     (r"H800", Accelerator("H800-SXM", "nvidia", 989.4, 989.4, 1978.9, 80, 3.35, 400,
                           "NVIDIA H800 SXM product brief: H100 SXM compute, 400 GB/s NVLink")),
+    # Blackwell Ultra (GB300 NVL72 / HGX B300 datasheets, 2025): per GPU dense 2.5 PF bf16 and 5 PF fp8
+    # (GB300), 2.25 / 4.5 PF (B300); 288 GB HBM3e at 8 TB/s; NVLink 5 at 1.8 TB/s.
+    (r"GB300", Accelerator("GB300", "nvidia", 2500.0, 2500.0, 5000.0, 288, 8.0, 1800,
+                           "NVIDIA GB300 NVL72 datasheet: 360 PF bf16 dense per 72 GPUs, 288 GB HBM3e per GPU")),
+    (r"B300", Accelerator("B300", "nvidia", 2250.0, 2250.0, 4500.0, 288, 8.0, 1800,
+                          "NVIDIA HGX B300 datasheet: 2.25 PF bf16 / 4.5 PF fp8 dense per GPU, 288 GB HBM3e")),
     # GB200 NVL72 datasheet (2024): 360 PF bf16 / 720 PF fp8 sparse over 72 GPUs -> per GPU dense.
     (r"GB200", Accelerator("GB200", "nvidia", 2500.0, 2500.0, 5000.0, 186, 8.0, 1800,
                            "NVIDIA GB200 NVL72 datasheet: 180 PF bf16 dense per 72 GPUs, 13.4 TB HBM3e")),

@@ -94,6 +94,11 @@ class Layout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def stage_layers(self, model: ModelSpec) -> int:
+        """Layers on the busiest pipeline rank: chunks of ceil(L / (pp x vpp)) layers, vpp of them
+        (an uneven split, as torchtitan makes for 126 layers over 8 stages, loads one rank more)."""
+        return -(-model.n_layers // (self.pp * self.vpp)) * self.vpp
+
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
@@ -110,8 +115,8 @@ class Layout:
             out.append(f"tp={self.tp} must divide the {model.n_heads} heads and {model.kv_heads} KV heads")
         if model.ffn_dim % self.tp:
             out.append(f"tp={self.tp} must divide ffn_dim={model.ffn_dim}")
-        if model.n_layers % (self.pp * self.vpp):
-            out.append(f"pp x vpp = {self.pp * self.vpp} must divide the {model.n_layers} layers")
+        if self.pp * self.vpp > model.n_layers:
+            out.append(f"pp x vpp = {self.pp * self.vpp} exceeds the {model.n_layers} layers")
         if seq_len % (self.cp * (self.tp if self.sequence_parallel else 1)):
             out.append(f"the sequence ({seq_len}) must split over cp={self.cp}"
                        + (f" x tp={self.tp} (sequence parallel)" if self.sequence_parallel else ""))
@@ -133,3 +138,36 @@ class Layout:
         if self.zero and self.dp_shard > 1:
             out.append("zero applies to replicated data ranks (dp_shard = 1); dp_shard > 1 already shards all")
         return out
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a step runs besides the layout: the sequence, the number formats, the switches.
+
+    ``dtype`` is the GEMMs' format (``fp8``: the linear layers in float8, the rest in bf16).
+    ``compiled``: torch.compile (or hand-fused kernels) fuses each elementwise chain into one
+    read and one write.  The overlap switches say what communication may hide behind compute:
+    the data-parallel gradient reduction behind backward, FSDP's parameter gathers behind the
+    previous layer (prefetch), tensor-parallel collectives behind their GEMMs (async TP), and
+    pipeline sends behind the next microbatch.  ``grad_reduce_bytes``: 4 for fp32 gradient
+    reductions (Megatron's and torchtitan's default), 2 for bf16.  ``selective_gemm_fraction``:
+    what "selective" recomputation re-runs besides the attention core -- 0 in Megatron-LM
+    (Korthikanti et al.: the attention core only); torchtitan's op-level policy saves every other
+    matmul's output, so it re-runs half the forward GEMMs (0.5) and all elementwise work."""
+
+    seq_len: int
+    dtype: str = "bf16"
+    flash_attention: bool = True
+    causal: bool = True
+    compiled: bool = False
+    async_tp: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    overlap_p2p: bool = True
+    grad_reduce_bytes: int = 4
+    selective_gemm_fraction: float = 0.0
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element: 16-bit for bf16/fp16/fp8 training, 4 in fp32."""
+        return 4 if self.dtype == "fp32" else 2

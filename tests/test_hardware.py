@@ -17,6 +17,8 @@ from mfuscope import hardware
     ("NVIDIA A100-PG509-200", "A100", 312.0),
     ("NVIDIA B200", "B200", 2250.0),
     ("NVIDIA GB200", "GB200", 2500.0),
+    ("NVIDIA B300 SXM6 AC", "B300", 2250.0),
+    ("NVIDIA GB300", "GB300", 2500.0),
     ("AMD Instinct MI300X VF", "MI300X", 1307.4),
     ("Tesla V100-SXM2-32GB", "V100-SXM2", 125.0),  # no bf16: fp16 tensor peak
 ])

@@ -79,7 +79,7 @@ def params_per_gpu(model: ModelSpec, layout: Layout) -> int:
     dense, experts = model.layer_params()
     replicated = 2 * model.dim + (model.dim * model.n_experts if model.n_experts else 0)
     per_layer = (dense - replicated) // layout.tp + replicated + experts // layout.ep
-    layers = model.n_layers // layout.pp
+    layers = layout.stage_layers(model)
     embedding = model.vocab_size * model.dim // layout.tp
     head = 0 if model.tied_embeddings else model.vocab_size * model.dim // layout.tp
     first = layers * per_layer + embedding
@@ -135,7 +135,7 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
         # FSDP: the sharded fp32 weight is the master, with its fp32 gradient and Adam's moments;
         # compute uses 16-bit copies of the layers it gathers.
         weights, grads, optimizer = 4 * n / layout.dp_shard, 4 * n / layout.dp_shard, 8 * n / layout.dp_shard
-        layers = model.n_layers // layout.pp
+        layers = layout.stage_layers(model)
         keep_all = (layout.pp > 1) if reshard_after_forward is None else not reshard_after_forward
         gathered = (2 if mixed else 4) * n / max(layers, 1) * (layers if keep_all else min(2, layers))
         assumptions.append("FSDP keeps " + ("every layer of the stage gathered (no resharding after forward)"
@@ -145,7 +145,7 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
         weights = weight_b * n
         grads = grad_b * n / (dp if layout.zero >= 2 else 1)
         optimizer = opt_b * n / (dp if layout.zero >= 1 else 1)
-    layers = model.n_layers // layout.pp
+    layers = layout.stage_layers(model)
     activations = (activation_bytes_per_layer(model, layout, seq_len, flash_attention) * layers
                    * microbatches_in_flight(layout))
     logits = 4 * seq_len / layout.cp * layout.micro_batch * model.vocab_size / layout.tp

@@ -1,0 +1,79 @@
+"""Fit the profile's seven numbers to measured runs, and score predictions honestly.
+
+The fit minimises the mean absolute log error of predicted against measured
+tokens/s per GPU (symmetric: 2x too fast costs what 2x too slow does) by
+coordinate search: each number in turn tries a log-spaced grid inside its
+bounds around the current value, keeps the best, and the grid narrows each
+round.  Seven numbers for the whole table -- the degrees of freedom are the
+profile's fields (``Profile.FITTED``), never one per row.
+
+``leave_one_source_out`` is the honest figure: fit on every source but one,
+predict the one left out.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, Iterable
+
+from .model import predict
+from .published import Case
+from .system import Profile
+
+
+def predicted_tps(case: Case, profile: Profile) -> float:
+    return predict(case.model, case.layout, case.training, case.system, profile).tokens_per_s_per_gpu
+
+
+def log_error(cases: list[Case], profile: Profile) -> float:
+    errs = [abs(math.log(predicted_tps(c, profile) / c.measured_tps)) for c in cases]
+    return sum(errs) / len(errs)
+
+
+def mape(cases: Iterable[Case], profile: Profile) -> float | None:
+    errs = [abs(predicted_tps(c, profile) / c.measured_tps - 1) for c in cases if c.measured_tps]
+    return sum(errs) / len(errs) if errs else None
+
+
+def fit(cases: list[Case], start: Profile | None = None, rounds: int = 6, grid: int = 9,
+        fields: tuple[str, ...] = Profile.FITTED, progress: Callable[[str], None] | None = None) -> Profile:
+    """The profile that best predicts ``cases`` (those with a measurement)."""
+    cases = [c for c in cases if c.measured_tps]
+    if not cases:
+        raise ValueError("no case has a measured throughput to fit")
+    best = start or Profile()
+    best_err = log_error(cases, best)
+    span = 4.0  # the first grid spans value / 4 .. value x 4
+    for r in range(rounds):
+        for name in fields:
+            lo, hi = Profile.BOUNDS[name]
+            now = getattr(best, name)
+            if name == "overlap_slowdown":  # can be zero: search linearly
+                values = [min(hi, max(lo, now + (k / (grid - 1) - 0.5) * (hi - lo) / (r + 1))) for k in range(grid)]
+            else:
+                values = [min(hi, max(lo, now * span ** (2 * k / (grid - 1) - 1))) for k in range(grid)]
+            for value in values:
+                trial = replace(best, **{name: value})
+                err = log_error(cases, trial)
+                if err < best_err - 1e-12:
+                    best, best_err = trial, err
+        if progress:
+            progress(f"round {r + 1}/{rounds}: mean |log error| {best_err:.4f}")
+        span = math.sqrt(span)
+    return replace(best, provenance={"source": "fit", "cases": len(cases), "mean_abs_log_error": best_err,
+                                     "degrees_of_freedom": len(fields), "fields": list(fields)})
+
+
+def leave_one_source_out(cases: list[Case], **fit_args) -> dict[str, dict[str, float]]:
+    """Per source: MAPE when fitted on all the other sources (held out) and on all (in sample)."""
+    measured = [c for c in cases if c.measured_tps]
+    sources = sorted({c.source for c in measured})
+    everything = fit(measured, **fit_args)
+    out = {}
+    for held in sources:
+        rest = [c for c in measured if c.source != held]
+        here = [c for c in measured if c.source == held]
+        profile = fit(rest, **fit_args)
+        out[held] = {"rows": len(here), "held_out_mape": mape(here, profile),
+                     "in_sample_mape": mape(here, everything)}
+    return out

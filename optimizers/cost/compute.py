@@ -1,0 +1,192 @@
+"""Compute time of one microbatch on one GPU of a pipeline stage, by kernel kind.
+
+Three kinds, three ceilings:
+
+- **GEMMs** (``compute/gemm``): FLOPs / (MAMF x ``profile.gemm`` x shape
+  efficiency).  MAMF is the measured maximum matmul rate of the device
+  (``optimizers.system``).  A GEMM dimension ``d`` runs at ``d / (d + knee)``
+  of a large one's rate, per dimension, normalised at 8192: tensor
+  parallelism's narrow slices and MoE's few tokens per expert run below peak,
+  as tile quantisation and short K loops make them.  Backward is two GEMMs of
+  the same shapes per forward GEMM (input and weight gradients).
+- **Attention core** (``compute/attention``): flash attention does 4 s_q s_kv d
+  FLOPs forward (halved when causal: masked tiles are skipped) and 2.5x that
+  in backward (it recomputes the scores: five matmuls against two), at
+  ``profile.attention`` of flash attention's published rate on the device.  Unfused attention (Megatron before 2022)
+  runs the full s x s matmuls at the GEMM rate and moves the scores through
+  HBM: softmax and dropout read and write them (6 passes forward, 8 backward).
+- **Memory-bound work** (``compute/norm_elementwise``): elements moved per
+  token and layer over ``profile.memory`` of HBM bandwidth; counted below,
+  eager and fused (torch.compile).  float8 training adds the casts.
+
+Recomputation: full re-runs the whole forward in backward; selective re-runs
+the attention core, which flash attention already does inside its backward
+(plus, with torchtitan's op-level policy, half the GEMMs and the elementwise
+work: ``Training.selective_gemm_fraction``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..spec import Layout, ModelSpec, Training
+from ..system import Profile, System
+
+NORMALISE_AT = 8192.0
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    m: float
+    k: float
+    n: float
+    count: float = 1.0  # how many such GEMMs (experts on this GPU)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n * self.count
+
+
+def shape_efficiency(g: Gemm, knee: float) -> float:
+    f = lambda d: d / (d + knee)  # noqa: E731
+    return min(1.0, f(g.m) * f(g.k) * f(g.n) / f(NORMALISE_AT) ** 3)
+
+
+def layer_gemms(model: ModelSpec, layout: Layout, tokens: float) -> list[Gemm]:
+    """Forward GEMMs of one transformer layer for ``tokens`` tokens on one GPU of a TP group
+    (sequence parallelism gathers the full microbatch before each column-parallel GEMM)."""
+    h, t, hd = model.dim, layout.tp, model.head_dim
+    kv = model.kv_heads * hd
+    out = [Gemm("qkv", tokens, h, (h + 2 * kv) / t), Gemm("attn_out", tokens, h / t, h)]
+    up = 1 if model.mlp == "gelu" else 2
+    if model.n_experts:
+        out.append(Gemm("router", tokens, h, model.n_experts))
+        # Experts are not split over tp; ep ranks exchange tokens, so with balanced routing each
+        # GPU's E/ep experts see tokens x top_k rows in all, tokens x top_k x ep / E each.
+        per_expert = tokens * model.top_k * layout.ep / model.n_experts
+        local = model.n_experts / layout.ep
+        out += [Gemm("expert_up", per_expert, h, up * model.ffn_dim, local),
+                Gemm("expert_down", per_expert, model.ffn_dim, h, local)]
+    else:
+        out += [Gemm("mlp_up", tokens, h, up * model.ffn_dim / t), Gemm("mlp_down", tokens, model.ffn_dim / t, h)]
+    return out
+
+
+def gemm_seconds(gemms: list[Gemm], system: System, profile: Profile, dtype: str) -> float:
+    rate = system.matmul_flops(dtype if dtype != "fp32" else "bf16") * profile.gemm
+    return sum(g.flops / (rate * shape_efficiency(g, profile.gemm_knee)) for g in gemms)
+
+
+def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -> float:
+    """Elements moved (each read or write once) per token and layer in forward, on one GPU.
+
+    Eager PyTorch, per token: RMSNorm x2 at 7h (square, mean, rsqrt-scale, weight), residual
+    adds x2 at 3h, RoPE on q and k at 6 passes, SDPA's layout copies of q, k, v at 2 passes,
+    SwiGLU at 5 x ffn (silu read/write, multiply 2 reads + 1 write; GELU: 2 x ffn).  Fused
+    (torch.compile): norm with its residual 3h each, RoPE 2 passes, no copies, SwiGLU 3 x ffn.
+    Norms and residuals act on h per token, on 1/tp of the tokens under sequence parallelism;
+    the rest on tp's slice.  MoE adds routing's gather and scatter of each token's top-k copies.
+    """
+    h, t, hd = model.dim, layout.tp, model.head_dim
+    qk = (h + model.kv_heads * hd) / t
+    qkv = (h + 2 * model.kv_heads * hd) / t
+    ffn = model.ffn_dim * (model.top_k if model.n_experts else 1) / (1 if model.n_experts else t)
+    per_norm_token = 1.0 / t if layout.sequence_parallel and t > 1 else 1.0
+    if training.compiled:
+        norms = 2 * 3 * h * per_norm_token
+        rest = 2 * qk + (2 if model.mlp == "gelu" else 3) * ffn
+    else:
+        norms = (2 * 7 * h + 2 * 3 * h) * per_norm_token
+        rest = 6 * qk + 2 * qkv + (2 if model.mlp == "gelu" else 5) * ffn
+    if model.n_experts:
+        rest += 4 * model.top_k * h  # permute and un-permute: read and write each routed copy
+    return norms + rest
+
+
+def fp8_cast_bytes(model: ModelSpec, layout: Layout, tokens: float, gemms: list[Gemm]) -> tuple[float, float]:
+    """(forward, backward) bytes of float8 casts for one layer: each GEMM's activation input in
+    forward and its output gradient in backward is read in 16 bits and written in 8 (3 bytes an
+    element), plus one amax read; weights are cast once per pass (dynamic scaling)."""
+    inputs = sum(g.m * g.k * g.count for g in gemms if g.name != "router")
+    outputs = sum(g.m * g.n * g.count for g in gemms if g.name != "router")
+    weights = sum(g.k * g.n * g.count for g in gemms if g.name != "router")
+    return 5 * inputs + 5 * weights, 5 * 2 * outputs + 5 * weights
+
+
+@dataclass
+class StageCompute:
+    """Seconds of one microbatch on one GPU of a stage, per phase and kind.  ``w`` is the part of
+    backward that only weight gradients need (what zero-bubble schedules defer)."""
+
+    fwd: dict[str, float] = field(default_factory=dict)
+    bwd: dict[str, float] = field(default_factory=dict)
+    w: float = 0.0
+    layer_fwd_gemm_s: float = 0.0     # one layer's forward GEMMs (async TP hides behind these)
+    attention_fwd_s: float = 0.0      # one layer's forward attention core (context parallelism)
+
+    def total(self, phase: str) -> float:
+        return sum(getattr(self, phase).values())
+
+
+def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: System,
+                  profile: Profile, *, layers: float, with_head: bool) -> StageCompute:
+    """One microbatch through ``layers`` layers (and the LM head when ``with_head``)."""
+    b, s, c, t = layout.micro_batch, training.seq_len, layout.cp, layout.tp
+    tokens = b * s / c
+    gemms = layer_gemms(model, layout, tokens)
+    fwd_gemm = gemm_seconds(gemms, system, profile, training.dtype)
+    hbm = system.hbm_Bps * profile.memory
+    act = training.activation_bytes
+
+    # Attention core, one layer.
+    heads_dim = model.dim / t
+    if training.flash_attention:
+        flops = 4 * tokens * s * heads_dim * (0.5 if training.causal else 1.0)
+        attn_f = flops / (system.attention_ceiling() * profile.attention)
+        attn_b = 2.5 * attn_f
+    else:
+        # Batched s x s matmuls at the GEMM rate (head_dim is their short side), and the scores
+        # through HBM: 6 passes forward, 8 backward.
+        bmm = [Gemm("scores", s / c, model.head_dim, s, b * model.n_heads / t),
+               Gemm("context", s / c, s, model.head_dim, b * model.n_heads / t)]
+        attn_gemm = gemm_seconds(bmm, system, profile, "bf16")
+        scores = tokens * s * model.n_heads / t * act
+        attn_f = attn_gemm + 6 * scores / hbm
+        attn_b = 2 * attn_gemm + 8 * scores / hbm
+
+    ew_f = elementwise_elements(model, layout, training) * tokens * act / hbm
+    if training.dtype == "fp8":
+        cast_f, cast_b = fp8_cast_bytes(model, layout, tokens, gemms)
+        ew_f, ew_b = ew_f + cast_f / hbm, 2 * ew_f + cast_b / hbm
+    else:
+        ew_b = 2 * ew_f
+
+    out = StageCompute(layer_fwd_gemm_s=fwd_gemm, attention_fwd_s=attn_f)
+    out.fwd = {"gemm": layers * fwd_gemm, "attention": layers * attn_f, "norm_elementwise": layers * ew_f}
+    re_gemm = re_attn = re_ew = 0.0
+    if layout.recompute == "full":
+        re_gemm, re_attn, re_ew = fwd_gemm, attn_f, ew_f
+    elif layout.recompute == "selective":
+        re_attn = 0.0 if training.flash_attention else attn_f
+        if training.selective_gemm_fraction:
+            re_gemm, re_ew = training.selective_gemm_fraction * fwd_gemm, ew_f
+    out.bwd = {"gemm": layers * (2 * fwd_gemm + re_gemm), "attention": layers * (attn_b + re_attn),
+               "norm_elementwise": layers * (ew_b + re_ew)}
+    out.w = layers * fwd_gemm  # the weight-gradient GEMMs: half of backward's GEMMs
+    if with_head:
+        head = [Gemm("lm_head", tokens, model.dim, model.vocab_size / t)]
+        head_s = gemm_seconds(head, system, profile, "bf16")  # the head stays in bf16 under float8
+        # Cross-entropy over the vocabulary: fp32 logits written, read for softmax, gradient written.
+        ce = 3 * tokens * model.vocab_size / t * 4 / hbm
+        out.fwd["gemm"] += head_s
+        out.fwd["norm_elementwise"] += ce / 3
+        out.bwd["gemm"] += 2 * head_s
+        out.bwd["norm_elementwise"] += 2 * ce / 3
+        out.w += head_s
+    return out
+
+
+def optimizer_seconds(params_on_gpu: float, system: System, profile: Profile) -> float:
+    """AdamW over this GPU's (sharded) parameters: reads fp32 weight, gradient and two moments,
+    writes weight and moments and the 16-bit copy -- 30 bytes a parameter, memory-bound."""
+    return 30.0 * params_on_gpu / (system.hbm_Bps * profile.memory)

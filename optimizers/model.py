@@ -1,0 +1,225 @@
+"""The step-time model: a layout's predicted breakdown tree, with the analyzers' leaf names.
+
+``predict(model, layout, training, system, profile)`` assembles the parts:
+
+1. **A microbatch on the busiest stage** (``cost/compute.py``): forward F and
+   backward B per kernel kind, plus the exposed part of the collectives that
+   sit inside the layers -- tensor parallelism (2 all-gathers and 2
+   reduce-scatters per layer and direction with sequence parallelism, else 2
+   all-reduces; full recomputation repeats the forward's), context
+   parallelism (K/V gathered forward, gathered again and their gradients
+   reduce-scattered backward, hidden behind the attention core as a ring
+   does), expert parallelism (dispatch and combine all-to-alls, exposed).
+   Async TP hides TP behind the layer's GEMMs.
+2. **The pipeline**: m microbatches of F + B, plus the schedule's bubble from
+   ``analyzers.bubbles.theory`` (GPipe/1F1B (p-1)T, interleaved (p-1)T/v,
+   zero-bubble with W = the weight-gradient GEMMs), plus the point-to-point
+   sends: with overlap only the fill and drain's 2(p-1) are exposed, without
+   it every microbatch's 2v.  The analyzers book pipeline waits, sends
+   included, as ``bubble``; so does the model.
+3. **Data parallelism**, once per step or per microbatch: DDP's all-reduce or
+   ZeRO-1/2's reduce-scatter + all-gather of the parameters; FSDP's gathers
+   per microbatch (forward, and again in backward when it reshards after
+   forward) and its gradient reduce-scatter; HSDP's all-reduce across
+   replicas.  Overlap hides the gradient reduction behind the last
+   microbatch's backward and FSDP's gathers behind the neighbouring layers.
+4. **The optimizer step**, memory-bound, over this GPU's shard.
+
+Hidden communication is not free: the compute it hides behind is slowed by
+``profile.overlap_slowdown`` x the hidden time (SM and HBM sharing), booked to
+``compute/gemm``.  Each prediction lists the assumptions it made.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mfuscope.analyzers.bubbles import theory
+from mfuscope.flops import train_flops_per_token
+
+from .cost import memory as memory_model
+from .cost.comm import Links
+from .cost.compute import StageCompute, optimizer_seconds, stage_compute
+from .spec import Layout, ModelSpec, Training
+from .system import Profile, System
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float | None
+    memory: memory_model.Memory
+    leaves: dict[str, float]                       # leaf -> seconds per step on the busiest GPU
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def tree(self) -> dict[str, Any]:
+        """``{name, seconds, children}`` as the analyzers write it, from the leaves."""
+        root: dict[str, Any] = {"name": "step", "seconds": 0.0, "children": []}
+        for leaf, seconds in self.leaves.items():
+            if seconds <= 0:
+                continue
+            node = root
+            node["seconds"] += seconds
+            parts = leaf.split("/")
+            for depth in range(len(parts)):
+                name = "/".join(parts[:depth + 1])
+                child = next((c for c in node["children"] if c["name"] == name), None)
+                if child is None:
+                    child = {"name": name, "seconds": 0.0, "children": []}
+                    node["children"].append(child)
+                child["seconds"] += seconds
+                node = child
+        _sort(root)
+        return root
+
+    def summary(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "memory_gib": self.memory.total_bytes / memory_model.GiB, "fits": self.memory.fits,
+                "leaves": {k: v for k, v in self.leaves.items() if v > 0}, "assumptions": self.assumptions}
+
+
+def _sort(node: dict) -> None:
+    node["children"].sort(key=lambda c: -c["seconds"])
+    for c in node["children"]:
+        _sort(c)
+
+
+def spec_dict(model: ModelSpec, causal: bool) -> dict[str, Any]:
+    """The model as ``mfuscope.flops`` reads it."""
+    return {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads, "n_kv_heads": model.kv_heads,
+            "ffn_dim": model.ffn_dim, "vocab_size": model.vocab_size, "n_experts": model.n_experts,
+            "top_k": model.top_k, "mlp": model.mlp, "causal_flops": causal}
+
+
+class _Ledger:
+    """Leaves in seconds, with exposure split over a dimension's ops in proportion to their time."""
+
+    def __init__(self) -> None:
+        self.leaves: dict[str, float] = {}
+        self.hidden_s = 0.0
+
+    def add(self, leaf: str, seconds: float) -> None:
+        self.leaves[leaf] = self.leaves.get(leaf, 0.0) + seconds
+
+    def expose(self, dim: str, ops: dict[str, float], window_s: float, times: float = 1.0) -> float:
+        """``ops`` (op -> seconds) run hidden behind ``window_s`` of compute; book what sticks
+        out, ``times`` over; return the exposed seconds of one occurrence."""
+        total = sum(ops.values())
+        exposed = max(0.0, total - window_s)
+        self.hidden_s += (total - exposed) * times
+        for op, seconds in ops.items():
+            if total > 0:
+                self.add(f"comm/{dim}/{op}", exposed * seconds / total * times)
+        return exposed
+
+
+def predict(model: ModelSpec, layout: Layout, training: Training, system: System,
+            profile: Profile | None = None) -> Prediction:
+    """The predicted step of ``layout`` (see the module docstring).  Raises ``ValueError`` listing
+    the layout's broken rules when it is not legal for ``model``."""
+    profile = profile or Profile()
+    problems = layout.problems(model, training.seq_len)
+    if problems:
+        raise ValueError("; ".join(problems))
+    links = Links(layout, system, profile)
+    ledger = _Ledger()
+    assumptions = [f"link tiers: {', '.join(f'{d}={t}' for d, t in links.tier_of.items() if links.size(d) > 1)}"
+                   or "single GPU: no communication"]
+    p, v, m = layout.pp, layout.vpp, layout.microbatches
+    layers = layout.stage_layers(model)
+    stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
+
+    f_exposed, b_exposed = _layer_collectives(model, layout, training, links, stage, ledger, layers, m)
+    fwd = stage.total("fwd") + f_exposed
+    bwd = stage.total("bwd") + b_exposed
+    for kind in stage.fwd:
+        ledger.add(f"compute/{kind}", m * (stage.fwd[kind] + stage.bwd[kind]))
+
+    # Pipeline: bubble per schedule, sends.
+    pipeline_s = m * (fwd + bwd)
+    if p > 1:
+        w = stage.w if layout.schedule in ("zero_bubble", "zbv") else 0.0
+        frac = theory(p, m, v, layout.schedule, (fwd, bwd - w, w))
+        ledger.add("bubble", frac / (1 - frac) * pipeline_s if frac < 1 else 0.0)
+        tokens = layout.micro_batch * training.seq_len / layout.cp
+        send = tokens * model.dim * training.activation_bytes / (
+            layout.tp if layout.sequence_parallel else 1)
+        t_send = links.seconds("pp", "send_recv", send, n=2)
+        ledger.add("bubble", 2 * ((p - 1) if training.overlap_p2p else (m * v + p - 1)) * t_send)
+        assumptions.append(f"pipeline: {layout.schedule}, p={p}, v={v}, m={m}")
+
+    # Data parallelism and the optimizer.
+    params = memory_model.params_per_gpu(model, layout)
+    _data_parallel(layout, training, links, ledger, params, stage, m)
+    shard = layout.dp_shard if layout.dp_shard > 1 else (layout.dp if layout.zero >= 1 else 1)
+    ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
+    ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
+
+    step = sum(ledger.leaves.values())
+    global_tokens = layout.dp * layout.micro_batch * m * training.seq_len
+    tps = global_tokens / step / layout.gpus
+    model_flops, _ = train_flops_per_token(spec_dict(model, training.causal), training.seq_len, layout.recompute)
+    peak = system.accelerator.peak_flops("bf16")
+    mem = memory_model.estimate(model, layout, training.seq_len, dtype=training.dtype,
+                                device_bytes=system.device_bytes, flash_attention=training.flash_attention)
+    assumptions += list(mem.assumptions)
+    return Prediction(step_s=step, tokens_per_s_per_gpu=tps, mfu=model_flops * tps / peak if peak else None,
+                      memory=mem, leaves=ledger.leaves, assumptions=assumptions)
+
+
+def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, links: Links,
+                       stage: StageCompute, ledger: _Ledger, layers: float, m: int) -> tuple[float, float]:
+    """Exposed seconds of tp, cp and ep collectives per microbatch (forward, backward); books them."""
+    tokens = layout.micro_batch * training.seq_len / layout.cp
+    act = training.activation_bytes
+    f_total = b_total = 0.0
+    if layout.tp > 1:
+        buf = tokens * model.dim * act
+        if layout.sequence_parallel:
+            f_ops = {"all_gather": 2 * links.seconds("tp", "all_gather", buf),
+                     "reduce_scatter": 2 * links.seconds("tp", "reduce_scatter", buf)}
+        else:
+            f_ops = {"all_reduce": 2 * links.seconds("tp", "all_reduce", buf)}
+        b_ops = {op: s * (2 if layout.recompute == "full" else 1) for op, s in f_ops.items()}
+        window = stage.layer_fwd_gemm_s if training.async_tp else 0.0
+        f_total += layers * ledger.expose("tp", f_ops, window, layers * m)
+        b_total += layers * ledger.expose("tp", b_ops, 2 * window, layers * m)
+    if layout.cp > 1:
+        kv = tokens * 2 * model.kv_heads * model.head_dim * act * layout.cp  # gathered K and V
+        f_ops = {"all_gather": links.seconds("cp", "all_gather", kv)}
+        b_ops = {"all_gather": f_ops["all_gather"], "reduce_scatter": links.seconds("cp", "reduce_scatter", kv)}
+        f_total += layers * ledger.expose("cp", f_ops, stage.attention_fwd_s, layers * m)
+        b_total += layers * ledger.expose("cp", b_ops, 2.5 * stage.attention_fwd_s, layers * m)
+    if layout.ep > 1:
+        routed = tokens * model.top_k * model.dim * act
+        ops = {"all_to_all": 2 * links.seconds("ep", "all_to_all", routed)}
+        f_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
+        b_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
+    return f_total, b_total
+
+
+def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Ledger, params: float,
+                   stage: StageCompute, m: int) -> None:
+    """Book the exposed data-parallel communication of one step."""
+    grads = params * training.grad_reduce_bytes
+    weights = params * training.activation_bytes
+    bwd_window = stage.total("bwd") if training.overlap_grad_reduce else 0.0
+    if layout.dp_shard > 1:
+        gather = links.seconds("dp_shard", "all_gather", weights)
+        scatter = links.seconds("dp_shard", "reduce_scatter", grads)
+        regather = layout.pp == 1  # FSDP reshards after forward unless pipelined
+        prefetch = training.overlap_param_gather
+        ledger.expose("dp", {"all_gather": gather}, stage.total("fwd") if prefetch else 0.0, m)
+        bwd_ops = {"all_gather": gather if regather else 0.0, "reduce_scatter": scatter}
+        ledger.expose("dp", bwd_ops, stage.total("bwd") if prefetch else 0.0, m)
+        if layout.dp_replicate > 1:
+            reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)
+            ledger.expose("dp", {"all_reduce": reduce}, bwd_window)
+    elif layout.dp > 1:
+        if layout.zero == 0:
+            ledger.expose("dp", {"all_reduce": links.seconds("dp", "all_reduce", grads)}, bwd_window)
+        else:
+            ledger.expose("dp", {"reduce_scatter": links.seconds("dp", "reduce_scatter", grads)}, bwd_window)
+            ledger.expose("dp", {"all_gather": links.seconds("dp", "all_gather", weights)}, 0.0)

@@ -1,0 +1,227 @@
+"""The machine a layout runs on: the accelerator, its two link tiers, and what calibration learned.
+
+A :class:`System` is facts from datasheets and published measurements, each
+with its source: the accelerator's peaks and HBM (``mfuscope.hardware``), the
+largest matmul throughput measured on it (MAMF, the ceiling real GEMMs
+approach), GPUs per NVLink domain, and two link tiers as alpha-beta rows --
+``scale_up`` (NVLink / NVSwitch / Infinity Fabric, inside a node or rack) and
+``scale_out`` (the NIC per GPU, across nodes).  Bandwidths are per GPU and per
+direction, bytes per second, which is what NCCL's bus bandwidth is measured
+against.
+
+A :class:`Profile` is what is *not* a datasheet fact: how close a training
+step gets to those ceilings.  Seven numbers, fitted by
+``optimizers.calibrate`` from measured runs and saved as ``hw.json``; the
+defaults below are round starting values, not fits, and the report says which
+profile a prediction used.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from mfuscope import hardware
+from mfuscope.atomic import write_json
+from mfuscope.errors import UserInputError
+
+GB = 1e9
+Gbit = 1e9 / 8
+US = 1e-6
+
+
+@dataclass(frozen=True)
+class LinkTier:
+    """One link tier: ``latency_s`` per collective step, ``bandwidth_Bps`` per GPU and direction."""
+
+    name: str
+    latency_s: float
+    bandwidth_Bps: float
+    source: str
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    accelerator: hardware.Accelerator
+    gpus_per_node: int                  # GPUs sharing the scale-up domain (8 in HGX, 72 in NVL72)
+    scale_up: LinkTier
+    scale_out: LinkTier
+    mamf_flops: dict[str, float]        # dtype -> measured maximum achievable matmul FLOP/s
+    mamf_source: str
+    memory_bytes: float | None = None   # overrides the datasheet (e.g. a 96 GB H100 variant)
+    attention_flops: float | None = None  # measured flash-attention forward+backward FLOP/s
+    power_limit_w: float | None = None  # a board capped below its TDP (e.g. 500 W H100s)
+    tdp_w: float = 700.0
+
+    @property
+    def clock_derate(self) -> float:
+        """Compute ceilings under a power cap: clock ~ power^(1/3) (dynamic power ~ f V^2 with V
+        tracking f), so a 500 W cap on a 700 W part runs GEMMs at (5/7)^(1/3) = 0.894."""
+        if not self.power_limit_w or self.power_limit_w >= self.tdp_w:
+            return 1.0
+        return (self.power_limit_w / self.tdp_w) ** (1 / 3)
+
+    def attention_ceiling(self) -> float:
+        """Flash attention's measured rate; where none is published, H100's ratio of flash
+        attention to MAMF (335 / 794.5) times this device's bf16 MAMF."""
+        rate = self.attention_flops or self.matmul_flops("bf16") * FA2_H100 / 794.5e12
+        return rate * self.clock_derate
+
+    def peak_flops(self, dtype: str) -> float:
+        peak = self.accelerator.peak_flops(dtype)
+        if peak is None:
+            raise UserInputError(f"{self.key} has no {dtype} tensor-core peak in the hardware table")
+        return peak
+
+    def matmul_flops(self, dtype: str) -> float:
+        """The GEMM ceiling: measured MAMF where known, else the datasheet peak (power-capped)."""
+        return (self.mamf_flops.get(dtype) or self.peak_flops(dtype)) * self.clock_derate
+
+    @property
+    def hbm_Bps(self) -> float:
+        return self.accelerator.memory_tbps * 1e12
+
+    @property
+    def device_bytes(self) -> float:
+        return self.memory_bytes or self.accelerator.memory_gb * GB
+
+
+def _acc(name: str) -> hardware.Accelerator:
+    acc = hardware.lookup(name)
+    assert acc is not None, name
+    return acc
+
+
+# Link latencies are NCCL's order of magnitude for one step of a collective (a few microseconds
+# over NVLink, about ten over InfiniBand/RoCE); they matter only for small messages.
+_NV = 3 * US
+_NET = 10 * US
+# MAMF: stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+# comparison table" (mean of 100 iterations at the best shape found, torch 2.5-2.9).
+_MAMF_SRC = "ml-engineering MAMF table (stas00/ml-engineering, compute/accelerator)"
+# Flash attention forward + backward, head dim 128 (Dao 2023, FlashAttention-2, figs. 4-7): up to
+# 230 TFLOP/s on A100 SXM4 and 335 TFLOP/s on H100 SXM5 (the same kernel, no Hopper-specific code).
+FA2_A100 = 230e12
+FA2_H100 = 335e12
+
+SYSTEMS: dict[str, System] = {
+    "A100": System("A100", _acc("A100"), 8,
+                   LinkTier("nvlink3", _NV, 300 * GB, "A100 datasheet: NVLink 600 GB/s bidirectional"),
+                   LinkTier("ib-hdr", _NET, 200 * Gbit, "DGX A100: 8x 200 Gb/s HDR InfiniBand per node"),
+                   {"bf16": 271.2e12, "fp16": 271.2e12}, _MAMF_SRC, attention_flops=FA2_A100, tdp_w=400),
+    "H100": System("H100", _acc("H100"), 8,
+                   LinkTier("nvlink4", _NV, 450 * GB, "H100 SXM datasheet: NVLink 900 GB/s bidirectional"),
+                   LinkTier("ib-ndr", _NET, 400 * Gbit, "DGX H100: 8x 400 Gb/s ConnectX-7 per node"),
+                   {"bf16": 794.5e12, "fp16": 794.5e12, "fp8": 1402.6e12}, _MAMF_SRC, attention_flops=FA2_H100),
+    "H200": System("H200", _acc("H200"), 8,
+                   LinkTier("nvlink4", _NV, 450 * GB, "H200 SXM datasheet: NVLink 900 GB/s bidirectional"),
+                   LinkTier("ib-ndr", _NET, 400 * Gbit, "HGX H200: 400 Gb/s ConnectX-7 per GPU"),
+                   {"bf16": 794.5e12, "fp16": 794.5e12, "fp8": 1453.4e12},
+                   _MAMF_SRC + "; bf16 as H100 (the table notes H200 is the same)", attention_flops=FA2_H100),
+    "H800": System("H800", _acc("H800"), 8,
+                   LinkTier("nvlink4-h800", _NV, 200 * GB, "H800 SXM: NVLink 400 GB/s bidirectional"),
+                   LinkTier("ib-ndr", _NET, 400 * Gbit, "DeepSeek-V3 report: 400 Gb/s InfiniBand per GPU"),
+                   {"bf16": 794.5e12, "fp16": 794.5e12, "fp8": 1402.6e12},
+                   _MAMF_SRC + "; H100's (same compute)", attention_flops=FA2_H100),
+    "B200": System("B200", _acc("B200"), 8,
+                   LinkTier("nvlink5", _NV, 900 * GB, "B200 datasheet: NVLink 1.8 TB/s bidirectional"),
+                   LinkTier("ib-ndr", _NET, 400 * Gbit, "DGX B200: 8x 400 Gb/s ConnectX-7 per node"),
+                   {"bf16": 1745.0e12, "fp16": 1745.0e12, "fp8": 3432.5e12}, _MAMF_SRC, tdp_w=1000),
+    "B300": System("B300", _acc("B300"), 8,
+                   LinkTier("nvlink5", _NV, 900 * GB, "HGX B300: NVLink 1.8 TB/s bidirectional"),
+                   LinkTier("ib-xdr", _NET, 800 * Gbit, "HGX B300: 800 Gb/s ConnectX-8 per GPU"),
+                   {"bf16": 1769.0e12, "fp16": 1769.0e12, "fp8": 3353.3e12}, _MAMF_SRC, tdp_w=1100),
+    "GB200": System("GB200", _acc("GB200"), 72,
+                    LinkTier("nvlink5-nvl72", _NV, 900 * GB, "GB200 NVL72: one 72-GPU NVLink domain, 1.8 TB/s"),
+                    LinkTier("ib-ndr", _NET, 400 * Gbit, "GB200 NVL72: 400 Gb/s ConnectX-7 per GPU"),
+                    {"bf16": 1822.0e12, "fp16": 1822.0e12, "fp8": 3615.6e12}, _MAMF_SRC, tdp_w=1200),
+    "GB300": System("GB300", _acc("GB300"), 72,
+                    LinkTier("nvlink5-nvl72", _NV, 900 * GB, "GB300 NVL72: one 72-GPU NVLink domain, 1.8 TB/s"),
+                    LinkTier("ib-xdr", _NET, 800 * Gbit, "GB300 NVL72: 800 Gb/s ConnectX-8 per GPU"),
+                    {}, "no MAMF published: the datasheet peak is the ceiling", tdp_w=1400),
+    "MI300X": System("MI300X", _acc("MI300X"), 8,
+                     LinkTier("infinity-fabric", _NV, 448 * GB, "MI300X: 7 x 64 GB/s per direction Infinity Fabric"),
+                     LinkTier("roce-400", _NET, 400 * Gbit, "MI300X platforms: 400 Gb/s NIC per GPU"),
+                     {"bf16": 668.4e12, "fp16": 668.4e12}, _MAMF_SRC, tdp_w=750),
+    "V100": System("V100", _acc("V100"), 8,
+                   LinkTier("nvlink2", _NV, 150 * GB, "V100 SXM2: NVLink 300 GB/s bidirectional"),
+                   LinkTier("ib-edr", _NET, 100 * Gbit, "DGX-1: 100 Gb/s EDR InfiniBand per GPU"),
+                   {}, "no MAMF published: the datasheet peak is the ceiling", tdp_w=300),
+}
+
+
+def system(key: str, *, gpus_per_node: int | None = None, memory_gb: float | None = None,
+           power_limit_w: float | None = None) -> System:
+    """A table entry by key (case-insensitive, ``H100-SXM`` and ``h100`` both work), optionally
+    with another node size, memory size or power cap."""
+    norm = key.upper().split("-")[0]
+    if norm not in SYSTEMS:
+        raise UserInputError(f"unknown GPU {key!r}: one of {', '.join(SYSTEMS)}")
+    out = SYSTEMS[norm]
+    if gpus_per_node:
+        out = replace(out, gpus_per_node=gpus_per_node)
+    if memory_gb:
+        out = replace(out, memory_bytes=memory_gb * GB)
+    if power_limit_w:
+        out = replace(out, power_limit_w=power_limit_w)
+    return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How close training gets to each ceiling (fractions), and the one overlap cost.
+
+    gemm             achieved fraction of MAMF by a large GEMM inside a training step
+    gemm_knee        a GEMM dimension d runs at d / (d + knee) of a large one's rate (per dimension,
+                     normalised at 8192): small, skinny GEMMs after TP sharding run slower
+    attention        flash attention's fraction of its published rate (``System.attention_ceiling``)
+    memory           fraction of HBM bandwidth that memory-bound kernels reach
+    scale_up         achieved bus bandwidth over the NVLink tier, fraction of its bandwidth
+    scale_out        the same over the network tier
+    overlap_slowdown compute time added per second of communication it hides (SM and HBM sharing)
+    """
+
+    gemm: float = 0.75
+    gemm_knee: float = 128.0
+    attention: float = 1.0
+    memory: float = 0.7
+    scale_up: float = 0.75
+    scale_out: float = 0.8
+    overlap_slowdown: float = 0.1
+    provenance: dict = field(default_factory=lambda: {"source": "defaults (not calibrated)"})
+
+    FITTED = ("gemm", "gemm_knee", "attention", "memory", "scale_up", "scale_out", "overlap_slowdown")
+    BOUNDS = {"gemm": (0.2, 1.0), "gemm_knee": (8.0, 4096.0), "attention": (0.1, 1.5),
+              "memory": (0.2, 1.0), "scale_up": (0.2, 1.0), "scale_out": (0.2, 1.0),
+              "overlap_slowdown": (0.0, 1.0)}
+
+    def values(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.FITTED}
+
+    def save(self, path: str | Path) -> None:
+        write_json(Path(path), {"profile": self.values(), "provenance": self.provenance})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+            values = data["profile"]
+            unknown = set(values) - set(cls.FITTED)
+            if unknown:
+                raise KeyError(", ".join(sorted(unknown)))
+            return cls(**{k: float(v) for k, v in values.items()}, provenance=data.get("provenance", {}))
+        except FileNotFoundError:
+            raise UserInputError(f"{p}: no such hardware profile") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserInputError(f"{p}: not a hardware profile written by `mfuscope calibrate` ({e})") from None
+
+
+def profile_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Profile) if f.name != "provenance")
+
+
+def describe(s: System) -> dict:
+    return {"key": s.key, "gpus_per_node": s.gpus_per_node, "scale_up": asdict(s.scale_up),
+            "scale_out": asdict(s.scale_out), "mamf_flops": s.mamf_flops, "device_bytes": s.device_bytes}
