@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write report.json (default: RUN_DIR/report.json for a run directory, "
                         "else ./mfuscope-report.json)")
     p.add_argument("--force", action="store_true", help="overwrite --out even if it is not an mfuscope report")
+    p.add_argument("--predict", action="store_true",
+                   help="also print the cost model's prediction for this run, leaf by leaf (runs with a model spec)")
+    p.add_argument("--hardware", type=Path, default=None, help="with --predict: a profile from `mfuscope calibrate`")
     p.set_defaults(func=cmd_analyze)
     p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer through torchrun",
                        description="Train the reference Llama/MoE model on N local ranks (gloo on CPU, NCCL on "
@@ -89,6 +92,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 if NEW's MFU is more than FRACTION below BASE's (e.g. 0.05)")
     p.add_argument("--format", choices=("text", "markdown", "json", "junit"), default="text")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("predict", help="predict step time, MFU and memory of published or planned runs (cost model)",
+                       description="Read rows with the columns of calibration.csv, predict each with the cost model, "
+                                   "write them with predicted_* columns and print the error per source.")
+    p.add_argument("runs", type=Path, help="CSV with the columns of corpus/published/calibration.csv")
+    p.add_argument("--out", type=Path, default=None, help="output CSV (default: RUNS.predicted.csv)")
+    p.add_argument("--hardware", type=Path, default=None,
+                   help="profile from `mfuscope calibrate` (default: the one fitted on the published runs)")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("calibrate", help="fit the cost model's efficiencies to measured runs, write hw.json",
+                       description="From a CSV of published runs (fit, then leave-one-source-out) or from a measured "
+                                   "run's report.json (leaf by leaf).")
+    p.add_argument("source", type=Path, help="calibration.csv-style CSV, a run directory or its report.json")
+    p.add_argument("--out", type=Path, default=None, help="where to write the profile (default: ./hw.json)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("plan", help="rank the 5D layouts of a model on N GPUs by predicted throughput",
+                       description="Enumerate tp/cp/pp/vpp/dp/ep/micro-batch/recompute layouts, prune those that do "
+                                   "not fit in memory, rank the rest with the cost model.")
+    p.add_argument("--model", required=True, help="preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
+                                                  "deepseek-v3, tiny_dense, ...) or a JSON model spec")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu", default="H100", help="A100, H100, H200, H800, B200, B300, GB200, GB300, MI300X")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain (default: the system's)")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp8 (float8 linear layers) or fp32")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--hardware", type=Path, default=None, help="profile from `mfuscope calibrate`")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("dashboard", help="browse runs in a web dashboard (Dash)",
                        description="Serve a web dashboard over every run under RUNS_DIR (run directories and "
@@ -151,6 +187,22 @@ def _report_of(path: str) -> dict:
     if not p.is_file():
         raise UserInputError("not a report.json or a run directory", p)
     return read_report(p)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from mfuscope.optimizers import commands
+    return commands.predict_csv(args.runs, args.out, args.hardware)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from mfuscope.optimizers import commands
+    return commands.calibrate(args.source, args.out, args.json)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from mfuscope.optimizers import commands
+    return commands.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.global_batch, args.seq_len,
+                         args.dtype, args.top, args.hardware, args.json)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -282,6 +334,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     else:
         print(overview.format_text(report))
         print(f"\nreport written to {out}")
+    if args.predict:
+        if not run:
+            raise UserInputError("--predict needs a run directory (its manifest has the model spec)", args.path)
+        from mfuscope.optimizers import commands
+        print("\n" + commands.predict_run_text(Path(args.path), args.hardware),
+              file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

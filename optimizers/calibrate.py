@@ -16,6 +16,7 @@ import math
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from .measured import MeasuredRun
 from .model import predict
 from .published import Case
 from .system import Profile
@@ -77,3 +78,58 @@ def leave_one_source_out(cases: list[Case], **fit_args) -> dict[str, dict[str, f
         out[held] = {"rows": len(here), "held_out_mape": mape(here, profile),
                      "in_sample_mape": mape(here, everything)}
     return out
+
+
+def groups(leaves: dict[str, float]) -> dict[str, float]:
+    """Leaves summed to what one run can pin down: all compute, each dimension's exposed
+    communication, the bubble."""
+    out: dict[str, float] = {}
+    for leaf, seconds in leaves.items():
+        parts = leaf.split("/")
+        key = "compute" if parts[0] == "compute" else "/".join(parts[:2]) if parts[0] == "comm" else parts[0]
+        out[key] = out.get(key, 0.0) + seconds
+    return out
+
+
+def run_error(run: MeasuredRun, profile: Profile) -> float:
+    pred = groups(predict(run.model, run.layout, run.training, run.system, profile, run.known_phases).leaves)
+    meas = groups(run.leaves)
+    floor = 0.01 * run.step_s
+    errs = [abs(math.log(pred[k] / meas[k])) for k in meas
+            if (k in ("compute", "bubble") or k.startswith("comm/")) and meas[k] >= floor and pred.get(k, 0) > 0]
+    return sum(errs) / len(errs) if errs else 0.0
+
+
+def fit_run(run: MeasuredRun, start: Profile | None = None) -> Profile:
+    """The profile that reproduces one measured run, group by group (see :func:`groups`).
+
+    Compute is one number (``gemm``) unless compute time is known (paced runs), where only the
+    links are fitted.  A first guess comes from the ratio of predicted to measured time, so a CPU
+    run, whose tiny GEMMs reach a ten-thousandth of the matmul peak, starts near its answer."""
+    profile = start or Profile()
+    pred = groups(predict(run.model, run.layout, run.training, run.system, profile, run.known_phases).leaves)
+    meas = groups(run.leaves)
+    fields: list[str] = []
+    if run.known_phases is None and meas.get("compute") and pred.get("compute"):
+        ratio = pred["compute"] / meas["compute"]
+        profile = replace(profile, gemm=profile.gemm * ratio, memory=profile.memory * ratio,
+                          attention=profile.attention * ratio)
+        fields += ["gemm", "memory", "attention"]
+    comm_pred = sum(v for k, v in pred.items() if k.startswith("comm/"))
+    comm_meas = sum(v for k, v in meas.items() if k.startswith("comm/"))
+    if comm_pred > 0 and comm_meas > 0.01 * run.step_s:
+        ratio = comm_pred / comm_meas
+        profile = replace(profile, scale_up=profile.scale_up * ratio, scale_out=profile.scale_out * ratio)
+        fields += ["scale_up", "scale_out"]
+    best, best_err = profile, run_error(run, profile)
+    span = 2.0
+    for _ in range(4):
+        for name in fields:
+            for k in range(9):
+                trial = replace(best, **{name: getattr(best, name) * span ** (k / 4 - 1)})
+                err = run_error(run, trial)
+                if err < best_err - 1e-12:
+                    best, best_err = trial, err
+        span = math.sqrt(span)
+    return replace(best, provenance={"source": str(run.path), "fields": fields, "degrees_of_freedom": len(fields),
+                                     "mean_abs_log_error": best_err, "device": run.system.key})

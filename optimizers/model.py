@@ -52,6 +52,7 @@ class Prediction:
     memory: memory_model.Memory
     leaves: dict[str, float]                       # leaf -> seconds per step on the busiest GPU
     assumptions: list[str] = field(default_factory=list)
+    bubble_fraction: float = 0.0                   # of the pipeline's time, as the analyzers state it
 
     @property
     def tree(self) -> dict[str, Any]:
@@ -76,6 +77,7 @@ class Prediction:
 
     def summary(self) -> dict[str, Any]:
         return {"step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "bubble_fraction": self.bubble_fraction,
                 "memory_gib": self.memory.total_bytes / memory_model.GiB, "fits": self.memory.fits,
                 "leaves": {k: v for k, v in self.leaves.items() if v > 0}, "assumptions": self.assumptions}
 
@@ -116,9 +118,13 @@ class _Ledger:
 
 
 def predict(model: ModelSpec, layout: Layout, training: Training, system: System,
-            profile: Profile | None = None) -> Prediction:
+            profile: Profile | None = None, known_phases: tuple[float, float, float] | None = None) -> Prediction:
     """The predicted step of ``layout`` (see the module docstring).  Raises ``ValueError`` listing
-    the layout's broken rules when it is not legal for ``model``."""
+    the layout's broken rules when it is not legal for ``model``.
+
+    ``known_phases``: (F, B, W) seconds of one microbatch on one pipeline rank, when compute time
+    is known rather than modelled (the reference trainer's paced mode); booked as
+    ``compute/other``, as the analyzers book the paced sleeps."""
     profile = profile or Profile()
     problems = layout.problems(model, training.seq_len)
     if problems:
@@ -129,7 +135,12 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
                    or "single GPU: no communication"]
     p, v, m = layout.pp, layout.vpp, layout.microbatches
     layers = layout.stage_layers(model)
-    stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
+    if known_phases:
+        f, b, w = known_phases
+        stage = StageCompute(fwd={"other": f}, bwd={"other": b + w}, w=w)
+        assumptions.append(f"compute known (paced): F={f:.4g} s, B={b:.4g} s, W={w:.4g} s per microbatch")
+    else:
+        stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
 
     f_exposed, b_exposed = _layer_collectives(model, layout, training, links, stage, ledger, layers, m)
     fwd = stage.total("fwd") + f_exposed
@@ -158,6 +169,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
 
     step = sum(ledger.leaves.values())
+    bubble = ledger.leaves.get("bubble", 0.0)
     global_tokens = layout.dp * layout.micro_batch * m * training.seq_len
     tps = global_tokens / step / layout.gpus
     model_flops, _ = train_flops_per_token(spec_dict(model, training.causal), training.seq_len, layout.recompute)
@@ -166,7 +178,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
                                 device_bytes=system.device_bytes, flash_attention=training.flash_attention)
     assumptions += list(mem.assumptions)
     return Prediction(step_s=step, tokens_per_s_per_gpu=tps, mfu=model_flops * tps / peak if peak else None,
-                      memory=mem, leaves=ledger.leaves, assumptions=assumptions)
+                      memory=mem, leaves=ledger.leaves, assumptions=assumptions,
+                      bubble_fraction=bubble / (pipeline_s + bubble) if p > 1 else 0.0)
 
 
 def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, links: Links,

@@ -18,7 +18,7 @@ profile a prediction used.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mfuscope import hardware
@@ -83,8 +83,8 @@ class System:
         return self.accelerator.memory_tbps * 1e12
 
     @property
-    def device_bytes(self) -> float:
-        return self.memory_bytes or self.accelerator.memory_gb * GB
+    def device_bytes(self) -> float | None:
+        return self.memory_bytes or (self.accelerator.memory_gb * GB or None)
 
 
 def _acc(name: str) -> hardware.Accelerator:
@@ -218,8 +218,13 @@ class Profile:
             raise UserInputError(f"{p}: not a hardware profile written by `mfuscope calibrate` ({e})") from None
 
 
-def profile_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(Profile) if f.name != "provenance")
+PUBLISHED_PROFILE = Path(__file__).resolve().parent / "profiles" / "published.json"
+
+
+def default_profile() -> Profile:
+    """The profile fitted on the published runs (``mfuscope calibrate calibration.csv``), shipped
+    with mfuscope; the round defaults where it is missing."""
+    return Profile.load(PUBLISHED_PROFILE) if PUBLISHED_PROFILE.is_file() else Profile()
 
 
 def describe(s: System) -> dict:

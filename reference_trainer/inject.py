@@ -52,6 +52,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from mfuscope.errors import UserInputError
+from mfuscope.pacing import Pacing, parse_paced  # noqa: F401  (re-exported for the trainer)
 
 _KEYS = {  # kind -> (required keys, optional keys)
     "compute": ({"ms"}, {"rank", "pass"}),
@@ -125,27 +126,6 @@ def _parse_one(spec: str) -> Fault:
     if kind == "link" and fault.dim not in LINK_DIMS:
         raise UserInputError(f"--inject: {spec!r}: link dim is one of {', '.join(LINK_DIMS)}")
     return fault
-
-
-@dataclass(frozen=True)
-class Pacing:
-    fwd_ms: float
-    bwd_ms: float
-    w_ms: float = 0.0
-    per_sample: bool = False
-
-
-def parse_paced(text: str | None) -> Pacing | None:
-    if not text:
-        return None
-    hint = "e.g. fwd_ms=20,bwd_ms=40 or fwd_ms=5,bwd_ms=5,w_ms=5,per=sample"
-    try:
-        kv = dict(p.split("=", 1) for p in text.split(","))
-        if set(kv) - {"fwd_ms", "bwd_ms", "w_ms", "per"} or kv.get("per", "microbatch") not in ("microbatch", "sample"):
-            raise KeyError
-        return Pacing(float(kv["fwd_ms"]), float(kv["bwd_ms"]), float(kv.get("w_ms", 0)), kv.get("per") == "sample")
-    except (KeyError, ValueError):
-        raise UserInputError(f"--paced: cannot read {text!r}; {hint}") from None
 
 
 class Injector:

@@ -1,0 +1,207 @@
+"""What ``mfuscope predict``, ``calibrate`` and ``plan`` (and ``analyze --predict``) do and print.
+
+The CLI parses flags and calls these; each returns the exit code.  Output is
+plain text for people, ``--json`` for tools; files are written atomically.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from mfuscope.atomic import write_bytes
+from mfuscope.errors import UserInputError
+
+from . import calibrate as calib
+from . import measured, planner, presets, published
+from .model import Prediction, predict
+from .spec import Training
+from .system import Profile, default_profile, system
+
+PREDICTED = ("predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_mfu",
+             "predicted_memory_gib_per_gpu", "fits_memory", "predicted_breakdown", "prediction_error")
+
+
+def _profile(hardware: Path | None) -> Profile:
+    return Profile.load(hardware) if hardware else default_profile()
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- predict
+
+def predict_csv(path: Path, out: Path | None, hardware: Path | None) -> int:
+    rows = published.read_rows(path)
+    profile = _profile(hardware)
+    errors: dict[str, list[float]] = {}
+    for i, row in enumerate(rows):
+        try:
+            case = published.case(i, row)
+            p = predict(case.model, case.layout, case.training, case.system, profile)
+        except (ValueError, UserInputError) as e:
+            row.update({k: "" for k in PREDICTED}, prediction_error=str(e))
+            continue
+        row.update(predicted_step_time_s=f"{p.step_s:.6g}", predicted_tokens_per_s_per_gpu=f"{p.tokens_per_s_per_gpu:.6g}",
+                   predicted_mfu=f"{p.mfu:.4f}" if p.mfu is not None else "",
+                   predicted_memory_gib_per_gpu=f"{p.memory.total_bytes / 2**30:.2f}",
+                   fits_memory="" if p.memory.fits is None else str(p.memory.fits).lower(),
+                   predicted_breakdown=json.dumps(p.tree, separators=(",", ":")), prediction_error="")
+        if case.measured_tps:
+            errors.setdefault(case.source, []).append(abs(p.tokens_per_s_per_gpu / case.measured_tps - 1))
+    out = out or path.with_name(path.stem + ".predicted.csv")
+    if out.resolve() == path.resolve():
+        raise UserInputError("--out would overwrite the input; choose another file", out)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0].keys()) + [k for k in PREDICTED if k not in rows[0]])
+    writer.writeheader()
+    writer.writerows(rows)
+    write_bytes(out, buf.getvalue().encode())
+    skipped = sum(1 for r in rows if r["prediction_error"])
+    print(f"profile: {profile.provenance.get('source', '?')}")
+    print(f"{len(rows) - skipped} of {len(rows)} rows predicted; {skipped} not modelled (reason in prediction_error)")
+    print(_mape_table(errors))
+    print(f"written to {out}")
+    return 0
+
+
+def _mape_table(errors: dict[str, list[float]]) -> str:
+    if not errors:
+        return "no row has measured_tokens_per_s_per_gpu: nothing to score"
+    lines = [f"{'source':<14} {'rows':>5} {'MAPE (tokens/s/GPU)':>20}"]
+    for source, errs in sorted(errors.items()):
+        lines.append(f"{source:<14} {len(errs):>5} {sum(errs) / len(errs):>20.1%}")
+    every = [e for errs in errors.values() for e in errs]
+    lines.append(f"{'overall':<14} {len(every):>5} {sum(every) / len(every):>20.1%}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+def calibrate(source: Path, out: Path | None, as_json: bool) -> int:
+    out = out or Path("hw.json")
+    if source.suffix == ".csv":
+        result = _calibrate_published(source)
+        profile = result.pop("profile")
+    else:
+        run = measured.load(source)
+        profile = calib.fit_run(run)
+        result = {"run": str(run.path), "device": run.system.key, "leaves": _leaf_rows(run, profile)}
+    profile.save(out)
+    result.update(profile=profile.values(), provenance=profile.provenance, written=str(out))
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"fitted {profile.provenance['degrees_of_freedom']} numbers: "
+          + ", ".join(f"{k}={v:.4g}" for k, v in profile.values().items() if k in profile.provenance["fields"]))
+    if "sources" in result:
+        print(f"\n{'source':<14} {'rows':>5} {'in-sample MAPE':>15} {'held-out MAPE':>14}")
+        for s, r in result["sources"].items():
+            print(f"{s:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
+        print("held out: fitted on the other sources only (leave-one-source-out), then predicted")
+    else:
+        print(_leaf_text(result["leaves"]))
+    print(f"\nprofile written to {out}; use it with --hardware {out}")
+    return 0
+
+
+def _calibrate_published(path: Path) -> dict[str, Any]:
+    cases, skipped = published.load_cases(path)
+    cases = [c for c in cases if c.measured_tps]
+    if not cases:
+        raise UserInputError("no row can be modelled with a measured throughput", path)
+    _err(f"fitting {len(Profile.FITTED)} numbers to {len(cases)} rows "
+         f"({len(skipped)} rows not modelled), then once per held-out source ...")
+    profile = calib.fit(cases)
+    sources = calib.leave_one_source_out(cases)
+    profile.provenance.update(source=str(path), held_out=sources)
+    return {"profile": profile, "sources": sources, "rows_not_modelled": skipped}
+
+
+# ----------------------------------------------------------------------------- analyze --predict
+
+def _leaf_rows(run: measured.MeasuredRun, profile: Profile) -> list[dict[str, Any]]:
+    p = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
+    names = sorted(set(run.leaves) | {k for k, v in p.leaves.items() if v > 0},
+                   key=lambda k: -max(run.leaves.get(k, 0.0), p.leaves.get(k, 0.0)))
+    rows = [{"leaf": k, "measured_s": run.leaves.get(k), "predicted_s": p.leaves.get(k) or None} for k in names]
+    rows.append({"leaf": "step", "measured_s": run.step_s, "predicted_s": p.step_s})
+    return rows
+
+
+def _leaf_text(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'leaf':<30} {'measured s':>12} {'predicted s':>12} {'ratio':>7}"]
+    for r in rows:
+        m, p = r["measured_s"], r["predicted_s"]
+        ratio = f"{p / m:7.2f}" if m and p else "      -"
+        lines.append(f"{r['leaf']:<30} {_s(m):>12} {_s(p):>12} {ratio}")
+    return "\n".join(lines)
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def predict_run_text(run_path: Path, hardware: Path | None) -> str:
+    """``analyze --predict``: the model's prediction for a measured run, leaf by leaf."""
+    run = measured.load(run_path)
+    profile = _profile(hardware) if hardware or run.system.key != "CPU" else calib.fit_run(run)
+    note = (f"profile: {hardware}" if hardware else
+            "profile: fitted to this run (CPU: no published profile applies)" if run.system.key == "CPU"
+            else f"profile: {profile.provenance.get('source', 'defaults')}")
+    return f"predicted vs measured per step ({note})\n" + _leaf_text(_leaf_rows(run, profile))
+
+
+# ----------------------------------------------------------------------------- plan
+
+def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global_batch: int, seq_len: int,
+         dtype: str, top: int, hardware: Path | None, as_json: bool) -> int:
+    if gpus < 1 or global_batch < 1 or seq_len < 1 or top < 1:
+        raise UserInputError("--gpus, --global-batch, --seq-len and --top must be positive")
+    model = presets.load(model_name)
+    sys_ = system(gpu, gpus_per_node=gpus_per_node)
+    if dtype not in ("bf16", "fp16", "fp8", "fp32"):
+        raise UserInputError(f"--dtype {dtype!r}: bf16, fp16, fp8 or fp32")
+    sys_.peak_flops("bf16" if dtype == "fp32" else dtype)  # refuses fp8 on a GPU without it
+    training = Training(seq_len=seq_len, dtype=dtype, compiled=True)
+    profile = _profile(hardware)
+    result = planner.plan(model, gpus, sys_, global_batch, training, profile, top)
+    if as_json:
+        print(json.dumps({"model": model_name, "gpus": gpus, "gpu": sys_.key, "gpus_per_node": sys_.gpus_per_node,
+                          "considered": result.considered, "tp_across_nodes": result.tp_across_nodes,
+                          "ranked": [{"layout": planner.describe(lay), **_layout_dict(lay), **pred.summary()}
+                                     for lay, pred in result.ranked],
+                          "rejected": {k: {"count": v, "example": result.examples[k]}
+                                       for k, v in result.rejected.items()}}, indent=2))
+        return 0 if result.ranked else 1
+    print(f"{model_name} on {gpus} x {sys_.key} ({sys_.gpus_per_node} per node), global batch {global_batch} "
+          f"x {seq_len} tokens, {dtype}; profile: {profile.provenance.get('source', 'defaults')}")
+    print(f"{result.considered} layouts considered")
+    if result.tp_across_nodes:
+        print("no layout fits with TP inside a node: TP groups spanning nodes were allowed")
+    if result.ranked:
+        print(f"\n{'#':>2} {'tokens/s/GPU':>12} {'MFU':>6} {'GiB':>5}  layout / where the step goes")
+        for i, (lay, pred) in enumerate(result.ranked, 1):
+            print(f"{i:>2} {pred.tokens_per_s_per_gpu:>12,.0f} {pred.mfu or 0:>6.1%} "
+                  f"{pred.memory.total_bytes / 2**30:>5.0f}  {planner.describe(lay)}")
+            print(f"{'':>29}{_shares(pred)}")
+    else:
+        print("\nno layout fits: see the reasons below")
+    print("\nnot chosen:")
+    for family, count in result.rejected.most_common():
+        print(f"  {count:>6}  {family}, e.g. {result.examples[family]}")
+    return 0 if result.ranked else 1
+
+
+def _shares(pred: Prediction) -> str:
+    top = sorted(((v, k) for k, v in pred.leaves.items() if v > 0), reverse=True)[:5]
+    return ", ".join(f"{k} {v / pred.step_s:.0%}" for v, k in top)
+
+
+def _layout_dict(layout) -> dict[str, Any]:
+    return asdict(layout)

@@ -1,0 +1,123 @@
+"""A measured run as a cost-model case: its manifest's model and layout, its report's breakdown.
+
+A run directory written by the collectors holds ``manifest.json`` (model spec,
+mesh layout, schedule, train settings, the trainer's options) beside
+``report.json`` (the measured breakdown tree).  This module turns the pair
+into the model's inputs and the measurement to hold the prediction against,
+leaf by leaf.
+
+On a CPU run the "device" is a host core: its peak is the matmul peak the
+collectors measured (the report says so), its memory bandwidth is not
+measured (a nominal 10 GB/s that calibration scales), and all ranks share one
+host, so every dimension uses the one ``gloo`` tier over loopback.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mfuscope import hardware
+from mfuscope.errors import UserInputError
+from mfuscope.pacing import parse_paced
+
+from .spec import Layout, ModelSpec, Training
+from .system import GB, LinkTier, System, system
+
+CPU_MEMORY_BPS = 10 * GB
+GLOO = LinkTier("gloo-loopback", 50e-6, 1 * GB, "nominal: gloo over loopback TCP on one host")
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    path: Path
+    model: ModelSpec
+    layout: Layout
+    training: Training
+    system: System
+    known_phases: tuple[float, float, float] | None   # paced runs: (F, B, W) per microbatch and rank
+    leaves: dict[str, float]                          # measured seconds per step, leaf by leaf
+    step_s: float
+    tokens_per_s_per_gpu: float | None
+    bubble_fraction: float | None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserInputError("no such file", path) from None
+    except ValueError as e:
+        raise UserInputError(f"not JSON ({e})", path) from None
+
+
+def leaves_of(tree: dict[str, Any]) -> dict[str, float]:
+    """The tree's leaves (nodes without children), by name."""
+    if not tree.get("children"):
+        return {tree["name"]: float(tree["seconds"])}
+    out: dict[str, float] = {}
+    for child in tree["children"]:
+        out.update(leaves_of(child))
+    return out
+
+
+def cpu_system(peak_flops: float, ranks: int) -> System:
+    acc = hardware.Accelerator("CPU", "cpu", peak_flops / 1e12, peak_flops / 1e12, None, 0.0,
+                               CPU_MEMORY_BPS / 1e12, 0.0, "measured matmul peak (see the report)")
+    return System("CPU", acc, max(ranks, 1), GLOO, GLOO, {}, "measured matmul peak",
+                  attention_flops=peak_flops)
+
+
+def load(path: str | Path) -> MeasuredRun:
+    """``path``: a run directory or its ``report.json`` (with ``manifest.json`` beside it)."""
+    p = Path(path)
+    report_path = p / "report.json" if p.is_dir() else p
+    manifest_path = report_path.parent / "manifest.json"
+    report, manifest = _read(report_path), _read(manifest_path)
+    spec, mesh, train = manifest.get("model"), manifest.get("layout") or {}, manifest.get("train") or {}
+    if not spec or not train.get("seq_len"):
+        raise UserInputError("the run's manifest has no model spec or train settings to predict from "
+                             "(runs of the reference trainer have both)", manifest_path)
+    model = ModelSpec.from_manifest(spec)
+    schedule = manifest.get("schedule") or {}
+    trainer = manifest.get("trainer") or {}
+    pp = int(mesh.get("pp", 1))
+    dp_replicate, dp_shard = int(mesh.get("dp_replicate", 1)), int(mesh.get("dp_shard", 1))
+    if trainer.get("dp_mode") == "ddp":
+        dp_replicate, dp_shard = dp_replicate * dp_shard, 1
+    m = int(schedule.get("microbatches") or train.get("microbatches", 1)) if pp > 1 else int(train.get("grad_accum", 1))
+    dp = dp_replicate * dp_shard
+    global_batch = int(train["global_batch"])
+    if global_batch % (dp * m):
+        raise UserInputError(f"global batch {global_batch} does not split over dp={dp} x {m} microbatches",
+                             manifest_path)
+    v = int(schedule.get("virtual_stages") or 1)
+    layout = Layout(tp=int(mesh.get("tp", 1)), pp=pp, vpp=v, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                    cp=int(mesh.get("cp", 1)), ep=int(mesh.get("ep", 1)), micro_batch=global_batch // (dp * m),
+                    microbatches=m, schedule=schedule.get("name") or "1f1b", recompute=train.get("recompute", "none"),
+                    sequence_parallel=int(mesh.get("tp", 1)) > 1)
+    training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
+                        compiled=bool(train.get("compile")))
+    hw = manifest.get("hardware") or {}
+    summary = report.get("summary") or {}
+    acc = hardware.lookup(hw.get("device_name")) if hw.get("device_name") not in (None, "x86_64", "cpu") else None
+    ranks = int(manifest.get("world_size") or 1)
+    if acc is not None:
+        sys = system(acc.key)
+    elif summary.get("peak_flops"):
+        sys = cpu_system(float(summary["peak_flops"]), ranks)
+    else:
+        raise UserInputError("the report has no peak FLOP/s for its device", report_path)
+    pacing = parse_paced(trainer.get("paced"))
+    phases = None
+    if pacing:
+        rows = layout.micro_batch if pacing.per_sample else 1
+        phases = (v * pacing.fwd_ms / 1e3 * rows, v * pacing.bwd_ms / 1e3 * rows, v * pacing.w_ms / 1e3 * rows)
+    tps = summary.get("tokens_per_s")
+    bubbles = report.get("bubbles") or []
+    fractions = [b["bubble_fraction"] for b in bubbles if b.get("bubble_fraction") is not None]
+    return MeasuredRun(report_path.parent, model, layout, training, sys, phases, leaves_of(report["breakdown"]),
+                       float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
+                       tps / ranks if tps else None, max(fractions) if fractions else None)
+
