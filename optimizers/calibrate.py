@@ -91,43 +91,59 @@ def groups(leaves: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def run_error(run: MeasuredRun, profile: Profile) -> float:
-    pred = groups(predict(run.model, run.layout, run.training, run.system, profile, run.known_phases).leaves)
-    meas = groups(run.leaves)
+def run_error(run: MeasuredRun, profile: Profile, keys: set[str]) -> float:
+    """Mean |log| error over ``keys`` -- groups (see :func:`groups`) or "step" -- that the run
+    measured above 1% of its step; "comm" stands for every dimension's group."""
+    prediction = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
+    pred, meas = groups(prediction.leaves), groups(run.leaves)
+    pred["step"], meas["step"] = prediction.step_s, run.step_s
     floor = 0.01 * run.step_s
     errs = [abs(math.log(pred[k] / meas[k])) for k in meas
-            if (k in ("compute", "bubble") or k.startswith("comm/")) and meas[k] >= floor and pred.get(k, 0) > 0]
+            if (k in keys or ("comm" in keys and k.startswith("comm/"))) and meas[k] >= floor
+            and pred.get(k, 0) > 0]
     return sum(errs) / len(errs) if errs else 0.0
 
 
 def fit_run(run: MeasuredRun, start: Profile | None = None) -> Profile:
     """The profile that reproduces one measured run, group by group (see :func:`groups`).
 
-    Compute is one number (``gemm``) unless compute time is known (paced runs), where only the
-    links are fitted.  A first guess comes from the ratio of predicted to measured time, so a CPU
-    run, whose tiny GEMMs reach a ten-thousandth of the matmul peak, starts near its answer."""
+    Compute is one number (``gemm``, with ``memory`` and ``attention``) fitted to the measured
+    compute; where compute time is known (paced runs) the host time per microbatch is fitted
+    instead, to what the run spent beyond its paced time.  Links are fitted where the run
+    exposes communication.  A first guess comes from the ratio of predicted to measured time, so
+    a CPU run, whose tiny GEMMs reach a ten-thousandth of the matmul peak, starts near its answer."""
     profile = start or Profile()
-    pred = groups(predict(run.model, run.layout, run.training, run.system, profile, run.known_phases).leaves)
-    meas = groups(run.leaves)
+    prediction = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
+    pred, meas = groups(prediction.leaves), groups(run.leaves)
     fields: list[str] = []
-    if run.known_phases is None and meas.get("compute") and pred.get("compute"):
+    keys: set[str] = set()
+    if run.known_phases is not None:
+        passes = 2 * run.layout.microbatches * run.layout.vpp
+        slots = 2 * (run.layout.microbatches * run.layout.vpp + run.layout.pp - 1)
+        gap = max(run.step_s - prediction.step_s, 0.0)
+        profile = replace(profile, microbatch_overhead_s=max(gap / max(slots, passes), 1e-6))
+        fields.append("microbatch_overhead_s")
+        keys |= {"step", "bubble"}
+    elif meas.get("compute") and pred.get("compute"):
         ratio = pred["compute"] / meas["compute"]
         profile = replace(profile, gemm=profile.gemm * ratio, memory=profile.memory * ratio,
                           attention=profile.attention * ratio)
         fields += ["gemm", "memory", "attention"]
+        keys.add("compute")
     comm_pred = sum(v for k, v in pred.items() if k.startswith("comm/"))
     comm_meas = sum(v for k, v in meas.items() if k.startswith("comm/"))
     if comm_pred > 0 and comm_meas > 0.01 * run.step_s:
         ratio = comm_pred / comm_meas
         profile = replace(profile, scale_up=profile.scale_up * ratio, scale_out=profile.scale_out * ratio)
         fields += ["scale_up", "scale_out"]
-    best, best_err = profile, run_error(run, profile)
+        keys |= {"comm", "bubble"}
+    best, best_err = profile, run_error(run, profile, keys)
     span = 2.0
     for _ in range(4):
         for name in fields:
             for k in range(9):
                 trial = replace(best, **{name: getattr(best, name) * span ** (k / 4 - 1)})
-                err = run_error(run, trial)
+                err = run_error(run, trial, keys)
                 if err < best_err - 1e-12:
                     best, best_err = trial, err
         span = math.sqrt(span)

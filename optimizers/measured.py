@@ -97,8 +97,10 @@ def load(path: str | Path) -> MeasuredRun:
                     cp=int(mesh.get("cp", 1)), ep=int(mesh.get("ep", 1)), micro_batch=global_batch // (dp * m),
                     microbatches=m, schedule=schedule.get("name") or "1f1b", recompute=train.get("recompute", "none"),
                     sequence_parallel=int(mesh.get("tp", 1)) > 1)
+    # The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive
+    # before the microbatch's compute: every hop is on the critical path.
     training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
-                        compiled=bool(train.get("compile")))
+                        compiled=bool(train.get("compile")), overlap_p2p=False)
     hw = manifest.get("hardware") or {}
     summary = report.get("summary") or {}
     acc = hardware.lookup(hw.get("device_name")) if hw.get("device_name") not in (None, "x86_64", "cpu") else None

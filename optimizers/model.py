@@ -142,6 +142,10 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     else:
         stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
 
+    if profile.microbatch_overhead_s:
+        host = v * profile.microbatch_overhead_s  # per pass of each of the rank's chunks
+        stage.fwd["other"] = stage.fwd.get("other", 0.0) + host
+        stage.bwd["other"] = stage.bwd.get("other", 0.0) + host
     f_exposed, b_exposed = _layer_collectives(model, layout, training, links, stage, ledger, layers, m)
     fwd = stage.total("fwd") + f_exposed
     bwd = stage.total("bwd") + b_exposed
