@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_analyze.py
 	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_dashboard.py
+	$(PY) benchmarks/bench_plan.py
 
 clean:
 	rm -rf $(VENV) artifacts build dist *.egg-info

@@ -11,8 +11,8 @@ What is searched:
 - tp in powers of two up to the GPUs of one node (a TP group spanning nodes is
   tried only when no layout fits otherwise, and said so);
 - cp in powers of two up to 8 (for sequences of 16k tokens and more);
-- pp dividing the rest, up to the layer count and 64; schedules 1F1B, and
-  interleaved 1F1B with v = 2 and 4, when pp > 1;
+- pp dividing the rest, up to the layer count and 64; schedules 1F1B,
+  interleaved 1F1B with v = 2 and 4, and ZB-V, when pp > 1;
 - the data ranks as FSDP (dp_shard), HSDP (shards within a node, replicas
   across), or DDP with ZeRO-1 (Megatron's distributed optimizer);
 - ep in powers of two dividing the experts and the data x context ranks (MoE);
@@ -88,7 +88,8 @@ def candidates(model: ModelSpec, gpus: int, gpus_per_node: int, global_batch: in
             continue
         for pp in _divisors(gpus // (tp * cp), min(MAX_PP, model.n_layers)):
             dp = gpus // (tp * cp * pp)
-            schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2), ("interleaved_1f1b", 4)] if pp > 1 else [])
+            schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zbv", 2)]
+                                         if pp > 1 else [])
             in_node = max(1, gpus_per_node // (tp * cp))
             shards = [(1, 1, 0)]  # (replicate, shard, zero)
             if dp > 1:
