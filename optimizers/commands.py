@@ -17,7 +17,7 @@ from mfuscope.atomic import write_bytes
 from mfuscope.errors import UserInputError
 
 from . import calibrate as calib
-from . import measured, planner, presets, published
+from . import measured, planner, presets, published, run_prediction
 from .model import Prediction, predict
 from .spec import Training
 from .system import Profile, default_profile, system
@@ -85,13 +85,15 @@ def _mape_table(errors: dict[str, list[float]]) -> str:
 
 def calibrate(source: Path, out: Path | None, as_json: bool) -> int:
     out = out or Path("hw.json")
+    fitted = None
     if source.suffix == ".csv":
         result = _calibrate_published(source)
         profile = result.pop("profile")
     else:
         run = measured.load(source)
         profile = calib.fit_run(run)
-        result = {"run": str(run.path), "device": run.system.key, "leaves": _leaf_rows(run, profile)}
+        fitted = run_prediction.comparison(run, profile, "the profile fitted to this run")
+        result = {"run": str(run.path), "device": run.system.key, "leaves": fitted.rows}
     profile.save(out)
     result.update(profile=profile.values(), provenance=profile.provenance, written=str(out))
     if as_json:
@@ -105,7 +107,9 @@ def calibrate(source: Path, out: Path | None, as_json: bool) -> int:
             print(f"{s:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
         print("held out: fitted on the other sources only (leave-one-source-out), then predicted")
     else:
-        print(_leaf_text(result["leaves"]))
+        print(f"fitted to {result['run']} ({result['device']}), mean |log error| "
+              f"{profile.provenance['mean_abs_log_error']:.3f} over the groups it measures\n")
+        print(run_prediction.text(fitted))
     print(f"\nprofile written to {out}; use it with --hardware {out}")
     return 0
 
@@ -125,36 +129,9 @@ def _calibrate_published(path: Path) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- analyze --predict
 
-def _leaf_rows(run: measured.MeasuredRun, profile: Profile) -> list[dict[str, Any]]:
-    p = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
-    names = sorted(set(run.leaves) | {k for k, v in p.leaves.items() if v > 0},
-                   key=lambda k: -max(run.leaves.get(k, 0.0), p.leaves.get(k, 0.0)))
-    rows = [{"leaf": k, "measured_s": run.leaves.get(k), "predicted_s": p.leaves.get(k) or None} for k in names]
-    rows.append({"leaf": "step", "measured_s": run.step_s, "predicted_s": p.step_s})
-    return rows
-
-
-def _leaf_text(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'leaf':<30} {'measured s':>12} {'predicted s':>12} {'ratio':>7}"]
-    for r in rows:
-        m, p = r["measured_s"], r["predicted_s"]
-        ratio = f"{p / m:7.2f}" if m and p else "      -"
-        lines.append(f"{r['leaf']:<30} {_s(m):>12} {_s(p):>12} {ratio}")
-    return "\n".join(lines)
-
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4g}"
-
-
 def predict_run_text(run_path: Path, hardware: Path | None) -> str:
     """``analyze --predict``: the model's prediction for a measured run, leaf by leaf."""
-    run = measured.load(run_path)
-    profile = _profile(hardware) if hardware or run.system.key != "CPU" else calib.fit_run(run)
-    note = (f"profile: {hardware}" if hardware else
-            "profile: fitted to this run (CPU: no published profile applies)" if run.system.key == "CPU"
-            else f"profile: {profile.provenance.get('source', 'defaults')}")
-    return f"predicted vs measured per step ({note})\n" + _leaf_text(_leaf_rows(run, profile))
+    return run_prediction.text(run_prediction.compare(run_path, hardware))
 
 
 # ----------------------------------------------------------------------------- plan

@@ -53,13 +53,23 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def leaves_of(tree: dict[str, Any]) -> dict[str, float]:
-    """The tree's leaves (nodes without children), by name."""
+    """The tree's leaves (nodes without children), by name, with every data-parallel group's
+    dimension (``dp_shard``, ``dp_shard_cp``, ``dp_cp``, ``fsdp``, ...) named ``dp`` as the
+    model names it."""
     if not tree.get("children"):
-        return {tree["name"]: float(tree["seconds"])}
+        return {_model_leaf(tree["name"]): float(tree["seconds"])}
     out: dict[str, float] = {}
     for child in tree["children"]:
-        out.update(leaves_of(child))
+        for leaf, seconds in leaves_of(child).items():
+            out[leaf] = out.get(leaf, 0.0) + seconds
     return out
+
+
+def _model_leaf(name: str) -> str:
+    parts = name.split("/")
+    if parts[0] == "comm" and len(parts) == 3 and (parts[1].startswith("dp") or parts[1] == "fsdp"):
+        return f"comm/dp/{parts[2]}"
+    return name
 
 
 def cpu_system(peak_flops: float, ranks: int) -> System:
@@ -97,13 +107,16 @@ def load(path: str | Path) -> MeasuredRun:
                     cp=int(mesh.get("cp", 1)), ep=int(mesh.get("ep", 1)), micro_batch=global_batch // (dp * m),
                     microbatches=m, schedule=schedule.get("name") or "1f1b", recompute=train.get("recompute", "none"),
                     sequence_parallel=int(mesh.get("tp", 1)) > 1)
-    # The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive
-    # before the microbatch's compute: every hop is on the critical path.
-    training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
-                        compiled=bool(train.get("compile")), overlap_p2p=False)
     hw = manifest.get("hardware") or {}
     summary = report.get("summary") or {}
     acc = hardware.lookup(hw.get("device_name")) if hw.get("device_name") not in (None, "x86_64", "cpu") else None
+    # The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive
+    # before the microbatch's compute: every hop is on the critical path.  On a CPU, gloo's
+    # collectives run on the same cores as the compute they would hide behind: nothing overlaps.
+    on_gpu = acc is not None
+    training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
+                        compiled=bool(train.get("compile")), overlap_p2p=False,
+                        overlap_grad_reduce=on_gpu, overlap_param_gather=on_gpu)
     ranks = int(manifest.get("world_size") or 1)
     if acc is not None:
         sys = system(acc.key)

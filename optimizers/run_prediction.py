@@ -1,0 +1,60 @@
+"""A measured run beside the model's prediction for it, leaf by leaf (``analyze --predict``, the
+dashboard's Overview).
+
+Which profile predicts: the one given (``--hardware``); else, for a GPU run,
+the profile fitted on the published runs; for a CPU run, whose host-core
+"device" no published profile describes, one fitted to the run itself -- an
+in-sample comparison, and the note says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import calibrate, measured
+from .model import Prediction, predict
+from .system import Profile, default_profile
+
+
+@dataclass
+class Comparison:
+    run: measured.MeasuredRun
+    prediction: Prediction
+    rows: list[dict[str, Any]]   # leaf, measured_s, predicted_s (None where a side has no such leaf)
+    note: str
+
+
+def compare(path: str | Path, hardware: str | Path | None = None) -> Comparison:
+    run = measured.load(path)
+    if hardware:
+        profile, note = Profile.load(hardware), f"profile {hardware}"
+    elif run.system.key == "CPU":
+        profile, note = calibrate.fit_run(run), "profile fitted to this run (CPU: no published profile applies)"
+    else:
+        profile = default_profile()
+        note = f"profile fitted on {profile.provenance.get('source', 'defaults')}"
+    return comparison(run, profile, note)
+
+
+def comparison(run: measured.MeasuredRun, profile: Profile, note: str) -> Comparison:
+    p = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
+    names = sorted(set(run.leaves) | {k for k, v in p.leaves.items() if v > 0},
+                   key=lambda k: -max(run.leaves.get(k, 0.0), p.leaves.get(k, 0.0)))
+    rows = [{"leaf": k, "measured_s": run.leaves.get(k), "predicted_s": p.leaves.get(k) or None} for k in names]
+    rows.append({"leaf": "step", "measured_s": run.step_s, "predicted_s": p.step_s})
+    return Comparison(run, p, rows, note)
+
+
+def text(c: Comparison) -> str:
+    lines = [f"predicted vs measured per step ({c.note})",
+             f"{'leaf':<30} {'measured s':>12} {'predicted s':>12} {'ratio':>7}"]
+    for r in c.rows:
+        m, p = r["measured_s"], r["predicted_s"]
+        ratio = f"{p / m:7.2f}" if m and p else "      -"
+        lines.append(f"{r['leaf']:<30} {_s(m):>12} {_s(p):>12} {ratio}")
+    return "\n".join(lines)
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
