@@ -2,7 +2,7 @@
 
 URLs are the state, so every view can be linked and reloaded:
 ``/`` runs, ``/run/<id>`` overview, ``/run/<id>/<page>?step=&rank=``,
-``/compare?a=<id>&b=<id>``.  One callback renders a page from the URL; a run
+``/compare?a=<id>&b=<id>``, ``/plan?model=&gpus=&gpu=&batch=&seq=&dtype=``.  One callback renders a page from the URL; a run
 not analyzed yet shows a progress bar (an interval ticks until its analysis is
 on disk).  A failure inside a page becomes an error panel, never a dead app.
 """
@@ -59,6 +59,7 @@ def _topbar(run_id: str | None, current: str) -> list[Any]:
             links.append(dcc.Link(label, href=f"/run/{quote(run_id)}" + (f"/{slug}" if slug else ""),
                                   className="active" if current == slug else "", id=f"nav-{slug or 'overview'}"))
     links.append(dcc.Link("Compare", href="/compare", className="active" if current == "compare" else ""))
+    links.append(dcc.Link("Planner", href="/plan", className="active" if current == "plan" else "", id="nav-plan"))
     if run_id:
         links.append(html.Span(f"run: {run_id}", className="run"))
     return links
@@ -80,6 +81,8 @@ def _routes(app: dash.Dash, store: Store) -> None:
                 a = query.get("a") or (ids[0] if ids else None)
                 b = query.get("b") or (next((i for i in ids if i != a), None))
                 return _topbar(None, "compare"), pages.compare_page(store, analyzed, a, b), True
+            if parts[0] == "plan":
+                return _topbar(None, "plan"), pages.planner_page(query), True
             if parts[0] == "run" and len(parts) >= 2:
                 return _run_page(store, parts[1], parts[2] if len(parts) > 2 else "", query)
             return _topbar(None, ""), pages.error_panel(f"no page at {pathname}"), True
@@ -214,6 +217,25 @@ def _interactions(app: dash.Dash, store: Store) -> None:
         if len(ids) == 2:
             return "/compare?" + urlencode({"a": ids[0], "b": ids[1]}), f"Compare {ids[0]} with {ids[1]}"
         return "/compare", "Compare the two ticked runs" + (f" ({len(ids)} ticked)" if ids else "")
+
+
+    @app.callback(Output("url", "href", allow_duplicate=True), Input("plan-go", "n_clicks"),
+                  State("plan-model", "value"), State("plan-gpus", "value"), State("plan-gpu", "value"),
+                  State("plan-batch", "value"), State("plan-seq", "value"), State("plan-dtype", "value"),
+                  prevent_initial_call=True)
+    def run_plan(clicks, model, gpus, gpu, batch, seq, dtype):
+        if not clicks:
+            return no_update
+        return "/plan?" + urlencode({"model": model, "gpus": gpus or 0, "gpu": gpu, "batch": batch or 0,
+                                     "seq": seq or 0, "dtype": dtype})
+
+    @app.callback(Output("plan-breakdown", "figure"), Input("plan-grid", "selectedRows"), prevent_initial_call=True)
+    @_safe(figures.empty)
+    def show_layout(rows):
+        if not rows:
+            return no_update
+        row = rows[0]
+        return figures.predicted_leaves(row["leaves"], row["step_s"], f"#{row['rank']}: {row['layout']}")
 
 
 def lane_category(leaf: str) -> str:

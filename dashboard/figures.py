@@ -191,3 +191,33 @@ def compare_leaves(leaves: list[dict[str, Any]], base: str, new: str) -> go.Figu
     fig.add_vline(x=0, line_color="#333", line_width=1)
     fig.update_xaxes(title_text=f"ms per step, {new} minus {base}", gridcolor="#eee", zeroline=False)
     return _layout(fig, 120 + 26 * len(df), title=dict(text="Change per breakdown leaf", font=dict(size=14)))
+
+
+def predicted_vs_measured(rows: list[dict[str, Any]]) -> go.Figure:
+    """The cost model's leaves beside the measured ones (ms per step), largest first."""
+    rows = [r for r in rows if r["leaf"] != "step"][:12]
+    if not rows:
+        return empty("nothing to compare")
+    df = pd.DataFrame(rows).iloc[::-1]
+    fig = go.Figure([
+        go.Bar(orientation="h", y=df["leaf"], x=df["measured_s"].fillna(0) * 1e3, name="measured",
+               marker_color="#3b6ea8", hovertemplate="%{y}: %{x:.4g} ms measured<extra></extra>"),
+        go.Bar(orientation="h", y=df["leaf"], x=df["predicted_s"].fillna(0) * 1e3, name="predicted",
+               marker_color="#e39b3b", hovertemplate="%{y}: %{x:.4g} ms predicted<extra></extra>")])
+    fig.update_xaxes(title_text="ms per step", gridcolor="#eee")
+    return _layout(fig, 140 + 34 * len(df), barmode="group",
+                   legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0))
+
+
+def predicted_leaves(leaves: dict[str, float], step_s: float, title: str) -> go.Figure:
+    """One predicted layout's breakdown as horizontal bars (share of the step)."""
+    items = sorted(((v, k) for k, v in leaves.items() if v > 0), reverse=True)
+    if not items:
+        return empty("no prediction")
+    df = pd.DataFrame(items, columns=["seconds", "leaf"]).iloc[::-1]
+    fig = go.Figure(go.Bar(orientation="h", y=df["leaf"], x=df["seconds"] / step_s,
+                           marker_color=[style.color(leaf) for leaf in df["leaf"]],
+                           customdata=df["seconds"] * 1e3,
+                           hovertemplate="%{y}: %{customdata:.4g} ms, %{x:.1%} of the step<extra></extra>"))
+    fig.update_xaxes(title_text="share of the predicted step", tickformat=".0%", gridcolor="#eee")
+    return _layout(fig, 120 + 28 * len(df), title=dict(text=title, font=dict(size=14)))

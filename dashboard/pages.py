@@ -18,6 +18,11 @@ from mfuscope.analyzers import compare as compare_reports
 from mfuscope.analyzers import run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 
+from mfuscope.errors import UserInputError
+from mfuscope.optimizers import measured, planner, presets, run_prediction
+from mfuscope.optimizers.spec import Training
+from mfuscope.optimizers.system import SYSTEMS, default_profile, system
+
 from . import figures, style
 from .store import Analysis, Run, Store, manifest_text, status_text, trace_set_text
 
@@ -160,6 +165,7 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
                                config={"displaylogo": False})),
         ], className="row"),
         html.Div(info_panel("Click a box of the breakdown to see it per rank."), id="node-detail"),
+        _prediction_section(run, a),
         html.H3("Top findings (estimated gain per step if fixed)"),
         grid("findings-grid", findings, [
             {"field": "gain_ms", "headerName": "gain (ms/step)", "valueFormatter": NUM, "sort": "desc",
@@ -168,6 +174,92 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
             {"field": "title", "headerName": "finding", "minWidth": 320},
             {"field": "fix", "headerName": "fix id", "maxWidth": 200}]) if findings else
         info_panel("No findings: nothing exceeded a finding's threshold."),
+    ])
+
+
+def _prediction_section(run: Run, a: Analysis) -> html.Div | None:
+    """Predicted against measured leaves, for a run whose manifest has the model spec."""
+    if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
+        return None
+    try:
+        c = run_prediction.compare_run(measured.from_documents(a.report, run.manifest, run.path))
+    except (UserInputError, ValueError, KeyError) as e:
+        return info_panel(f"No cost-model prediction for this run: {e}")
+    rows = [{**r, "ratio": r["predicted_s"] / r["measured_s"] if r["measured_s"] and r["predicted_s"] else None}
+            for r in c.rows]
+    return html.Div([
+        html.H3("Cost model: predicted against measured"),
+        html.P(f"{c.note}; layout {planner.describe(c.run.layout)}", className="note"),
+        html.Div([
+            html.Div(dcc.Graph(id="prediction-bars", figure=figures.predicted_vs_measured(c.rows),
+                               config={"displaylogo": False})),
+            html.Div(grid("prediction-grid", rows, [
+                {"field": "leaf", "minWidth": 200},
+                {"field": "measured_s", "headerName": "measured (s)", "valueFormatter": NUM},
+                {"field": "predicted_s", "headerName": "predicted (s)", "valueFormatter": NUM},
+                {"field": "ratio", "headerName": "predicted / measured", "valueFormatter": NUM}])),
+        ], className="row"),
+    ], id="prediction")
+
+
+# ----------------------------------------------------------------------------- planner
+PLAN_DEFAULTS = {"model": "llama3-70b", "gpus": "1024", "gpu": "H100", "batch": "2048", "seq": "8192",
+                 "dtype": "bf16"}
+
+
+def planner_page(query: dict[str, str]) -> html.Div:
+    """Model, GPUs and device in; the ranked layouts and each one's predicted breakdown out."""
+    q = {**PLAN_DEFAULTS, **{k: v for k, v in query.items() if k in PLAN_DEFAULTS}}
+    form = html.Div([
+        html.Label(["model", dcc.Dropdown(presets.names(), q["model"], id="plan-model", clearable=False)]),
+        html.Label(["GPUs", dcc.Input(id="plan-gpus", type="number", min=1, value=int(q["gpus"]))]),
+        html.Label(["device", dcc.Dropdown(sorted(SYSTEMS), q["gpu"], id="plan-gpu", clearable=False)]),
+        html.Label(["global batch (sequences)", dcc.Input(id="plan-batch", type="number", min=1,
+                                                          value=int(q["batch"]))]),
+        html.Label(["sequence length", dcc.Input(id="plan-seq", type="number", min=1, value=int(q["seq"]))]),
+        html.Label(["dtype", dcc.Dropdown(["bf16", "fp8"], q["dtype"], id="plan-dtype", clearable=False)]),
+        html.Button("Plan", id="plan-go", n_clicks=0),
+    ], className="plan-form")
+    head = [html.H2("Planner"), html.P("The cost model searched over tp, cp, pp (with its schedule), data "
+                                       "sharding, ep, micro-batch size and recompute; layouts that do not fit in "
+                                       "memory are pruned first.", className="note"), form]
+    if "model" not in query:
+        return html.Div(head + [info_panel("Choose a model, GPUs and device, then Plan.")])
+    try:
+        model = presets.load(q["model"])
+        gpus, batch, seq = int(q["gpus"]), int(q["batch"]), int(q["seq"])
+        if min(gpus, batch, seq) < 1:
+            raise UserInputError("GPUs, global batch and sequence length must be positive")
+        result = planner.plan(model, gpus, system(q["gpu"]), batch, Training(seq_len=seq, dtype=q["dtype"],
+                                                                            compiled=True), default_profile(), 10)
+    except (UserInputError, ValueError) as e:
+        return html.Div(head + [error_panel(str(e))])
+    rows = [{"rank": i, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "mfu": p.mfu,
+             "memory_gib": p.memory.total_bytes / 2**30, "layout": planner.describe(lay),
+             "leaves": {k: v for k, v in p.leaves.items() if v > 0}, "step_s": p.step_s}
+            for i, (lay, p) in enumerate(result.ranked, 1)]
+    rejected = [{"reason": k, "layouts": v, "example": result.examples[k]} for k, v in result.rejected.most_common()]
+    first = rows[0] if rows else None
+    return html.Div(head + [
+        html.P(f"{result.considered} layouts considered on {gpus} x {q['gpu']}"
+               + ("; TP had to span nodes: nothing fits with TP inside a node" if result.tp_across_nodes else ""),
+               className="note", id="plan-summary"),
+        html.Div([
+            html.Div(grid("plan-grid", rows, [
+                {"field": "rank", "maxWidth": 80},
+                {"field": "tokens_per_s_per_gpu", "headerName": "tokens/s per GPU", "valueFormatter": NUM,
+                 "minWidth": 150},
+                {"field": "mfu", "headerName": "MFU", "valueFormatter": PCT, "minWidth": 90, "maxWidth": 110},
+                {"field": "memory_gib", "headerName": "GiB per GPU", "valueFormatter": NUM, "minWidth": 120},
+                {"field": "layout", "minWidth": 380, **WRAP}], dashGridOptions={"rowSelection": "single"}))
+            if rows else error_panel("No layout fits: see why below."),
+            html.Div(dcc.Graph(id="plan-breakdown", figure=figures.predicted_leaves(
+                first["leaves"], first["step_s"], f"#1: {first['layout']}") if first else figures.empty("–"),
+                config={"displaylogo": False})),
+        ], className="row"),
+        html.H3("Not chosen, and why"),
+        grid("plan-rejected", rejected, [{"field": "reason", "minWidth": 260}, {"field": "layouts", "maxWidth": 110},
+                                         {"field": "example", "minWidth": 420, **WRAP}]),
     ])
 
 

@@ -121,4 +121,10 @@ h3 { font-size: 15px; margin: 14px 0 6px; color: #334; }
 .legend-dim { display: inline-block; padding: 1px 8px; margin: 2px; border-radius: 3px; color: #fff; font-size: 12px; }
 progress { width: 420px; height: 16px; }
 .muted { color: #7b8794; font-size: 13px; }
+.note { color: #5f6b7a; font-size: 13px; margin: 4px 0 8px; }
+.plan-form { display: flex; flex-wrap: wrap; gap: 12px; align-items: flex-end; margin-bottom: 10px; }
+.plan-form label { display: flex; flex-direction: column; font-size: 12px; color: #5f6b7a; gap: 3px; min-width: 150px; }
+.plan-form input { padding: 6px 8px; border: 1px solid #ccd4dd; border-radius: 4px; font-size: 14px; }
+#plan-go { padding: 8px 22px; background: #1d2733; color: #fff; border: 0; border-radius: 4px;
+                    font-size: 14px; cursor: pointer; }
 """

@@ -134,12 +134,13 @@ def fit_run(run: MeasuredRun, start: Profile | None = None) -> Profile:
     comm_meas = sum(v for k, v in meas.items() if k.startswith("comm/"))
     if comm_pred > 0 and comm_meas > 0.01 * run.step_s:
         ratio = comm_pred / comm_meas
-        profile = replace(profile, scale_up=profile.scale_up * ratio, scale_out=profile.scale_out * ratio)
-        fields += ["scale_up", "scale_out"]
+        profile = replace(profile, scale_up=profile.scale_up * ratio, scale_out=profile.scale_out * ratio,
+                          latency_scale=profile.latency_scale / ratio)
+        fields += ["scale_up", "scale_out", "latency_scale"]
         keys |= {"comm", "bubble"}
     best, best_err = profile, run_error(run, profile, keys)
-    span = 2.0
-    for _ in range(4):
+    span = 8.0
+    for _ in range(6):
         for name in fields:
             for k in range(9):
                 trial = replace(best, **{name: getattr(best, name) * span ** (k / 4 - 1)})

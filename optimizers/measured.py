@@ -84,7 +84,12 @@ def load(path: str | Path) -> MeasuredRun:
     p = Path(path)
     report_path = p / "report.json" if p.is_dir() else p
     manifest_path = report_path.parent / "manifest.json"
-    report, manifest = _read(report_path), _read(manifest_path)
+    return from_documents(_read(report_path), _read(manifest_path), report_path.parent)
+
+
+def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path) -> MeasuredRun:
+    """The same from the two documents already read (the dashboard keeps reports in a cache)."""
+    report_path, manifest_path = where / "report.json", where / "manifest.json"
     spec, mesh, train = manifest.get("model"), manifest.get("layout") or {}, manifest.get("train") or {}
     if not spec or not train.get("seq_len"):
         raise UserInputError("the run's manifest has no model spec or train settings to predict from "
@@ -132,7 +137,7 @@ def load(path: str | Path) -> MeasuredRun:
     tps = summary.get("tokens_per_s")
     bubbles = report.get("bubbles") or []
     fractions = [b["bubble_fraction"] for b in bubbles if b.get("bubble_fraction") is not None]
-    return MeasuredRun(report_path.parent, model, layout, training, sys, phases, leaves_of(report["breakdown"]),
+    return MeasuredRun(where, model, layout, training, sys, phases, leaves_of(report["breakdown"]),
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
                        tps / ranks if tps else None, max(fractions) if fractions else None)
 

@@ -26,7 +26,10 @@ class Comparison:
 
 
 def compare(path: str | Path, hardware: str | Path | None = None) -> Comparison:
-    run = measured.load(path)
+    return compare_run(measured.load(path), hardware)
+
+
+def compare_run(run: measured.MeasuredRun, hardware: str | Path | None = None) -> Comparison:
     if hardware:
         profile, note = Profile.load(hardware), f"profile {hardware}"
     elif run.system.key == "CPU":

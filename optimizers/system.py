@@ -184,6 +184,9 @@ class Profile:
                      host time per microbatch, chunk and pass (Python, framework, launches) that the
                      device does not hide: zero for the published GPU runs (not fitted there), the
                      largest cost of a small model on CPU; fitted from a measured run
+    latency_scale    multiplies the link tiers' latencies: 1 for the published runs (not fitted
+                     there); a measured run with many small collectives fits it (gloo on a loaded
+                     host waits milliseconds, not microseconds)
     """
 
     gemm: float = 0.75
@@ -194,13 +197,14 @@ class Profile:
     scale_out: float = 0.8
     overlap_slowdown: float = 0.1
     microbatch_overhead_s: float = 0.0
+    latency_scale: float = 1.0
     provenance: dict = field(default_factory=lambda: {"source": "defaults (not calibrated)"})
 
     FITTED = ("gemm", "gemm_knee", "attention", "memory", "scale_up", "scale_out", "overlap_slowdown")
-    FIELDS = FITTED + ("microbatch_overhead_s",)
+    FIELDS = FITTED + ("microbatch_overhead_s", "latency_scale")
     BOUNDS = {"gemm": (0.2, 1.0), "gemm_knee": (8.0, 4096.0), "attention": (0.1, 1.5),
               "memory": (0.2, 1.0), "scale_up": (0.2, 1.0), "scale_out": (0.2, 1.0),
-              "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0)}
+              "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0), "latency_scale": (1e-3, 1e4)}
 
     def values(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.FIELDS}

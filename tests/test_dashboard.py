@@ -398,6 +398,41 @@ def test_clicking_a_straggler_cell_opens_that_rank_and_step(tab):
     tab.shot("pp8-straggler-timeline-from-heatmap")
 
 
+def test_overview_shows_the_cost_models_prediction_beside_the_measurement(tab, runs):
+    """The 8-rank run's manifest has the model spec, so the Overview puts the cost model's leaves
+    beside the measured ones: the same numbers `mfuscope analyze --predict` prints."""
+    _first_visit(tab, "pp8")
+    tab.page.wait_for_selector("#prediction-grid .ag-row")
+    text = tab.text("#prediction")
+    assert "predicted against measured" in text and "tp=2+sp pp=2 1f1b fsdp=2" in text, text
+    assert "comm/tp/" in text and "bubble" in text and "step" in text
+    tab.page.wait_for_selector("#prediction-bars .bars")
+    tab.shot("pp8-overview-prediction")
+
+
+def test_planner_page_ranks_layouts_and_shows_each_ones_breakdown(tab):
+    """The planner page: the ranked layouts of the CLI's `mfuscope plan` for the same inputs, a
+    clicked row's predicted breakdown, and a new plan from the form."""
+    query = "model=llama3-8b&gpus=64&gpu=H100&batch=128&seq=8192&dtype=bf16"
+    tab.open(f"/plan?{query}", "#plan-grid .ag-row")
+    cli = subprocess.run([sys.executable, "-m", "mfuscope", "plan", "--model", "llama3-8b", "--gpus", "64",
+                          "--gpu", "H100", "--global-batch", "128", "--seq-len", "8192", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    best = json.loads(cli.stdout)["ranked"][0]["layout"]
+    first = '#plan-grid .ag-center-cols-container .ag-row[row-index="0"]'
+    expect(tab.page.locator(first)).to_contain_text(best)
+    assert f"#1: {best}" in tab.text("#plan-breakdown")
+    tab.page.locator('#plan-grid .ag-center-cols-container .ag-row[row-index="2"]').click()
+    third = tab.page.locator('#plan-grid .ag-center-cols-container .ag-row[row-index="2"] [col-id="layout"]').inner_text()
+    expect(tab.page.locator("#plan-breakdown")).to_contain_text(f"#3: {third}")
+    assert "does not fit in memory" in tab.text("#plan-rejected")
+    tab.shot("planner")
+    tab.page.fill("#plan-gpus", "128")
+    tab.page.click("#plan-go")
+    tab.page.wait_for_url("**/plan?*gpus=128*")
+    expect(tab.page.locator("#plan-summary")).to_contain_text("on 128 x H100")
+
+
 def _cell(tab: Page, row_text: str, col: str) -> str:
     return tab.page.locator(f'#compare-summary-box .ag-row:has-text("{row_text}") [col-id="{col}"]').inner_text()
 

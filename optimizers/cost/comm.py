@@ -38,11 +38,13 @@ def bus_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def collective_seconds(op: str, size_bytes: float, n: int, tier: LinkTier, efficiency: float) -> float:
+def collective_seconds(op: str, size_bytes: float, n: int, tier: LinkTier, efficiency: float,
+                       latency_scale: float = 1.0) -> float:
     if n <= 1 or size_bytes <= 0:
         return 0.0
     steps = 1 if op == "send_recv" else math.ceil(math.log2(n)) * (2 if op == "all_reduce" else 1)
-    return steps * tier.latency_s + size_bytes * bus_factor(op, n) / (tier.bandwidth_Bps * efficiency)
+    return (steps * tier.latency_s * latency_scale
+            + size_bytes * bus_factor(op, n) / (tier.bandwidth_Bps * efficiency))
 
 
 def tiers(layout: Layout, gpus_per_node: int) -> dict[str, str]:
@@ -72,4 +74,4 @@ class Links:
         tier_name = self.tier_of[dim]
         tier = getattr(self.system, tier_name)
         return collective_seconds(op, size_bytes, self.size(dim) if n is None else n, tier,
-                                  getattr(self.profile, tier_name))
+                                  getattr(self.profile, tier_name), self.profile.latency_scale)
