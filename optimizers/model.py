@@ -20,7 +20,8 @@
 3. **Data parallelism**, once per step or per microbatch: DDP's all-reduce or
    ZeRO-1/2's reduce-scatter + all-gather of the parameters; FSDP's gathers
    per microbatch (forward, and again in backward when it reshards after
-   forward) and its gradient reduce-scatter; HSDP's all-reduce across
+   forward) and its gradient reduce-scatter -- once a step under a pipeline
+   schedule, which syncs only the last microbatch; HSDP's all-reduce across
    replicas.  Overlap hides the gradient reduction behind the last
    microbatch's backward and FSDP's gathers behind the neighbouring layers.
 4. **The optimizer step**, memory-bound, over this GPU's shard.
@@ -226,11 +227,16 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
     if layout.dp_shard > 1:
         gather = links.seconds("dp_shard", "all_gather", weights)
         scatter = links.seconds("dp_shard", "reduce_scatter", grads)
-        regather = layout.pp == 1  # FSDP reshards after forward unless pipelined
         prefetch = training.overlap_param_gather
-        ledger.expose("dp", {"all_gather": gather}, stage.total("fwd") if prefetch else 0.0, m)
-        bwd_ops = {"all_gather": gather if regather else 0.0, "reduce_scatter": scatter}
-        ledger.expose("dp", bwd_ops, stage.total("bwd") if prefetch else 0.0, m)
+        # Without a pipeline FSDP gathers every microbatch's forward and, resharded after it,
+        # again for its backward, and reduce-scatters every microbatch's gradients.  Under a
+        # pipeline schedule (torch.distributed.pipelining, as torchtitan and the reference trainer
+        # run it) only the last microbatch's backward syncs and reshards: one gather, one
+        # reduce-scatter a step.
+        times = 1 if layout.pp > 1 else m
+        ledger.expose("dp", {"all_gather": gather}, stage.total("fwd") if prefetch else 0.0, times)
+        bwd_ops = {"all_gather": gather if layout.pp == 1 else 0.0, "reduce_scatter": scatter}
+        ledger.expose("dp", bwd_ops, stage.total("bwd") if prefetch else 0.0, times)
         if layout.dp_replicate > 1:
             reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)
