@@ -55,7 +55,7 @@ REQUIRED = ("model", "layers", "hidden", "heads", "gpu_key", "num_gpus", "dtype_
 @dataclass(frozen=True)
 class Case:
     row: int
-    source: str          # narayanan | korthikanti | torchtitan | other
+    source: str          # narayanan | korthikanti | torchtitan | another source's first word
     name: str
     model: ModelSpec
     layout: Layout
@@ -65,11 +65,13 @@ class Case:
 
 
 def source_family(source: str) -> str:
+    """The three calibration sources by name; any other source by its first word."""
     s = source.lower()
     for key in ("narayanan", "korthikanti", "torchtitan"):
         if key in s:
             return key
-    return "other"
+    words = re.findall(r"[a-z0-9]+", s)
+    return words[0] if words else "other"
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:
@@ -159,7 +161,7 @@ def case(index: int, row: dict[str, str]) -> Case:
         compiled=megatron or "compile" in notes.lower(),
         async_tp=bool(re.search(r"async ?tp", notes, re.IGNORECASE)),
         overlap_grad_reduce=not megatron, overlap_p2p=not megatron,
-        grad_reduce_bytes=4 if family == "torchtitan" else 2,
+        grad_reduce_bytes=2 if megatron or (zero == 3 and family != "torchtitan") else 4,
         selective_gemm_fraction=0.5 if family == "torchtitan" else 0.0)
     memory = re.search(r"(\d+)\s*GB", row.get("gpu", ""))
     watts = re.search(r"(\d+)\s*W\b", row.get("gpu", ""))
