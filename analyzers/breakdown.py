@@ -28,7 +28,7 @@ Output of :func:`step_leaves`: rank, step, leaf, seconds (a row per non-zero lea
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -206,9 +206,15 @@ def tree(leaves: pd.DataFrame) -> dict[str, Any]:
     if leaves.empty:
         return {"name": "step", "seconds": 0.0, "children": []}
     n = leaves.groupby(["rank", "step"]).ngroups
-    totals = leaves.groupby("leaf")["seconds"].sum() / n
+    return tree_of((leaves.groupby("leaf")["seconds"].sum() / n).items())
+
+
+def tree_of(totals: Iterable[tuple[str, float]]) -> dict[str, Any]:
+    """{name, seconds, children} from (leaf, seconds) pairs: ``comm/tp/all_gather`` becomes a leaf
+    under ``comm/tp`` under ``comm``; children sorted by time, largest first.  (The cost model
+    builds its predicted tree with this too, so the two compare node by node.)"""
     root: dict[str, Any] = {"name": "step", "seconds": 0.0, "children": []}
-    for leaf, seconds in totals.items():
+    for leaf, seconds in totals:
         node = root
         node["seconds"] += seconds
         parts = leaf.split("/")

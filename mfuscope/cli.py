@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu", default="H100", help="A100, H100, H200, H800, B200, B300, GB200, GB300, MI300X")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain (default: the system's)")
+    p.add_argument("--power-limit-w", type=float, default=None,
+                   help="boards capped below their TDP (e.g. 500 for 500 W H100s): compute scales as the cube root")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp8 (float8 linear layers) or fp32")
@@ -202,7 +204,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
     return commands.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.global_batch, args.seq_len,
-                         args.dtype, args.top, args.hardware, args.json)
+                         args.dtype, args.top, args.hardware, args.json, args.power_limit_w)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

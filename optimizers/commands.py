@@ -123,7 +123,8 @@ def _calibrate_published(path: Path) -> dict[str, Any]:
          f"({len(skipped)} rows not modelled), then once per held-out source ...")
     profile = calib.fit(cases)
     sources = calib.leave_one_source_out(cases)
-    profile.provenance.update(source=str(path), held_out=sources)
+    profile.provenance.update(source=f"{path.name} ({len(cases)} measured runs: {', '.join(sorted(sources))})",
+                              path=str(path), held_out=sources)
     return {"profile": profile, "sources": sources, "rows_not_modelled": skipped}
 
 
@@ -137,11 +138,11 @@ def predict_run_text(run_path: Path, hardware: Path | None) -> str:
 # ----------------------------------------------------------------------------- plan
 
 def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global_batch: int, seq_len: int,
-         dtype: str, top: int, hardware: Path | None, as_json: bool) -> int:
-    if gpus < 1 or global_batch < 1 or seq_len < 1 or top < 1:
-        raise UserInputError("--gpus, --global-batch, --seq-len and --top must be positive")
+         dtype: str, top: int, hardware: Path | None, as_json: bool, power_limit_w: float | None = None) -> int:
+    if gpus < 1 or global_batch < 1 or seq_len < 1 or top < 1 or (gpus_per_node is not None and gpus_per_node < 1):
+        raise UserInputError("--gpus, --gpus-per-node, --global-batch, --seq-len and --top must be positive")
     model = presets.load(model_name)
-    sys_ = system(gpu, gpus_per_node=gpus_per_node)
+    sys_ = system(gpu, gpus_per_node=gpus_per_node, power_limit_w=power_limit_w)
     if dtype not in ("bf16", "fp16", "fp8", "fp32"):
         raise UserInputError(f"--dtype {dtype!r}: bf16, fp16, fp8 or fp32")
     sys_.peak_flops("bf16" if dtype == "fp32" else dtype)  # refuses fp8 on a GPU without it

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mfuscope.analyzers.breakdown import tree_of
 from mfuscope.analyzers.bubbles import theory
 from mfuscope.flops import train_flops_per_token
 
@@ -58,35 +59,13 @@ class Prediction:
     @property
     def tree(self) -> dict[str, Any]:
         """``{name, seconds, children}`` as the analyzers write it, from the leaves."""
-        root: dict[str, Any] = {"name": "step", "seconds": 0.0, "children": []}
-        for leaf, seconds in self.leaves.items():
-            if seconds <= 0:
-                continue
-            node = root
-            node["seconds"] += seconds
-            parts = leaf.split("/")
-            for depth in range(len(parts)):
-                name = "/".join(parts[:depth + 1])
-                child = next((c for c in node["children"] if c["name"] == name), None)
-                if child is None:
-                    child = {"name": name, "seconds": 0.0, "children": []}
-                    node["children"].append(child)
-                child["seconds"] += seconds
-                node = child
-        _sort(root)
-        return root
+        return tree_of((leaf, s) for leaf, s in self.leaves.items() if s > 0)
 
     def summary(self) -> dict[str, Any]:
         return {"step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
                 "bubble_fraction": self.bubble_fraction,
                 "memory_gib": self.memory.total_bytes / memory_model.GiB, "fits": self.memory.fits,
                 "leaves": {k: v for k, v in self.leaves.items() if v > 0}, "assumptions": self.assumptions}
-
-
-def _sort(node: dict) -> None:
-    node["children"].sort(key=lambda c: -c["seconds"])
-    for c in node["children"]:
-        _sort(c)
 
 
 def spec_dict(model: ModelSpec, causal: bool) -> dict[str, Any]:
