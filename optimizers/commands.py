@@ -26,8 +26,13 @@ PREDICTED = ("predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predict
              "predicted_memory_gib_per_gpu", "fits_memory", "predicted_breakdown", "prediction_error")
 
 
-def _profile(hardware: Path | None) -> Profile:
-    return Profile.load(hardware) if hardware else default_profile()
+def _profile(hardware: Path | None, device: str | None = None) -> Profile:
+    profile = Profile.load(hardware) if hardware else default_profile()
+    fitted_on = profile.provenance.get("device")
+    if device and fitted_on and fitted_on != device:
+        _err(f"mfuscope: warning: {hardware} was fitted on a {fitted_on} run; its efficiencies may not hold on "
+             f"{device}")
+    return profile
 
 
 def _err(msg: str) -> None:
@@ -147,7 +152,7 @@ def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global
         raise UserInputError(f"--dtype {dtype!r}: bf16, fp16, fp8 or fp32")
     sys_.peak_flops("bf16" if dtype == "fp32" else dtype)  # refuses fp8 on a GPU without it
     training = Training(seq_len=seq_len, dtype=dtype, compiled=True)
-    profile = _profile(hardware)
+    profile = _profile(hardware, sys_.key)
     result = planner.plan(model, gpus, sys_, global_batch, training, profile, top)
     if as_json:
         print(json.dumps({"model": model_name, "gpus": gpus, "gpu": sys_.key, "gpus_per_node": sys_.gpus_per_node,

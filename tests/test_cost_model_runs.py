@@ -9,6 +9,10 @@ layout alone (``predict``, no measurement), then held against one measured run.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from mfuscope.analyzers import overview, trace_set
@@ -35,7 +39,7 @@ def _train(tmp_path, name, schedule, m):
                                        paced=f"fwd_ms={FWD_MS:g},bwd_ms={BWD_MS:g},per=sample"))
     events = trace_set.load(out, use_cache=False).events
     report = overview.build_report(events, source=str(out), files=[], run=out)
-    (out / "report.json").write_text(__import__("json").dumps(report))
+    (out / "report.json").write_text(json.dumps(report))
     return out, report
 
 
@@ -84,7 +88,7 @@ def test_a_cpu_run_calibrates_and_predicts_itself(tmp_path):
     fork_ranks(run_rank, 2, RunOptions(config=str(config), layout="dp_shard=2", steps=3, window="1:", out=str(out)))
     events = trace_set.load(out, use_cache=False).events
     report = overview.build_report(events, source=str(out), files=[], run=out)
-    (out / "report.json").write_text(__import__("json").dumps(report))
+    (out / "report.json").write_text(json.dumps(report))
     run = measured.load(out)
     assert run.system.key == "CPU"
     assert run.system.peak_flops("bf16") == pytest.approx(report["summary"]["peak_flops"])
@@ -95,3 +99,17 @@ def test_a_cpu_run_calibrates_and_predicts_itself(tmp_path):
     predicted_compute = sum(v for k, v in pred.leaves.items() if k.startswith("compute/"))
     print(f"compute predicted {predicted_compute:.4f} s, measured {measured_compute:.4f} s")
     assert predicted_compute == pytest.approx(measured_compute, rel=0.10)
+    # The same through the CLI: a profile file, and the run's prediction beside its measurement.
+    hw = tmp_path / "hw.json"
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate", str(out), "--out", str(hw)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    saved = json.loads(hw.read_text())
+    assert saved["provenance"]["device"] == "CPU" and saved["profile"]["gemm"] == pytest.approx(profile.gemm)
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "analyze", str(out), "--predict", "--hardware", str(hw)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "predicted vs measured per step" in done.stdout and "compute/gemm" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate", str(tmp_path / "nothing")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no such file" in bad.stderr and "Traceback" not in bad.stderr
