@@ -20,7 +20,7 @@ from typing import Any
 
 from mfuscope import hardware
 from mfuscope.errors import UserInputError
-from mfuscope.pacing import parse_paced
+from mfuscope.pacing import Pacing, parse_paced
 
 from .spec import Layout, ModelSpec, Training
 from .system import GB, LinkTier, System, system
@@ -37,6 +37,7 @@ class MeasuredRun:
     training: Training
     system: System
     known_phases: tuple[float, float, float] | None   # paced runs: (F, B, W) per microbatch and rank
+    pacing: Pacing | None
     leaves: dict[str, float]                          # measured seconds per step, leaf by leaf
     step_s: float
     tokens_per_s_per_gpu: float | None
@@ -70,6 +71,16 @@ def _model_leaf(name: str) -> str:
     if parts[0] == "comm" and len(parts) == 3 and (parts[1].startswith("dp") or parts[1] == "fsdp"):
         return f"comm/dp/{parts[2]}"
     return name
+
+
+def paced_phases(pacing: Pacing | None, layout: Layout) -> tuple[float, float, float] | None:
+    """(F, B, W) seconds of one microbatch on one pipeline rank in paced mode: each of its v chunks
+    sleeps the paced time, per sample of the microbatch with ``per=sample``."""
+    if pacing is None:
+        return None
+    rows = layout.micro_batch if pacing.per_sample else 1
+    v = layout.vpp
+    return (v * pacing.fwd_ms / 1e3 * rows, v * pacing.bwd_ms / 1e3 * rows, v * pacing.w_ms / 1e3 * rows)
 
 
 def cpu_system(peak_flops: float, ranks: int) -> System:
@@ -121,7 +132,8 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     on_gpu = acc is not None
     training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
                         compiled=bool(train.get("compile")), overlap_p2p=False,
-                        overlap_grad_reduce=on_gpu, overlap_param_gather=on_gpu)
+                        overlap_grad_reduce=on_gpu, overlap_param_gather=on_gpu,
+                        reshard_after_forward=trainer.get("reshard_after_forward"))
     ranks = int(manifest.get("world_size") or 1)
     if acc is not None:
         sys = system(acc.key)
@@ -130,14 +142,11 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     else:
         raise UserInputError("the report has no peak FLOP/s for its device", report_path)
     pacing = parse_paced(trainer.get("paced"))
-    phases = None
-    if pacing:
-        rows = layout.micro_batch if pacing.per_sample else 1
-        phases = (v * pacing.fwd_ms / 1e3 * rows, v * pacing.bwd_ms / 1e3 * rows, v * pacing.w_ms / 1e3 * rows)
     tps = summary.get("tokens_per_s")
     bubbles = report.get("bubbles") or []
     fractions = [b["bubble_fraction"] for b in bubbles if b.get("bubble_fraction") is not None]
-    return MeasuredRun(where, model, layout, training, sys, phases, leaves_of(report["breakdown"]),
+    return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout), pacing,
+                       leaves_of(report["breakdown"]),
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
                        tps / ranks if tps else None, max(fractions) if fractions else None)
 

@@ -212,10 +212,16 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         # pipeline schedule (torch.distributed.pipelining, as torchtitan and the reference trainer
         # run it) only the last microbatch's backward syncs and reshards: one gather, one
         # reduce-scatter a step.
-        times = 1 if layout.pp > 1 else m
-        ledger.expose("dp", {"all_gather": gather}, stage.total("fwd") if prefetch else 0.0, times)
-        bwd_ops = {"all_gather": gather if layout.pp == 1 else 0.0, "reduce_scatter": scatter}
-        ledger.expose("dp", bwd_ops, stage.total("bwd") if prefetch else 0.0, times)
+        reshard = layout.pp == 1 if training.reshard_after_forward is None else training.reshard_after_forward
+        fwd_w, bwd_w = (stage.total("fwd"), stage.total("bwd")) if prefetch else (0.0, 0.0)
+        if layout.pp == 1:
+            ledger.expose("dp", {"all_gather": gather}, fwd_w, m)
+            ledger.expose("dp", {"all_gather": gather if reshard else 0.0, "reduce_scatter": scatter}, bwd_w, m)
+        else:
+            ledger.expose("dp", {"all_gather": gather}, fwd_w, m if reshard else 1)
+            if reshard:
+                ledger.expose("dp", {"all_gather": gather}, bwd_w, m)
+            ledger.expose("dp", {"reduce_scatter": scatter}, bwd_w, 1)
         if layout.dp_replicate > 1:
             reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)

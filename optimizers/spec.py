@@ -153,7 +153,10 @@ class Training:
     reductions (Megatron's and torchtitan's default), 2 for bf16.  ``selective_gemm_fraction``:
     what "selective" recomputation re-runs besides the attention core -- 0 in Megatron-LM
     (Korthikanti et al.: the attention core only); torchtitan's op-level policy saves every other
-    matmul's output, so it re-runs half the forward GEMMs (0.5) and all elementwise work."""
+    matmul's output, so it re-runs half the forward GEMMs (0.5) and all elementwise work.
+    ``reshard_after_forward``: FSDP frees gathered weights after forward (and gathers them again
+    for backward); None is FSDP2's default as torchtitan and the reference trainer set it -- on
+    without a pipeline, off with one."""
 
     seq_len: int
     dtype: str = "bf16"
@@ -166,6 +169,7 @@ class Training:
     overlap_p2p: bool = True
     grad_reduce_bytes: int = 4
     selective_gemm_fraction: float = 0.0
+    reshard_after_forward: bool | None = None
 
     @property
     def activation_bytes(self) -> int:

@@ -253,7 +253,9 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
     return ProfileSession(opts.out, model=model, mesh=dims, window=opts.window, tokens_per_step=tokens_per_step,
                           extra_groups=extra_groups, dtype=cfg.dtype, force=opts.force,
                           manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
-                                    "trainer": {"dp_mode": opts.dp_mode, "paced": opts.paced, "inject": opts.inject},
+                                    "trainer": {"dp_mode": opts.dp_mode, "paced": opts.paced, "inject": opts.inject,
+                                                "reshard_after_forward": opts.reshard_after_forward,
+                                                "window": opts.window, "schedule": opts.schedule},
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
 
 
