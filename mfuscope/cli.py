@@ -128,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser("optimize", help="propose fixes ranked by predicted gain; --apply runs and measures them",
+                       description="Proposals from the fix catalogue, each with its predicted step (the cost model "
+                                   "calibrated on this run) and memory check; with --apply, each is run on the "
+                                   "reference trainer and measured, and the best are kept greedily.")
+    p.add_argument("run", type=Path, help="an analyzed run directory (report.json beside manifest.json)")
+    p.add_argument("--apply", action="store_true", help="run each proposal (reference-trainer runs only)")
+    p.add_argument("--fixes", default=None, help="comma-separated fix ids to consider (default: all)")
+    p.add_argument("--rounds", type=int, default=3, help="with --apply: greedy rounds at most")
+    p.add_argument("--out", type=Path, default=None, help="with --apply: where the new runs and optimize.json go")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.set_defaults(func=cmd_optimize)
+
     p = sub.add_parser("dashboard", help="browse runs in a web dashboard (Dash)",
                        description="Serve a web dashboard over every run under RUNS_DIR (run directories and "
                                    "directories of rank traces). Runs not analyzed yet are analyzed on first view.")
@@ -199,6 +211,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
     return commands.calibrate(args.source, args.out, args.json)
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from mfuscope.optimizers import commands
+    return commands.optimize(args.run, args.apply, args.fixes, args.rounds, args.out, args.json)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

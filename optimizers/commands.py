@@ -188,3 +188,68 @@ def _shares(pred: Prediction) -> str:
 
 def _layout_dict(layout) -> dict[str, Any]:
     return asdict(layout)
+
+
+# ----------------------------------------------------------------------------- optimize
+
+def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: Path | None, as_json: bool) -> int:
+    from . import optimize as opt
+    wanted = {f.strip() for f in only.split(",")} if only else None
+    unknown = (wanted or set()) - set(fixes_catalogue())
+    if unknown:
+        raise UserInputError(f"--fixes: unknown {', '.join(sorted(unknown))}; one of {', '.join(fixes_catalogue())}")
+    run = measured.load(run_path)
+    if not apply_:
+        base, _, proposals = opt.propose(run, wanted)
+        result = {"base_step_s": run.step_s, "base_predicted_step_s": base,
+                  "fixes": [p.as_dict() for p in proposals], "final": None}
+        if as_json:
+            print(json.dumps(result, indent=2))
+            return 0
+        print(f"{run.path}: measured step {run.step_s:.4g} s, predicted {base:.4g} s "
+              f"(profile fitted to this run)\n")
+        _print_proposals(result["fixes"])
+        print("\nflags for other jobs:")
+        for p in proposals[:5]:
+            print(f"  {p.change.summary}")
+            for who, flag in p.change.flags.items():
+                print(f"    {who:<11} {flag}")
+        return 0
+    out = out or run.path.parent / f"{run.path.name}-optimize"
+    summary = opt.apply(run.path, out, wanted, rounds, _err)
+    write_bytes(out / "optimize.json", (json.dumps(summary, indent=2) + "\n").encode())
+    write_bytes(out / "optimize.md", _markdown(summary).encode())
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    _print_proposals(summary["fixes"])
+    final = summary["final"]
+    print(f"\nbase {summary['base_step_s']:.4g} s -> final {final['measured_step_s']:.4g} s "
+          f"({final['gain']:+.1%}) with {', '.join(final['fixes']) or 'no change'}: {final['run']}")
+    print(f"written: {out / 'optimize.json'}, {out / 'optimize.md'}")
+    return 0
+
+
+def fixes_catalogue() -> list[str]:
+    from .fixes import CATALOGUE
+    return list(CATALOGUE)
+
+
+def _print_proposals(rows: list[dict[str, Any]]) -> None:
+    print(f"{'fix':<22} {'pred. step s':>12} {'pred. gain':>10} {'meas. step s':>12}  change / note")
+    for r in rows:
+        meas = f"{r['measured_step_s']:.4g}" if r["measured_step_s"] is not None else "-"
+        print(f"{r['fix']:<22} {r['predicted_step_s']:>12.4g} {r['predicted_gain']:>+10.1%} {meas:>12}  "
+              f"{r['summary']}" + (f"  [{r['note']}]" if r["note"] else ""))
+
+
+def _markdown(summary: dict[str, Any]) -> str:
+    lines = ["# mfuscope optimize", "", f"Base run: `{summary['base_run']}`, step {summary['base_step_s']:.4g} s", "",
+             "| fix | change | predicted step (s) | measured step (s) | note |", "|---|---|---|---|---|"]
+    for r in summary["fixes"]:
+        meas = f"{r['measured_step_s']:.4g}" if r["measured_step_s"] is not None else "–"
+        lines.append(f"| {r['fix']} | {r['summary']} | {r['predicted_step_s']:.4g} | {meas} | {r['note']} |")
+    f = summary["final"]
+    lines += ["", f"Final: {', '.join(f['fixes']) or 'no change'}, step {f['measured_step_s']:.4g} s "
+              f"({f['gain']:+.1%}), run `{f['run']}`", ""]
+    return "\n".join(lines)

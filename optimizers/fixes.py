@@ -1,0 +1,168 @@
+"""The fix catalogue: for each fix id a findings entry names, the concrete changes to try.
+
+A fix is one small function from a measured run to the changes it proposes.
+Each change is a new layout and training setup (what the cost model
+predicts), the reference trainer's options that make it real, and the
+equivalent flags of torchtitan, Megatron-Core and plain PyTorch for any other
+job.  Whether a change is worth making is the cost model's call
+(``optimizers.optimize``): its gain is the predicted step of the run as it is
+minus the predicted step with the change, both with the profile calibrated
+on the run itself.
+
+=======================  ================================================  ==========================
+fix                      applies when                                      changes
+=======================  ================================================  ==========================
+more_microbatches        a pipeline whose micro-batch can be split         m x 2, m x 4 (micro-batch / 2, / 4)
+interleaved_schedule     a pipeline on GPipe or 1F1B                        interleaved 1F1B (v=2), ZB-V
+less_recompute           recomputation on                                  selective -> none, full -> selective/none
+keep_weights_gathered    FSDP without a pipeline, gathers exposed          no reshard after forward
+better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
+=======================  ================================================  ==========================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from . import planner
+from .measured import MeasuredRun
+from .spec import Layout, Training
+
+
+@dataclass(frozen=True)
+class Change:
+    fix: str
+    summary: str
+    layout: Layout
+    training: Training
+    trainer: dict[str, str] = field(default_factory=dict)   # reference-trainer options that differ
+    flags: dict[str, str] = field(default_factory=dict)     # torchtitan / megatron / pytorch equivalents
+
+
+def _measured_share(run: MeasuredRun, prefix: str) -> float:
+    return sum(v for k, v in run.leaves.items() if k.startswith(prefix)) / run.step_s if run.step_s else 0.0
+
+
+def more_microbatches(run: MeasuredRun) -> list[Change]:
+    lay = run.layout
+    if lay.pp == 1:
+        return []
+    out = []
+    for k in (2, 4):
+        if lay.micro_batch % k:
+            continue
+        new = replace(lay, micro_batch=lay.micro_batch // k, microbatches=lay.microbatches * k)
+        out.append(Change("more_microbatches", f"microbatches {lay.microbatches} -> {new.microbatches} "
+                          f"(micro-batch {lay.micro_batch} -> {new.micro_batch})", new, run.training,
+                          {"microbatches": str(new.microbatches)},
+                          {"torchtitan": f"--parallelism.pipeline_parallel_microbatch_size {new.micro_batch}",
+                           "megatron": f"--micro-batch-size {new.micro_batch}",
+                           "pytorch": f"Schedule*(stage, n_microbatches={new.microbatches})"}))
+    return out
+
+
+def interleaved_schedule(run: MeasuredRun) -> list[Change]:
+    lay = run.layout
+    if lay.pp == 1 or lay.schedule not in ("gpipe", "1f1b") or run.model.n_layers < 2 * lay.pp:
+        return []
+    per_chunk = run.model.n_layers // (2 * lay.pp)
+    out = []
+    for schedule, titan, torch_name in (("interleaved_1f1b", "Interleaved1F1B", "ScheduleInterleaved1F1B"),
+                                        ("zbv", "ZBVZeroBubble", "ScheduleZBVZeroBubble")):
+        new = replace(lay, vpp=2, schedule=schedule)
+        out.append(Change("interleaved_schedule", f"schedule {lay.schedule} -> {schedule} (v=2)", new, run.training,
+                          {"schedule": schedule},
+                          {"torchtitan": f"--parallelism.pipeline_parallel_schedule {titan}",
+                           "megatron": f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+                                       + (" (no ZB-V schedule in Megatron-Core)" if schedule == "zbv" else ""),
+                           "pytorch": f"{torch_name}(stages, n_microbatches={lay.microbatches})"}))
+    return out
+
+
+def less_recompute(run: MeasuredRun) -> list[Change]:
+    lay = run.layout
+    targets = {"full": ("selective", "none"), "selective": ("none",)}.get(lay.recompute, ())
+    flags = {"none": {"torchtitan": "--activation_checkpoint.mode none", "megatron": "(drop --recompute-granularity)",
+                      "pytorch": "(no checkpoint_wrapper)"},
+             "selective": {"torchtitan": "--activation_checkpoint.mode selective",
+                           "megatron": "--recompute-granularity selective",
+                           "pytorch": "checkpoint_wrapper with a selective policy"}}
+    return [Change("less_recompute", f"recompute {lay.recompute} -> {t}", replace(lay, recompute=t), run.training,
+                   {"set": f"recompute={t}"}, flags[t]) for t in targets]
+
+
+def keep_weights_gathered(run: MeasuredRun) -> list[Change]:
+    lay = run.layout
+    if lay.dp_shard == 1 or lay.pp > 1 or run.training.reshard_after_forward is False:
+        return []
+    if _measured_share(run, "comm/dp/all_gather") < 0.01:
+        return []
+    return [Change("keep_weights_gathered", "FSDP keeps weights gathered from forward to backward",
+                   lay, replace(run.training, reshard_after_forward=False), {"reshard_after_forward": "false"},
+                   {"torchtitan": "--parallelism.fsdp_reshard_after_forward never",
+                    "megatron": "(distributed optimizer: --overlap-param-gather)",
+                    "pytorch": "fully_shard(block, reshard_after_forward=False)"})]
+
+
+def better_layout(run: MeasuredRun, profile=None) -> list[Change]:
+    """The planner's fastest layouts for the same model, GPUs and global batch that the reference
+    trainer can run (FSDP, HSDP or plain DDP: it has no ZeRO-1)."""
+    lay = run.layout
+    global_batch = lay.dp * lay.micro_batch * lay.microbatches
+    result = planner.plan(run.model, lay.gpus, run.system, global_batch, run.training, profile, top=20)
+    out = []
+    for new, _ in result.ranked:
+        if new.zero or _same(new, lay):
+            continue
+        out.append(Change("better_layout", f"layout {planner.describe(lay)} -> {planner.describe(new)}",
+                          new, run.training, {"layout": trainer_layout(new), "schedule": new.schedule,
+                                              "microbatches": str(new.microbatches)},
+                          {"torchtitan": _titan_flags(new), "megatron": _megatron_flags(new),
+                           "pytorch": "init_device_mesh with " + trainer_layout(new)}))
+        if len(out) == 3:
+            break
+    return out
+
+
+def _same(a: Layout, b: Layout) -> bool:
+    keys = ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep", "micro_batch", "schedule", "recompute")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def trainer_layout(lay: Layout) -> str:
+    parts = [f"{d}={getattr(lay, d)}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if getattr(lay, d) > 1]
+    return ",".join(parts) or "dp_shard=1"
+
+
+def _titan_flags(lay: Layout) -> str:
+    flags = (f"--parallelism.tensor_parallel_degree {lay.tp} --parallelism.context_parallel_degree {lay.cp} "
+             f"--parallelism.pipeline_parallel_degree {lay.pp} --parallelism.data_parallel_shard_degree {lay.dp_shard} "
+             f"--parallelism.data_parallel_replicate_degree {lay.dp_replicate} "
+             f"--parallelism.expert_parallel_degree {lay.ep}")
+    if lay.pp > 1:
+        flags += (f" --parallelism.pipeline_parallel_schedule {_TITAN_SCHEDULES[lay.schedule]}"
+                  f" --parallelism.pipeline_parallel_microbatch_size {lay.micro_batch}")
+    return flags + f" --activation_checkpoint.mode {lay.recompute}"
+
+
+def _megatron_flags(lay: Layout) -> str:
+    flags = (f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp} "
+             f"--context-parallel-size {lay.cp} --expert-model-parallel-size {lay.ep} --micro-batch-size {lay.micro_batch}")
+    if lay.vpp > 1:
+        flags += f" --num-virtual-stages-per-pipeline-rank {lay.vpp}"
+    if lay.recompute != "none":
+        flags += f" --recompute-granularity {lay.recompute}"
+    return flags
+
+
+_TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                    "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
+
+
+CATALOGUE: dict[str, Callable[..., list[Change]]] = {
+    "more_microbatches": more_microbatches,
+    "interleaved_schedule": interleaved_schedule,
+    "less_recompute": less_recompute,
+    "keep_weights_gathered": keep_weights_gathered,
+    "better_layout": better_layout,
+}

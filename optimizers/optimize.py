@@ -1,0 +1,195 @@
+"""``mfuscope optimize``: propose the catalogue's changes ranked by predicted gain; with ``--apply``,
+run them on the reference trainer, measure, and keep the best greedily.
+
+Predicted gains come from the cost model with the profile calibrated on the
+run itself (``calibrate.fit_run``): predicted step of the run as it is minus
+predicted step with the change.  A change the memory model says does not fit
+is proposed with that reason and never run.
+
+Applying (reference-trainer runs only; the manifest says how the run was
+launched): each proposal whose predicted gain exceeds ``MIN_GAIN`` becomes
+a new run directory with the same steps, profiling window, pacing and
+injected faults, analyzed like any run.  The biggest measured win becomes the
+new base and the search repeats from it (Aceso's iterative bottleneck
+alleviation) while a change is predicted to gain more than ``MIN_GAIN``.
+A prediction that misses its measurement by more than 25% is flagged; a
+change that made the run slower is reported and dropped.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from mfuscope.errors import UserInputError
+
+from . import calibrate, fixes, measured
+from .model import predict
+from .system import Profile
+
+MIN_GAIN = 0.02
+MISS = 0.25
+
+
+@dataclass
+class Proposal:
+    change: fixes.Change
+    predicted_step_s: float
+    predicted_gain: float            # fraction of the base's predicted step
+    fits: bool | None
+    memory_gib: float
+    measured_step_s: float | None = None
+    run: str | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"fix": self.change.fix, "summary": self.change.summary, "change": self.change.trainer,
+                "flags": self.change.flags, "predicted_step_s": self.predicted_step_s,
+                "predicted_gain": self.predicted_gain, "fits": self.fits, "memory_gib": self.memory_gib,
+                "measured_step_s": self.measured_step_s, "run": self.run, "note": self.note}
+
+
+def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[float, Profile, list[Proposal]]:
+    """(the base's predicted step, the run's profile, proposals best first)."""
+    profile = calibrate.fit_run(run)
+    base = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases).step_s
+    out = []
+    for fix_id, make in fixes.CATALOGUE.items():
+        if only and fix_id not in only:
+            continue
+        changes = make(run, profile) if fix_id == "better_layout" else make(run)
+        for change in changes:
+            try:
+                p = predict(run.model, change.layout, change.training, run.system, profile,
+                            measured.paced_phases(run.pacing, change.layout))
+            except ValueError:
+                continue  # an illegal layout for this model: the fix does not apply
+            gib = p.memory.total_bytes / 2**30
+            note = "" if p.memory.fits is not False else (
+                f"not applied: needs {gib:.1f} GiB, the device has {run.system.device_bytes / 2**30:.1f}")
+            out.append(Proposal(change, p.step_s, 1 - p.step_s / base, p.memory.fits, gib, note=note))
+    out.sort(key=lambda pr: -pr.predicted_gain)
+    return base, profile, out
+
+
+# ----------------------------------------------------------------------------- applying
+
+def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: dict[str, str]) -> list[str]:
+    """``mfuscope train`` as the run was launched, with ``change`` (trainer options) applied."""
+    trainer = manifest.get("trainer") or {}
+    sched = manifest.get("schedule") or {}
+    mesh = manifest.get("layout") or {}
+    layout = ",".join(f"{d}={mesh[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+                      if int(mesh.get(d, 1)) > 1) or "dp_shard=1"
+    opts = {"layout": layout, "schedule": trainer.get("schedule") or sched.get("name") or "1f1b",
+            "microbatches": str(sched.get("microbatches") or (manifest.get("train") or {}).get("microbatches", 1)),
+            "dp_mode": trainer.get("dp_mode") or "fsdp", "paced": trainer.get("paced"), "inject": trainer.get("inject"),
+            "window": trainer.get("window") or "1:"}
+    if trainer.get("reshard_after_forward") is not None:
+        opts["reshard_after_forward"] = str(trainer["reshard_after_forward"]).lower()
+    sets = []
+    for key, value in change.items():
+        if key == "set":
+            sets.append(value)
+        else:
+            opts[key] = value
+    cmd = [sys.executable, "-m", "mfuscope", "train", "--config", str(config),
+           "--nproc", str(manifest.get("world_size") or 1), "--out", str(out), "--force"]
+    for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window"):
+        if opts.get(key):
+            cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
+    if "reshard_after_forward" in opts:
+        cmd.append("--reshard-after-forward" if opts["reshard_after_forward"] == "true" else "--no-reshard-after-forward")
+    for item in sets:
+        cmd += ["--set", item]
+    return cmd
+
+
+def write_config(manifest: dict[str, Any], path: Path) -> Path:
+    """The run's model and train settings as a trainer TOML file."""
+    def toml_value(v: Any) -> str:
+        return json.dumps(v) if isinstance(v, str) else ("true" if v is True else "false" if v is False else str(v))
+    model = {k: v for k, v in (manifest.get("model") or {}).items() if k != "family" and v is not None}
+    train = {k: v for k, v in (manifest.get("train") or {}).items() if v is not None}
+    lines = ["[model]"] + [f"{k} = {toml_value(v)}" for k, v in model.items()]
+    lines += ["[train]"] + [f"{k} = {toml_value(v)}" for k, v in train.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_and_measure(manifest: dict[str, Any], config: Path, out: Path, change: dict[str, str],
+                    say: Callable[[str], None]) -> measured.MeasuredRun:
+    from mfuscope.analyzers.analysis import analyze
+    from mfuscope.run_dir import VIEWS
+
+    cmd = trainer_command(manifest, config, out, change)
+    say("+ " + " ".join(cmd[2:]))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserInputError(f"the trainer failed for {out.name}: {done.stderr.strip().splitlines()[-1:]}", out)
+    analyze(out, out / "report.json", out / VIEWS, use_cache=False)
+    return measured.load(out)
+
+
+def apply(run_path: Path, out_dir: Path, only: set[str] | None, rounds: int,
+          say: Callable[[str], None]) -> dict[str, Any]:
+    """Run the proposals, keep the best measured win, repeat; the summary ``optimize.json`` holds."""
+    base_run = measured.load(run_path)
+    manifest = json.loads((base_run.path / "manifest.json").read_text())
+    if not manifest.get("trainer"):
+        raise UserInputError("not a reference-trainer run (its manifest does not say how it was launched): "
+                             "run `mfuscope optimize` without --apply for proposals", run_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = write_config(manifest, out_dir / "config.toml")
+    base_step = base_run.step_s
+    current, current_manifest, applied_changes = base_run, manifest, {}
+    tried: list[Proposal] = []
+    applied: list[str] = []
+    started = time.monotonic()
+    for r in range(rounds):
+        _, _, proposals = propose(current, only)
+        todo = [p for p in proposals if p.predicted_gain > MIN_GAIN and p.fits is not False]
+        for p in proposals:
+            if p.fits is False:
+                tried.append(p)
+        if not todo:
+            say(f"round {r + 1}: no change is predicted to gain more than {MIN_GAIN:.0%}")
+            break
+        best: tuple[float, Proposal, measured.MeasuredRun, dict] | None = None
+        for i, p in enumerate(todo, 1):
+            name = f"r{r + 1}-{p.change.fix}-{i}"
+            elapsed = time.monotonic() - started
+            say(f"round {r + 1}, {i}/{len(todo)}: {p.change.summary} (predicted {p.predicted_gain:+.0%}); "
+                f"{elapsed:.0f} s so far")
+            change = {**applied_changes, **p.change.trainer}
+            new = run_and_measure(current_manifest, config, out_dir / name, change, say)
+            p.measured_step_s, p.run = new.step_s, str(new.path)
+            measured_gain = 1 - new.step_s / current.step_s
+            if measured_gain < 0:
+                p.note = f"slower: {new.step_s:.3f} s against {current.step_s:.3f} s; dropped"
+            miss = abs(p.predicted_step_s / new.step_s - 1)
+            if miss > MISS:
+                p.note = (p.note + "; " if p.note else "") + f"prediction missed by {miss:.0%}"
+            tried.append(p)
+            if measured_gain > 0 and (best is None or new.step_s < best[0]):
+                best = (new.step_s, p, new, change)
+        if best is None:
+            say(f"round {r + 1}: no change made the run faster")
+            break
+        _, p, new, change = best
+        applied.append(p.change.fix)
+        applied_changes = change
+        current = new
+        current_manifest = json.loads((new.path / "manifest.json").read_text())
+        say(f"round {r + 1}: kept {p.change.summary}: step {new.step_s:.3f} s")
+    summary = {"base_run": str(base_run.path), "base_step_s": base_step,
+               "fixes": [p.as_dict() for p in tried],
+               "final": {"fixes": applied, "change": applied_changes, "measured_step_s": current.step_s,
+                         "predicted_step_s": None if current is base_run else
+                         next(p.predicted_step_s for p in tried if p.run == str(current.path)),
+                         "gain": 1 - current.step_s / base_step, "run": str(current.path)}}
+    return summary
