@@ -26,7 +26,7 @@ from .store import Store
 log = logging.getLogger("mfuscope.dashboard")
 
 RUN_PAGES = [("", "Overview"), ("timeline", "Timeline"), ("pipeline", "Pipeline"), ("comm", "Communication"),
-             ("stragglers", "Stragglers"), ("kernels", "Kernels")]
+             ("stragglers", "Stragglers"), ("kernels", "Kernels"), ("optimize", "Optimize")]
 #: Bars the timeline may ship to the browser, over all lanes: 64 ranks stay responsive.
 TIMELINE_BARS = 24_000
 
@@ -112,7 +112,7 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
         return top, pages.progress_panel(run, job.fraction, job.message), False
     a = store.load(run)
     builders = {"": pages.overview_page, "pipeline": pages.pipeline_page, "comm": pages.comm_page,
-                "stragglers": pages.stragglers_page, "kernels": pages.kernels_page}
+                "stragglers": pages.stragglers_page, "kernels": pages.kernels_page, "optimize": pages.optimize_page}
     if slug == "timeline":
         return top, pages.timeline_page(run, a, query), True
     if slug not in builders:

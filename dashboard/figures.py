@@ -221,3 +221,18 @@ def predicted_leaves(leaves: dict[str, float], step_s: float, title: str) -> go.
                            hovertemplate="%{y}: %{customdata:.4g} ms, %{x:.1%} of the step<extra></extra>"))
     fig.update_xaxes(title_text="share of the predicted step", tickformat=".0%", gridcolor="#eee")
     return _layout(fig, 120 + 28 * len(df), title=dict(text=title, font=dict(size=14)))
+
+
+def predicted_vs_measured_fixes(fixes: list[dict[str, Any]]) -> go.Figure:
+    """Each applied fix's predicted and measured step (s)."""
+    if not fixes:
+        return empty("no fix was run")
+    labels = [f"{f['fix']}: {f['summary']}"[:70] for f in fixes][::-1]
+    fig = go.Figure([
+        go.Bar(orientation="h", y=labels, x=[f["measured_step_s"] for f in fixes][::-1], name="measured",
+               marker_color="#3b6ea8", hovertemplate="%{x:.4g} s measured<extra></extra>"),
+        go.Bar(orientation="h", y=labels, x=[f["predicted_step_s"] for f in fixes][::-1], name="predicted",
+               marker_color="#e39b3b", hovertemplate="%{x:.4g} s predicted<extra></extra>")])
+    fig.update_xaxes(title_text="step time (s)", gridcolor="#eee")
+    return _layout(fig, 140 + 44 * len(fixes), barmode="group",
+                   legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0))

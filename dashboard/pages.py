@@ -7,6 +7,7 @@ filled by callbacks in :mod:`app`; the ids they use are defined here.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 from urllib.parse import quote
 
@@ -19,7 +20,7 @@ from mfuscope.analyzers import run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 
 from mfuscope.errors import UserInputError
-from mfuscope.optimizers import measured, planner, presets, run_prediction
+from mfuscope.optimizers import measured, optimize, planner, presets, run_prediction
 from mfuscope.optimizers.spec import Training
 from mfuscope.optimizers.system import SYSTEMS, default_profile, system
 
@@ -261,6 +262,57 @@ def planner_page(query: dict[str, str]) -> html.Div:
         grid("plan-rejected", rejected, [{"field": "reason", "minWidth": 260}, {"field": "layouts", "maxWidth": 110},
                                          {"field": "example", "minWidth": 420, **WRAP}]),
     ])
+
+
+# ----------------------------------------------------------------------------- optimize
+def optimize_page(run: Run, a: Analysis) -> html.Div:
+    """The fix catalogue's proposals for this run, ranked by predicted gain; once `mfuscope optimize
+    --apply` has run (its optimize.json beside the run), predicted against measured per fix."""
+    head = [html.H2(f"Optimize: {run.id}")]
+    if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
+        return html.Div(head + [info_panel("No model spec in this run's manifest: the cost model cannot predict "
+                                           "its fixes. Runs of the reference trainer (mfuscope train) have one.")])
+    try:
+        base, _, proposals = optimize.propose(measured.from_documents(a.report, run.manifest, run.path))
+    except (UserInputError, ValueError, KeyError) as e:
+        return html.Div(head + [error_panel(f"No proposals for this run: {e}")])
+    rows = [{"fix": p.change.fix, "change": p.change.summary, "predicted_step_s": p.predicted_step_s,
+             "predicted_gain": p.predicted_gain, "memory_gib": p.memory_gib, "note": p.note,
+             "trainer": " ".join(f"{k}={v}" for k, v in p.change.trainer.items())} for p in proposals]
+    body = head + [
+        html.P(f"Measured step {style.seconds(a.report['summary'].get('step_time_s'))}; predicted "
+               f"{style.seconds(base)} with the cost model calibrated on this run. Apply with "
+               f"`mfuscope optimize {run.path} --apply`.", className="note"),
+        grid("optimize-grid", rows, [
+            {"field": "fix", "maxWidth": 200}, {"field": "change", "minWidth": 320, **WRAP},
+            {"field": "predicted_step_s", "headerName": "predicted step (s)", "valueFormatter": NUM},
+            {"field": "predicted_gain", "headerName": "predicted gain", "valueFormatter": PCT},
+            {"field": "memory_gib", "headerName": "GiB per GPU", "valueFormatter": NUM},
+            {"field": "trainer", "headerName": "trainer options", "minWidth": 200, **WRAP},
+            {"field": "note", "minWidth": 160, **WRAP}]) if rows else
+        info_panel("No fix applies to this run."),
+    ]
+    applied = _applied(run)
+    if applied:
+        done = [f for f in applied["fixes"] if f.get("measured_step_s") is not None]
+        final = applied["final"]
+        body += [html.H3("Applied: predicted against measured"),
+                 html.P(f"Base {style.seconds(applied['base_step_s'])} → final "
+                        f"{style.seconds(final['measured_step_s'])} with {', '.join(final['fixes']) or 'no change'}",
+                        className="note", id="optimize-final"),
+                 dcc.Graph(id="optimize-bars", figure=figures.predicted_vs_measured_fixes(done),
+                           config={"displaylogo": False}),
+                 html.Ul([html.Li([f"{f['fix']}: {f['summary']} → ", html.Code(f["run"])]) for f in done],
+                         id="optimize-runs")]
+    return html.Div(body)
+
+
+def _applied(run: Run) -> dict | None:
+    path = run.path / "optimize.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        return None
 
 
 def _traced_steps(report: dict) -> int:

@@ -215,10 +215,9 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
             for who, flag in p.change.flags.items():
                 print(f"    {who:<11} {flag}")
         return 0
-    out = out or run.path.parent / f"{run.path.name}-optimize"
-    summary = opt.apply(run.path, out, wanted, rounds, _err)
-    write_bytes(out / "optimize.json", (json.dumps(summary, indent=2) + "\n").encode())
-    write_bytes(out / "optimize.md", _markdown(summary).encode())
+    summary = opt.apply(run.path, out or run.path.parent, wanted, rounds, _err)
+    write_bytes(run.path / "optimize.json", (json.dumps(summary, indent=2) + "\n").encode())
+    write_bytes(run.path / "optimize.md", _markdown(summary).encode())
     if as_json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -226,7 +225,7 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
     final = summary["final"]
     print(f"\nbase {summary['base_step_s']:.4g} s -> final {final['measured_step_s']:.4g} s "
           f"({final['gain']:+.1%}) with {', '.join(final['fixes']) or 'no change'}: {final['run']}")
-    print(f"written: {out / 'optimize.json'}, {out / 'optimize.md'}")
+    print(f"written: {run.path / 'optimize.json'}, {run.path / 'optimize.md'}")
     return 0
 
 

@@ -8,7 +8,8 @@ is proposed with that reason and never run.
 
 Applying (reference-trainer runs only; the manifest says how the run was
 launched): each proposal whose predicted gain exceeds ``MIN_GAIN`` becomes
-a new run directory with the same steps, profiling window, pacing and
+a new run directory beside the base (``<run>-opt-r<round>-<fix>-<i>``, so the
+dashboard lists it) with the same steps, profiling window, pacing and
 injected faults, analyzed like any run.  The biggest measured win becomes the
 new base and the search repeats from it (Aceso's iterative bottleneck
 alleviation) while a change is predicted to gain more than ``MIN_GAIN``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +146,8 @@ def apply(run_path: Path, out_dir: Path, only: set[str] | None, rounds: int,
         raise UserInputError("not a reference-trainer run (its manifest does not say how it was launched): "
                              "run `mfuscope optimize` without --apply for proposals", run_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = write_config(manifest, out_dir / "config.toml")
+    scratch = tempfile.TemporaryDirectory(prefix="mfuscope-optimize-")
+    config = write_config(manifest, Path(scratch.name) / "config.toml")
     base_step = base_run.step_s
     current, current_manifest, applied_changes = base_run, manifest, {}
     tried: list[Proposal] = []
@@ -161,7 +164,7 @@ def apply(run_path: Path, out_dir: Path, only: set[str] | None, rounds: int,
             break
         best: tuple[float, Proposal, measured.MeasuredRun, dict] | None = None
         for i, p in enumerate(todo, 1):
-            name = f"r{r + 1}-{p.change.fix}-{i}"
+            name = f"{base_run.path.name}-opt-r{r + 1}-{p.change.fix}-{i}"
             elapsed = time.monotonic() - started
             say(f"round {r + 1}, {i}/{len(todo)}: {p.change.summary} (predicted {p.predicted_gain:+.0%}); "
                 f"{elapsed:.0f} s so far")
@@ -192,4 +195,5 @@ def apply(run_path: Path, out_dir: Path, only: set[str] | None, rounds: int,
                          "predicted_step_s": None if current is base_run else
                          next(p.predicted_step_s for p in tried if p.run == str(current.path)),
                          "gain": 1 - current.step_s / base_step, "run": str(current.path)}}
+    scratch.cleanup()
     return summary

@@ -100,8 +100,9 @@ _NET = 10 * US
 # MAMF: stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
 # comparison table" (mean of 100 iterations at the best shape found, torch 2.5-2.9).
 _MAMF_SRC = "ml-engineering MAMF table (stas00/ml-engineering, compute/accelerator)"
-# Flash attention forward + backward, head dim 128 (Dao 2023, FlashAttention-2, figs. 4-7): up to
-# 230 TFLOP/s on A100 SXM4 and 335 TFLOP/s on H100 SXM5 (the same kernel, no Hopper-specific code).
+# FlashAttention-2's forward rate at head dim 128: up to 230 TFLOP/s on A100 SXM4 (Dao 2023) and
+# 335 TFLOP/s on H100 SXM5, causal, 16k tokens (Shah et al. 2024, FlashAttention-3, forward-speed
+# figure).  Backward runs slower than forward; ``Profile.attention`` carries that and the rest.
 FA2_A100 = 230e12
 FA2_H100 = 335e12
 

@@ -64,6 +64,16 @@ def runs(tmp_path_factory) -> Path:
     # the detection threshold, reached 0.56 s), so rank 5 sleeps 250 ms in each of its 4 microbatch
     # forwards, 1 s a step.
     _train(root / "pp8-straggler", "--paced", "fwd_ms=40,bwd_ms=80", "--inject", "compute:rank=5:ms=250")
+    # A poor paced start and what `mfuscope optimize --apply` made of it (new runs beside it).
+    proc = subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "2",
+                           "--layout", "pp=2", "--schedule", "gpipe", "--microbatches", "2", "--set", "global_batch=8",
+                           "--steps", "3", "--profile", "--paced", "fwd_ms=40,bwd_ms=80,per=sample",
+                           "--out", str(root / "gpipe")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for cmd in (["analyze", str(root / "gpipe")],
+                ["optimize", str(root / "gpipe"), "--apply", "--fixes", "more_microbatches", "--rounds", "1"]):
+        proc = subprocess.run([sys.executable, "-m", "mfuscope", *cmd], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     if DLRM.is_dir():
         (root / "dlrm").symlink_to(DLRM, target_is_directory=True)
     (root / "broken").mkdir()
@@ -280,6 +290,7 @@ PAGES = {  # page -> (path suffix, selector that means "rendered")
     "comm": ("/comm", "#skew-heatmap .heatmaplayer, .info-panel"),
     "stragglers": ("/stragglers", "#straggler-heatmap .hm, #straggler-heatmap .heatmaplayer"),
     "kernels": ("/kernels", "#kernels-grid, .info-panel"),
+    "optimize": ("/optimize", "#optimize-grid, .info-panel"),
 }
 
 
@@ -334,10 +345,12 @@ def test_every_page_renders(tab, runs, run):
                 "timeline": ["rank 7 · pp1 dp_shard1 tp1", "comm/tp", "bubble"],
                 "pipeline": ["measured bubble", "theory: 1f1b", "p=2 stages, m=4 microbatches", "F3", "B3"],
                 "comm": ["send_recv", "reduce_scatter", "Arrival lag"],
-                "stragglers": ["Busy time over the median rank"], "kernels": ["No GPU kernels"]},
+                "stragglers": ["Busy time over the median rank"], "kernels": ["No GPU kernels"],
+                "optimize": ["Optimize: pp8", "interleaved_schedule", "predicted gain"]},
         "dlrm": {"overview": ["Tesla V100", "hardware table: V100", "launch-bound"], "timeline": ["rank 7", "comm/unknown"],
                  "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce", "send_recv"],
-                 "stragglers": ["No straggler"], "kernels": ["ncclKernel_SendRecv", "gemm"]},
+                 "stragglers": ["No straggler"], "kernels": ["ncclKernel_SendRecv", "gemm"],
+                 "optimize": ["No model spec"]},
     }[run]
     times = {}
     for page, (suffix, ready) in PAGES.items():
@@ -431,6 +444,25 @@ def test_planner_page_ranks_layouts_and_shows_each_ones_breakdown(tab):
     tab.page.click("#plan-go")
     tab.page.wait_for_url("**/plan?*gpus=128*")
     expect(tab.page.locator("#plan-summary")).to_contain_text("on 128 x H100")
+
+
+def test_optimize_page_shows_proposals_and_what_was_applied(tab, runs):
+    """The Optimize page of a run `mfuscope optimize --apply` worked on: the proposals, the
+    predicted against measured steps of the fixes it ran (the numbers of its optimize.json), and
+    the new runs, which the runs page lists."""
+    summary = json.loads((runs / "gpipe" / "optimize.json").read_text())
+    _first_visit(tab, "gpipe")
+    tab.open("/run/gpipe/optimize", "#optimize-grid .ag-row")
+    assert "more_microbatches" in tab.text("#optimize-grid")
+    tab.page.wait_for_selector("#optimize-bars .bars")
+    final = tab.text("#optimize-final")
+    assert "more_microbatches" in final and "final" in final
+    listed = tab.text("#optimize-runs")
+    ran = [f for f in summary["fixes"] if f["measured_step_s"] is not None]
+    assert ran and all(Path(f["run"]).name in listed for f in ran)
+    tab.shot("gpipe-optimize")
+    tab.open("/", "#runs-grid .ag-row")
+    assert Path(ran[0]["run"]).name in tab.text("#runs-grid")
 
 
 def _cell(tab: Page, row_text: str, col: str) -> str:

@@ -33,19 +33,18 @@ def test_optimize_applies_measured_wins_and_each_prediction_holds(tmp_path):
     fixes = {f["fix"] for f in json.loads(proposed.stdout)["fixes"]}
     assert {"more_microbatches", "interleaved_schedule"} <= fixes
 
-    out = tmp_path / "opt"
-    done = _mfuscope("optimize", str(base), "--apply", "--rounds", "2", "--out", str(out), "--json")
+    done = _mfuscope("optimize", str(base), "--apply", "--rounds", "2", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
-    assert summary == json.loads((out / "optimize.json").read_text())
-    assert (out / "optimize.md").is_file()
+    assert summary == json.loads((base / "optimize.json").read_text())
+    assert (base / "optimize.md").is_file()
     # The step falls by more than a quarter (the paced GPipe start wastes 1/3 of its pipeline).
     assert summary["final"]["measured_step_s"] < 0.75 * summary["base_step_s"], summary["final"]
     ran = [f for f in summary["fixes"] if f["measured_step_s"] is not None]
     assert any(f["fix"] == "more_microbatches" for f in ran)
     for f in ran:  # every change the optimizer ran: its prediction within 25% of its own measurement
         assert f["predicted_step_s"] == pytest.approx(f["measured_step_s"], rel=0.25), f
-        assert Path(f["run"]).is_dir()
+        assert Path(f["run"]).is_dir() and Path(f["run"]).parent == tmp_path  # beside the base: listed
     kept = json.loads((Path(summary["final"]["run"]) / "report.json").read_text())
     assert kept["summary"]["step_time_s"] == pytest.approx(summary["final"]["measured_step_s"])
 
