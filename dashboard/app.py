@@ -2,7 +2,7 @@
 
 URLs are the state, so every view can be linked and reloaded:
 ``/`` runs, ``/run/<id>`` overview, ``/run/<id>/<page>?step=&rank=``,
-``/compare?a=<id>&b=<id>``, ``/plan?model=&gpus=&gpu=&batch=&seq=&dtype=``.  One callback renders a page from the URL; a run
+``/compare?a=<id>&b=<id>[&fix=<change>]``, ``/plan?model=&gpus=&gpu=&batch=&seq=&dtype=``.  One callback renders a page from the URL; a run
 not analyzed yet shows a progress bar (an interval ticks until its analysis is
 on disk).  A failure inside a page becomes an error panel, never a dead app.
 """
@@ -80,7 +80,7 @@ def _routes(app: dash.Dash, store: Store) -> None:
                 ids = [r.id for r in analyzed]
                 a = query.get("a") or (ids[0] if ids else None)
                 b = query.get("b") or (next((i for i in ids if i != a), None))
-                return _topbar(None, "compare"), pages.compare_page(store, analyzed, a, b), True
+                return _topbar(None, "compare"), pages.compare_page(store, analyzed, a, b, query.get("fix")), True
             if parts[0] == "plan":
                 return _topbar(None, "plan"), pages.planner_page(query), True
             if parts[0] == "run" and len(parts) >= 2:

@@ -8,8 +8,9 @@ filled by callbacks in :mod:`app`; the ids they use are defined here.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import dash_ag_grid as dag
 import pandas as pd
@@ -281,7 +282,7 @@ def optimize_page(run: Run, a: Analysis) -> html.Div:
              "trainer": " ".join(f"{k}={v}" for k, v in p.change.trainer.items())} for p in proposals]
     body = head + [
         html.P(f"Measured step {style.seconds(a.report['summary'].get('step_time_s'))}; predicted "
-               f"{style.seconds(base)} with the cost model calibrated on this run. Apply with "
+               f"{style.seconds(base.step_s)} with the cost model calibrated on this run. Apply with "
                f"`mfuscope optimize {run.path} --apply`.", className="note"),
         grid("optimize-grid", rows, [
             {"field": "fix", "maxWidth": 200}, {"field": "change", "minWidth": 320, **WRAP},
@@ -302,9 +303,20 @@ def optimize_page(run: Run, a: Analysis) -> html.Div:
                         className="note", id="optimize-final"),
                  dcc.Graph(id="optimize-bars", figure=figures.predicted_vs_measured_fixes(done),
                            config={"displaylogo": False}),
-                 html.Ul([html.Li([f"{f['fix']}: {f['summary']} → ", html.Code(f["run"])]) for f in done],
+                 html.Ul([html.Li([f"{f['fix']}: {f['summary']} → ", html.Code(f["run"]), " ",
+                                   _compare_link(run.id, f["run"], f"{f['fix']}: {f['summary']}")]) for f in done]
+                         + ([html.Li(["final: ", _compare_link(run.id, final["run"], ", ".join(final["fixes"]),
+                                                               "before and after, leaf by leaf")],
+                                     id="optimize-final-compare")] if final["fixes"] else []),
                          id="optimize-runs")]
     return html.Div(body)
+
+
+def _compare_link(base_id: str, new_run: str, fix: str, text: str = "compare") -> dcc.Link:
+    """The Compare page of the base and a run a fix made, with the fix named (runs made by
+    ``optimize --apply`` sit beside the base, so their directory name is their id)."""
+    query = urlencode({"a": base_id, "b": Path(new_run).name, "fix": fix})
+    return dcc.Link(text, href=f"/compare?{query}", className="compare-fix-link")
 
 
 def _applied(run: Run) -> dict | None:
@@ -545,7 +557,10 @@ def kernels_page(run: Run, a: Analysis) -> html.Div:
 
 
 # ----------------------------------------------------------------------------- compare
-def compare_page(store: Store, analyzed: list[Run], a_id: str | None, b_id: str | None) -> html.Div:
+def compare_page(store: Store, analyzed: list[Run], a_id: str | None, b_id: str | None,
+                 fix: str | None = None) -> html.Div:
+    """Two runs side by side; ``fix`` names the change that made ``b`` from ``a`` (the Optimize
+    page's links)."""
     ids = [r.id for r in analyzed]
     options = [{"label": i, "value": i} for i in ids]
     pickers = html.Div([
@@ -555,6 +570,8 @@ def compare_page(store: Store, analyzed: list[Run], a_id: str | None, b_id: str 
                                         style={"width": "260px"}),
     ], style={"display": "flex", "alignItems": "center", "gap": "8px"})
     head = [html.H2("Compare two runs"), pickers]
+    if fix:
+        head.append(html.P(["Fix applied: ", html.B(fix)], id="compare-fix", className="note"))
     if len(ids) < 2:
         return html.Div(head + [info_panel("Compare needs two analyzed runs; open runs from the Runs page first.")])
     if a_id not in ids or b_id not in ids:

@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", default=None, help="faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
                    "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, "
                    "jitter_ms=J (docs/reference_trainer.md)")
-    p.add_argument("--paced", default=None, help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample]")
+    p.add_argument("--paced", default=None,
+                   help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample][,scope=layer]")
+    p.add_argument("--stage-layers", default=None, metavar="N,N,...",
+                   help="layers per pipeline stage, in stage order, e.g. 5,3 (default: an even cut)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
     p.add_argument("--profile", action="store_true",
                    help="record torch.profiler traces of every step after the first into RUN_DIR/traces "
@@ -132,11 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Proposals from the fix catalogue, each with its predicted step (the cost model "
                                    "calibrated on this run) and memory check; with --apply, each is run on the "
                                    "reference trainer and measured, and the best are kept greedily.")
-    p.add_argument("run", type=Path, help="an analyzed run directory (report.json beside manifest.json)")
+    p.add_argument("run", type=Path, help="a run directory (analyzed first if it has no report.json), or a "
+                                          "trace file or directory: proposals with flags only")
     p.add_argument("--apply", action="store_true", help="run each proposal (reference-trainer runs only)")
     p.add_argument("--fixes", default=None, help="comma-separated fix ids to consider (default: all)")
     p.add_argument("--rounds", type=int, default=3, help="with --apply: greedy rounds at most")
-    p.add_argument("--out", type=Path, default=None, help="with --apply: where the new runs and optimize.json go")
+    p.add_argument("--out", type=Path, default=None,
+                   help="with --apply: where the new runs go (default: beside RUN); optimize.json goes into RUN")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="memory per GPU a change must fit in (default: the device's); changes over it are not run")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_optimize)
 
@@ -215,7 +222,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
-    return commands.optimize(args.run, args.apply, args.fixes, args.rounds, args.out, args.json)
+    return commands.optimize(args.run, args.apply, args.fixes, args.rounds, args.out, args.json, args.memory_gib)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -255,6 +262,7 @@ def _check_train(args: argparse.Namespace, window: str | None) -> None:
     from mfuscope.reference_trainer.config import load_config, parse_overrides
     from mfuscope.reference_trainer.inject import parse_faults, parse_paced
     from mfuscope.reference_trainer.parallel_dims import ParallelDims
+    from mfuscope.reference_trainer.pipeline_parallel import parse_stage_layers
 
     if args.nproc < 1 or args.nnodes < 1:
         raise UserInputError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must be at least 1")
@@ -263,7 +271,8 @@ def _check_train(args: argparse.Namespace, window: str | None) -> None:
     parse_paced(args.paced)
     cfg = load_config(args.config, steps=args.steps, microbatches=args.microbatches, **parse_overrides(args.set))
     dims = ParallelDims.parse(args.layout, args.nproc * args.nnodes)
-    check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward)
+    check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward,
+              stage_layers=parse_stage_layers(args.stage_layers))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -281,7 +290,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.reshard_after_forward is not None:
         train_args.append("--reshard-after-forward" if args.reshard_after_forward else "--no-reshard-after-forward")
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
-                        ("--inject", args.inject), ("--paced", args.paced)):
+                        ("--inject", args.inject), ("--paced", args.paced), ("--stage-layers", args.stage_layers)):
         if value not in (None, ""):
             train_args += [flag, str(value)]
     for item in args.set:

@@ -94,7 +94,7 @@ def groups(leaves: dict[str, float]) -> dict[str, float]:
 def run_error(run: MeasuredRun, profile: Profile, keys: set[str]) -> float:
     """Mean |log| error over ``keys`` -- groups (see :func:`groups`) or "step" -- that the run
     measured above 1% of its step; "comm" stands for every dimension's group."""
-    prediction = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
+    prediction = run.predict(profile)
     pred, meas = groups(prediction.leaves), groups(run.leaves)
     pred["step"], meas["step"] = prediction.step_s, run.step_s
     floor = 0.01 * run.step_s
@@ -113,7 +113,7 @@ def fit_run(run: MeasuredRun, start: Profile | None = None) -> Profile:
     exposes communication.  A first guess comes from the ratio of predicted to measured time, so
     a CPU run, whose tiny GEMMs reach a ten-thousandth of the matmul peak, starts near its answer."""
     profile = start or Profile()
-    prediction = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
+    prediction = run.predict(profile)
     pred, meas = groups(prediction.leaves), groups(run.leaves)
     fields: list[str] = []
     keys: set[str] = set()

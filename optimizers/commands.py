@@ -9,10 +9,11 @@ import csv
 import io
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from mfuscope import run_dir
 from mfuscope.atomic import write_bytes
 from mfuscope.errors import UserInputError
 
@@ -192,22 +193,40 @@ def _layout_dict(layout) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- optimize
 
-def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: Path | None, as_json: bool) -> int:
+def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: Path | None, as_json: bool,
+             memory_gib: float | None = None) -> int:
     from . import optimize as opt
     wanted = {f.strip() for f in only.split(",")} if only else None
-    unknown = (wanted or set()) - set(fixes_catalogue())
+    from .flags import FLAGS
+    known = list(dict.fromkeys(fixes_catalogue() + list(FLAGS)))
+    unknown = (wanted or set()) - set(known)
     if unknown:
-        raise UserInputError(f"--fixes: unknown {', '.join(sorted(unknown))}; one of {', '.join(fixes_catalogue())}")
+        raise UserInputError(f"--fixes: unknown {', '.join(sorted(unknown))}; one of {', '.join(known)}")
+    if memory_gib is not None and memory_gib <= 0:
+        raise UserInputError(f"--memory-gib {memory_gib:g}: a memory budget per GPU must be positive")
+    manifest = run_dir.read_manifest(run_path) if run_dir.is_run_dir(run_path) else None
+    if not (manifest and manifest.get("model") and (manifest.get("train") or {}).get("seq_len")):
+        if apply_:
+            raise UserInputError("not a reference-trainer run (no model spec or launch command to rerun): "
+                                 "run `mfuscope optimize` without --apply for proposals", run_path)
+        return _optimize_foreign(run_path, wanted, as_json)
+    if not (run_path / "report.json").is_file():
+        from mfuscope.analyzers.analysis import analyze
+        _err(f"mfuscope: analyzing {run_path} first")
+        analyze(run_path, run_path / "report.json", run_path / run_dir.VIEWS)
     run = measured.load(run_path)
+    if memory_gib is not None:
+        run = replace(run, system=replace(run.system, memory_bytes=memory_gib * 2**30))
     if not apply_:
         base, _, proposals = opt.propose(run, wanted)
-        result = {"base_step_s": run.step_s, "base_predicted_step_s": base,
+        result = {"base_step_s": run.step_s, "base_predicted_step_s": base.step_s,
+                  "base_memory_gib": base.memory.total_bytes / 2**30, "base_fits": base.memory.fits,
                   "fixes": [p.as_dict() for p in proposals], "final": None}
         if as_json:
             print(json.dumps(result, indent=2))
             return 0
-        print(f"{run.path}: measured step {run.step_s:.4g} s, predicted {base:.4g} s "
-              f"(profile fitted to this run)\n")
+        print(f"{run.path}: measured step {run.step_s:.4g} s, predicted {base.step_s:.4g} s "
+              f"(profile fitted to this run); {base.memory.total_bytes / 2**30:.4g} GiB per GPU\n")
         _print_proposals(result["fixes"])
         print("\nflags for other jobs:")
         for p in proposals[:5]:
@@ -215,7 +234,7 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
             for who, flag in p.change.flags.items():
                 print(f"    {who:<11} {flag}")
         return 0
-    summary = opt.apply(run.path, out or run.path.parent, wanted, rounds, _err)
+    summary = opt.apply(run, out or run.path.parent, wanted, rounds, _err)
     write_bytes(run.path / "optimize.json", (json.dumps(summary, indent=2) + "\n").encode())
     write_bytes(run.path / "optimize.md", _markdown(summary).encode())
     if as_json:
@@ -226,6 +245,38 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
     print(f"\nbase {summary['base_step_s']:.4g} s -> final {final['measured_step_s']:.4g} s "
           f"({final['gain']:+.1%}) with {', '.join(final['fixes']) or 'no change'}: {final['run']}")
     print(f"written: {run.path / 'optimize.json'}, {run.path / 'optimize.md'}")
+    return 0
+
+
+def _optimize_foreign(path: Path, wanted: set[str] | None, as_json: bool) -> int:
+    """Proposals for a job mfuscope cannot rerun: the report's findings with each fix's flags."""
+    from mfuscope.analyzers import overview, trace_set
+    from .flags import proposals_from_findings
+
+    report_path = path / "report.json"
+    if report_path.is_file():
+        report = measured._read(report_path)
+    else:
+        loaded = trace_set.load(path)
+        report = overview.build_report(loaded.events, source=str(path), files=[str(f) for f in loaded.files],
+                                       run=path if run_dir.is_run_dir(path) else None)
+    rows = [r for r in proposals_from_findings(report) if not wanted or r["fix"] in wanted]
+    step = (report.get("summary") or {}).get("step_time_s")
+    if as_json:
+        print(json.dumps({"base_step_s": step, "base_predicted_step_s": None, "fixes": rows, "final": None,
+                          "note": "no model spec: findings with the analyzers' estimates; nothing can be applied"},
+                         indent=2))
+        return 0
+    print(f"{path}: measured step {step:.4g} s. No model spec and no launch command here: these are the "
+          "trace's findings with the analyzers' estimate of the time at stake, and the switches that act on "
+          "each (nothing is predicted or applied).\n" if step else f"{path}: no timed step in the trace.\n")
+    if not rows:
+        print("no finding: nothing to propose")
+    for r in rows:
+        gain = f"{r['predicted_gain']:.1%} of the step" if r["predicted_gain"] is not None else ""
+        print(f"{r['fix']:<22} {gain:>18}  {r['summary']}")
+        for who, flag in r["flags"].items():
+            print(f"    {who:<11} {flag}")
     return 0
 
 

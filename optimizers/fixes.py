@@ -15,6 +15,7 @@ fix                      applies when                                      chang
 more_microbatches        a pipeline whose micro-batch can be split         m x 2, m x 4 (micro-batch / 2, / 4)
 interleaved_schedule     a pipeline on GPipe or 1F1B                        interleaved 1F1B (v=2), ZB-V
 less_recompute           recomputation on                                  selective -> none, full -> selective/none
+rebalance_stages         pipeline ranks whose measured compute differs     layers moved to the lighter stages
 keep_weights_gathered    FSDP without a pipeline, gathers exposed          no reshard after forward
 better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
 =======================  ================================================  ==========================
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from . import planner
-from .measured import MeasuredRun
+from .measured import UNEVEN, MeasuredRun
 from .spec import Layout, Training
 
 
@@ -69,7 +70,7 @@ def interleaved_schedule(run: MeasuredRun) -> list[Change]:
     out = []
     for schedule, titan, torch_name in (("interleaved_1f1b", "Interleaved1F1B", "ScheduleInterleaved1F1B"),
                                         ("zbv", "ZBVZeroBubble", "ScheduleZBVZeroBubble")):
-        new = replace(lay, vpp=2, schedule=schedule)
+        new = replace(lay, vpp=2, schedule=schedule, split=())  # v chunks cut evenly
         out.append(Change("interleaved_schedule", f"schedule {lay.schedule} -> {schedule} (v=2)", new, run.training,
                           {"schedule": schedule},
                           {"torchtitan": f"--parallelism.pipeline_parallel_schedule {titan}",
@@ -77,6 +78,38 @@ def interleaved_schedule(run: MeasuredRun) -> list[Change]:
                                        + (" (no ZB-V schedule in Megatron-Core)" if schedule == "zbv" else ""),
                            "pytorch": f"{torch_name}(stages, n_microbatches={lay.microbatches})"}))
     return out
+
+
+def rebalance_stages(run: MeasuredRun) -> list[Change]:
+    """Move layers off the pipeline rank that computes longest.
+
+    Each rank's measured compute is taken as a fixed part plus its layers at one per-layer cost,
+    the cost of the leanest rank (whose time is all layers): t_r = c_r + a n_r.  Layers then go,
+    one at a time, to the stage whose time grows least, which minimises the slowest stage.  The
+    cost model predicts the new split from its layer counts (it does not model c_r: a stage made
+    heavy by something other than layers is predicted less well)."""
+    lay, t = run.layout, run.stage_compute_s
+    if lay.pp == 1 or lay.vpp > 1 or len(t) != lay.pp or max(t) <= UNEVEN * min(t):
+        return []
+    current = lay.rank_layers(run.model)
+    per_layer = min(s / n for s, n in zip(t, current))
+    fixed = [s - per_layer * n for s, n in zip(t, current)]
+    split = [1] * lay.pp
+    for _ in range(run.model.n_layers - lay.pp):
+        split[min(range(lay.pp), key=lambda r: (fixed[r] + per_layer * (split[r] + 1), -r))] += 1
+    if split == current:
+        return []
+    text = ",".join(map(str, split))
+    first = [sum(split[:r + 1]) for r in range(lay.pp - 1)]
+    return [Change("rebalance_stages", f"stage layers {','.join(map(str, current))} -> {text} "
+                   f"(stage compute {', '.join(f'{s:.3g}' for s in t)} s)", replace(lay, split=tuple(split)),
+                   run.training, {"stage_layers": text},
+                   {"torchtitan": "--parallelism.pipeline_parallel_split_points "
+                                  + ",".join(f"layers.{n}" for n in first),
+                    "megatron": f"--decoder-first-pipeline-num-layers {split[0]} "
+                                f"--decoder-last-pipeline-num-layers {split[-1]}",
+                    "pytorch": "PipelineStage per layer range " + ", ".join(
+                        f"[{a}, {b})" for a, b in zip([0] + first, first + [run.model.n_layers]))})]
 
 
 def less_recompute(run: MeasuredRun) -> list[Change]:
@@ -162,6 +195,7 @@ _TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Inter
 CATALOGUE: dict[str, Callable[..., list[Change]]] = {
     "more_microbatches": more_microbatches,
     "interleaved_schedule": interleaved_schedule,
+    "rebalance_stages": rebalance_stages,
     "less_recompute": less_recompute,
     "keep_weights_gathered": keep_weights_gathered,
     "better_layout": better_layout,

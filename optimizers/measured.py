@@ -22,8 +22,9 @@ from mfuscope import hardware
 from mfuscope.errors import UserInputError
 from mfuscope.pacing import Pacing, parse_paced
 
+from .model import Prediction, predict
 from .spec import Layout, ModelSpec, Training
-from .system import GB, LinkTier, System, system
+from .system import GB, LinkTier, Profile, System, system
 
 CPU_MEMORY_BPS = 10 * GB
 GLOO = LinkTier("gloo-loopback", 50e-6, 1 * GB, "nominal: gloo over loopback TCP on one host")
@@ -36,12 +37,21 @@ class MeasuredRun:
     layout: Layout
     training: Training
     system: System
-    known_phases: tuple[float, float, float] | None   # paced runs: (F, B, W) per microbatch and rank
+    known_phases: tuple[float, float, float] | None   # paced runs: (F, B, W) per microbatch, busiest rank
     pacing: Pacing | None
     leaves: dict[str, float]                          # measured seconds per step, leaf by leaf
     step_s: float
     tokens_per_s_per_gpu: float | None
     bubble_fraction: float | None
+    stage_compute_s: tuple[float, ...] = ()           # compute seconds a step per pipeline rank, measured
+
+    def predict(self, profile: Profile | None, layout: Layout | None = None,
+                training: Training | None = None) -> Prediction:
+        """The cost model's step for this run, or for it with ``layout``/``training`` changed: the
+        paced compute (if any) follows the layout."""
+        lay = layout or self.layout
+        return predict(self.model, lay, training or self.training, self.system, profile,
+                       paced_phases(self.pacing, lay, self.model), stage_work(self.pacing, lay, self.model))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -73,14 +83,28 @@ def _model_leaf(name: str) -> str:
     return name
 
 
-def paced_phases(pacing: Pacing | None, layout: Layout) -> tuple[float, float, float] | None:
-    """(F, B, W) seconds of one microbatch on one pipeline rank in paced mode: each of its v chunks
-    sleeps the paced time, per sample of the microbatch with ``per=sample``."""
+def paced_phases(pacing: Pacing | None, layout: Layout, model: ModelSpec) -> tuple[float, float, float] | None:
+    """(F, B, W) seconds of one microbatch on the busiest pipeline rank in paced mode: each of its v
+    chunks (with ``scope=layer`` each of its layers) sleeps the paced time, per sample of the
+    microbatch with ``per=sample``.  Per layer, full recomputation sleeps the forward again in
+    backward, as recomputing a layer runs its forward again."""
     if pacing is None:
         return None
     rows = layout.micro_batch if pacing.per_sample else 1
-    v = layout.vpp
-    return (v * pacing.fwd_ms / 1e3 * rows, v * pacing.bwd_ms / 1e3 * rows, v * pacing.w_ms / 1e3 * rows)
+    units = layout.stage_layers(model) if pacing.per_layer else layout.vpp
+    f, b, w = (units * ms / 1e3 * rows for ms in (pacing.fwd_ms, pacing.bwd_ms, pacing.w_ms))
+    if pacing.per_layer and layout.recompute == "full":
+        b += f
+    return f, b, w
+
+
+def stage_work(pacing: Pacing | None, layout: Layout, model: ModelSpec) -> tuple[float, ...]:
+    """Each pipeline rank's work relative to the busiest: its layers' share, except in paced mode
+    per stage, where every rank sleeps the same whatever it holds."""
+    if pacing is not None and not pacing.per_layer:
+        return (1.0,) * layout.pp
+    layers = layout.rank_layers(model)
+    return tuple(n / max(layers) for n in layers)
 
 
 def cpu_system(peak_flops: float, ranks: int) -> System:
@@ -119,10 +143,11 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
         raise UserInputError(f"global batch {global_batch} does not split over dp={dp} x {m} microbatches",
                              manifest_path)
     v = int(schedule.get("virtual_stages") or 1)
+    split = tuple(int(n) for n in trainer.get("stage_layers") or ())
     layout = Layout(tp=int(mesh.get("tp", 1)), pp=pp, vpp=v, dp_replicate=dp_replicate, dp_shard=dp_shard,
                     cp=int(mesh.get("cp", 1)), ep=int(mesh.get("ep", 1)), micro_batch=global_batch // (dp * m),
                     microbatches=m, schedule=schedule.get("name") or "1f1b", recompute=train.get("recompute", "none"),
-                    sequence_parallel=int(mesh.get("tp", 1)) > 1)
+                    sequence_parallel=int(mesh.get("tp", 1)) > 1, split=split)
     hw = manifest.get("hardware") or {}
     summary = report.get("summary") or {}
     acc = hardware.lookup(hw.get("device_name")) if hw.get("device_name") not in (None, "x86_64", "cpu") else None
@@ -145,8 +170,40 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     tps = summary.get("tokens_per_s")
     bubbles = report.get("bubbles") or []
     fractions = [b["bubble_fraction"] for b in bubbles if b.get("bubble_fraction") is not None]
-    return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout), pacing,
-                       leaves_of(report["breakdown"]),
+    stages = _stage_leaves(report, manifest, pp)
+    stage_compute = tuple(sum(v for k, v in leaves.items() if k.startswith("compute/")) for leaves in stages)
+    leaves = leaves_of(report["breakdown"])
+    if stage_compute and max(stage_compute) > UNEVEN * min(stage_compute):
+        # The model predicts the busiest rank; where stages differ, that rank's leaves are the
+        # measurement to hold it against (the mean of ranks mixes in the light stages' waits).
+        leaves = stages[stage_compute.index(max(stage_compute))]
+    return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout, model), pacing, leaves,
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
-                       tps / ranks if tps else None, max(fractions) if fractions else None)
+                       tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute)
+
+
+#: Pipeline ranks whose compute differs by more than this ratio are uneven stages.
+UNEVEN = 1.1
+
+
+def _stage_leaves(report: dict[str, Any], manifest: dict[str, Any], pp: int) -> list[dict[str, float]]:
+    """Each pipeline coordinate's leaves, seconds a step, mean of its ranks (empty where the report
+    or the manifest cannot say)."""
+    coords = manifest.get("rank_coords") or {}
+    per: dict[int, dict[int, dict[str, float]]] = {}
+    for row in report.get("breakdown_by_rank") or []:
+        where = coords.get(str(row["rank"]))
+        if where is None:
+            continue
+        leaves = per.setdefault(int(where.get("pp", 0)), {}).setdefault(int(row["rank"]), {})
+        leaf = _model_leaf(str(row["leaf"]))
+        leaves[leaf] = leaves.get(leaf, 0.0) + float(row["seconds"])
+    if pp == 1 or sorted(per) != list(range(pp)):
+        return []
+    out = []
+    for stage in range(pp):
+        ranks = list(per[stage].values())
+        names = {k for r in ranks for k in r}
+        out.append({k: sum(r.get(k, 0.0) for r in ranks) / len(ranks) for k in sorted(names)})
+    return out
 

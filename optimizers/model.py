@@ -13,7 +13,9 @@
    Async TP hides TP behind the layer's GEMMs.
 2. **The pipeline**: m microbatches of F + B, plus the schedule's bubble from
    ``analyzers.bubbles.theory`` (GPipe/1F1B (p-1)T, interleaved (p-1)T/v,
-   zero-bubble with W = the weight-gradient GEMMs), plus the point-to-point
+   zero-bubble with W = the weight-gradient GEMMs); with uneven stages GPipe's
+   and 1F1B's fill and drain pass through every other stage at its own pace,
+   sum over r != busiest of T_r (which is (p-1)T for equal stages), plus the point-to-point
    sends: with overlap only the fill and drain's 2(p-1) are exposed, without
    it every microbatch's 2v.  The analyzers book pipeline waits, sends
    included, as ``bubble``; so does the model.
@@ -98,13 +100,15 @@ class _Ledger:
 
 
 def predict(model: ModelSpec, layout: Layout, training: Training, system: System,
-            profile: Profile | None = None, known_phases: tuple[float, float, float] | None = None) -> Prediction:
+            profile: Profile | None = None, known_phases: tuple[float, float, float] | None = None,
+            stage_work: tuple[float, ...] | None = None) -> Prediction:
     """The predicted step of ``layout`` (see the module docstring).  Raises ``ValueError`` listing
     the layout's broken rules when it is not legal for ``model``.
 
     ``known_phases``: (F, B, W) seconds of one microbatch on one pipeline rank, when compute time
     is known rather than modelled (the reference trainer's paced mode); booked as
-    ``compute/other``, as the analyzers book the paced sleeps."""
+    ``compute/other``, as the analyzers book the paced sleeps.  ``stage_work``: each pipeline
+    rank's compute relative to the busiest; by default its share of the layers."""
     profile = profile or Profile()
     problems = layout.problems(model, training.seq_len)
     if problems:
@@ -122,8 +126,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     else:
         stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
 
-    if profile.microbatch_overhead_s:
-        host = v * profile.microbatch_overhead_s  # per pass of each of the rank's chunks
+    host = v * profile.microbatch_overhead_s  # per pass of each of the rank's chunks
+    if host:
         stage.fwd["other"] = stage.fwd.get("other", 0.0) + host
         stage.bwd["other"] = stage.bwd.get("other", 0.0) + host
     f_exposed, b_exposed = _layer_collectives(model, layout, training, links, stage, ledger, layers, m)
@@ -135,9 +139,18 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     # Pipeline: bubble per schedule, sends.
     pipeline_s = m * (fwd + bwd)
     if p > 1:
-        w = stage.w if layout.schedule in ("zero_bubble", "zbv") else 0.0
-        frac = theory(p, m, v, layout.schedule, (fwd, bwd - w, w))
-        ledger.add("bubble", frac / (1 - frac) * pipeline_s if frac < 1 else 0.0)
+        rank_layers = layout.rank_layers(model)
+        work = stage_work or (tuple(n / max(rank_layers) for n in rank_layers) if layout.split else (1.0,) * p)
+        if v == 1 and max(work) - min(work) > 1e-9:
+            # Fill and drain through each other stage at its own pace; the host time per pass
+            # does not shrink with a stage's layers.
+            per_mb = fwd + bwd
+            ledger.add("bubble", sum(r * (per_mb - 2 * host) + 2 * host for r in work) - per_mb)
+            assumptions.append("uneven stages: " + ", ".join(f"{r:.2f}" for r in work) + " of the busiest's work")
+        else:
+            w = stage.w if layout.schedule in ("zero_bubble", "zbv") else 0.0
+            frac = theory(p, m, v, layout.schedule, (fwd, bwd - w, w))
+            ledger.add("bubble", frac / (1 - frac) * pipeline_s if frac < 1 else 0.0)
         tokens = layout.micro_batch * training.seq_len / layout.cp
         send = tokens * model.dim * training.activation_bytes / (
             layout.tp if layout.sequence_parallel else 1)

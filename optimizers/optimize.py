@@ -23,15 +23,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from mfuscope.errors import UserInputError
 
 from . import calibrate, fixes, measured
-from .model import predict
-from .system import Profile
+from .model import Prediction
+from .system import Profile, System
 
 MIN_GAIN = 0.02
 MISS = 0.25
@@ -55,10 +55,11 @@ class Proposal:
                 "measured_step_s": self.measured_step_s, "run": self.run, "note": self.note}
 
 
-def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[float, Profile, list[Proposal]]:
-    """(the base's predicted step, the run's profile, proposals best first)."""
+def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[Prediction, Profile, list[Proposal]]:
+    """(the base's prediction, the run's profile, proposals best first)."""
     profile = calibrate.fit_run(run)
-    base = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases).step_s
+    base_prediction = run.predict(profile)
+    base = base_prediction.step_s
     out = []
     for fix_id, make in fixes.CATALOGUE.items():
         if only and fix_id not in only:
@@ -66,16 +67,15 @@ def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[fl
         changes = make(run, profile) if fix_id == "better_layout" else make(run)
         for change in changes:
             try:
-                p = predict(run.model, change.layout, change.training, run.system, profile,
-                            measured.paced_phases(run.pacing, change.layout))
+                p = run.predict(profile, change.layout, change.training)
             except ValueError:
                 continue  # an illegal layout for this model: the fix does not apply
             gib = p.memory.total_bytes / 2**30
             note = "" if p.memory.fits is not False else (
-                f"not applied: needs {gib:.1f} GiB, the device has {run.system.device_bytes / 2**30:.1f}")
+                f"not applied: needs {gib:.4g} GiB, the budget is {run.system.device_bytes / 2**30:.4g}")
             out.append(Proposal(change, p.step_s, 1 - p.step_s / base, p.memory.fits, gib, note=note))
     out.sort(key=lambda pr: -pr.predicted_gain)
-    return base, profile, out
+    return base_prediction, profile, out
 
 
 # ----------------------------------------------------------------------------- applying
@@ -91,6 +91,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
             "microbatches": str(sched.get("microbatches") or (manifest.get("train") or {}).get("microbatches", 1)),
             "dp_mode": trainer.get("dp_mode") or "fsdp", "paced": trainer.get("paced"), "inject": trainer.get("inject"),
             "window": trainer.get("window") or "1:"}
+    if trainer.get("stage_layers"):
+        opts["stage_layers"] = ",".join(map(str, trainer["stage_layers"]))
     if trainer.get("reshard_after_forward") is not None:
         opts["reshard_after_forward"] = str(trainer["reshard_after_forward"]).lower()
     sets = []
@@ -101,7 +103,9 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
             opts[key] = value
     cmd = [sys.executable, "-m", "mfuscope", "train", "--config", str(config),
            "--nproc", str(manifest.get("world_size") or 1), "--out", str(out), "--force"]
-    for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window"):
+    if "stage_layers" in opts and (opts["layout"] != layout or opts["schedule"] != (trainer.get("schedule") or "1f1b")):
+        del opts["stage_layers"]  # a split for other stages: the new layout cuts evenly
+    for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window", "stage_layers"):
         if opts.get(key):
             cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
     if "reshard_after_forward" in opts:
@@ -124,7 +128,7 @@ def write_config(manifest: dict[str, Any], path: Path) -> Path:
 
 
 def run_and_measure(manifest: dict[str, Any], config: Path, out: Path, change: dict[str, str],
-                    say: Callable[[str], None]) -> measured.MeasuredRun:
+                    say: Callable[[str], None], system: System) -> measured.MeasuredRun:
     from mfuscope.analyzers.analysis import analyze
     from mfuscope.run_dir import VIEWS
 
@@ -134,17 +138,17 @@ def run_and_measure(manifest: dict[str, Any], config: Path, out: Path, change: d
     if done.returncode != 0:
         raise UserInputError(f"the trainer failed for {out.name}: {done.stderr.strip().splitlines()[-1:]}", out)
     analyze(out, out / "report.json", out / VIEWS, use_cache=False)
-    return measured.load(out)
+    return replace(measured.load(out), system=system)
 
 
-def apply(run_path: Path, out_dir: Path, only: set[str] | None, rounds: int,
+def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, rounds: int,
           say: Callable[[str], None]) -> dict[str, Any]:
-    """Run the proposals, keep the best measured win, repeat; the summary ``optimize.json`` holds."""
-    base_run = measured.load(run_path)
+    """Run the proposals, keep the best measured win, repeat; the summary ``optimize.json`` holds.
+    Every run is held to ``base_run``'s system (a ``--memory-gib`` budget included)."""
     manifest = json.loads((base_run.path / "manifest.json").read_text())
     if not manifest.get("trainer"):
         raise UserInputError("not a reference-trainer run (its manifest does not say how it was launched): "
-                             "run `mfuscope optimize` without --apply for proposals", run_path)
+                             "run `mfuscope optimize` without --apply for proposals", base_run.path)
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.TemporaryDirectory(prefix="mfuscope-optimize-")
     config = write_config(manifest, Path(scratch.name) / "config.toml")
@@ -152,24 +156,28 @@ def apply(run_path: Path, out_dir: Path, only: set[str] | None, rounds: int,
     current, current_manifest, applied_changes = base_run, manifest, {}
     tried: list[Proposal] = []
     applied: list[str] = []
-    started = time.monotonic()
+    started, runs = time.monotonic(), 0
     for r in range(rounds):
         _, _, proposals = propose(current, only)
         todo = [p for p in proposals if p.predicted_gain > MIN_GAIN and p.fits is not False]
+        listed = {(p.change.fix, p.change.summary) for p in tried}
         for p in proposals:
-            if p.fits is False:
+            if p.fits is False and (p.change.fix, p.change.summary) not in listed:
                 tried.append(p)
+                say(f"round {r + 1}: {p.change.summary}: {p.note}")
         if not todo:
-            say(f"round {r + 1}: no change is predicted to gain more than {MIN_GAIN:.0%}")
+            say(f"round {r + 1}: no change that fits is predicted to gain more than {MIN_GAIN:.0%}")
             break
         best: tuple[float, Proposal, measured.MeasuredRun, dict] | None = None
         for i, p in enumerate(todo, 1):
             name = f"{base_run.path.name}-opt-r{r + 1}-{p.change.fix}-{i}"
             elapsed = time.monotonic() - started
+            left = f", about {elapsed / runs * (len(todo) - i + 1):.0f} s left in this round" if runs else ""
             say(f"round {r + 1}, {i}/{len(todo)}: {p.change.summary} (predicted {p.predicted_gain:+.0%}); "
-                f"{elapsed:.0f} s so far")
+                f"{elapsed:.0f} s so far{left}")
+            runs += 1
             change = {**applied_changes, **p.change.trainer}
-            new = run_and_measure(current_manifest, config, out_dir / name, change, say)
+            new = run_and_measure(current_manifest, config, out_dir / name, change, say, base_run.system)
             p.measured_step_s, p.run = new.step_s, str(new.path)
             measured_gain = 1 - new.step_s / current.step_s
             if measured_gain < 0:

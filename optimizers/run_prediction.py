@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import calibrate, measured
-from .model import Prediction, predict
+from .model import Prediction
 from .system import Profile, default_profile
 
 
@@ -41,7 +41,7 @@ def compare_run(run: measured.MeasuredRun, hardware: str | Path | None = None) -
 
 
 def comparison(run: measured.MeasuredRun, profile: Profile, note: str) -> Comparison:
-    p = predict(run.model, run.layout, run.training, run.system, profile, run.known_phases)
+    p = run.predict(profile)
     names = sorted(set(run.leaves) | {k for k, v in p.leaves.items() if v > 0},
                    key=lambda k: -max(run.leaves.get(k, 0.0), p.leaves.get(k, 0.0)))
     rows = [{"leaf": k, "measured_s": run.leaves.get(k), "predicted_s": p.leaves.get(k) or None} for k in names]

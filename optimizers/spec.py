@@ -74,7 +74,9 @@ class Layout:
     """How the job is split.  ``dp_shard`` > 1 shards parameters, gradients and optimizer state
     over those ranks (FSDP / ZeRO-3); with ``dp_shard`` = 1, ``zero`` picks what the data ranks
     shard (0: nothing, plain DDP; 1: optimizer state, Megatron's distributed optimizer; 2: and
-    gradients).  ``vpp``: model chunks per pipeline rank (interleaved schedules)."""
+    gradients).  ``vpp``: model chunks per pipeline rank (interleaved schedules).  ``split``: layers
+    per pipeline stage in stage order (pp x vpp of them), as ``--stage-layers`` gives them; empty
+    for an even cut."""
 
     tp: int = 1
     pp: int = 1
@@ -89,15 +91,32 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = True
     zero: int = 0
+    split: tuple[int, ...] = ()
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     def stage_layers(self, model: ModelSpec) -> int:
-        """Layers on the busiest pipeline rank: chunks of ceil(L / (pp x vpp)) layers, vpp of them
-        (an uneven split, as torchtitan makes for 126 layers over 8 stages, loads one rank more)."""
+        """Layers on the busiest pipeline rank: with an explicit ``split`` the most any rank holds;
+        else chunks of ceil(L / (pp x vpp)) layers, vpp of them (an even cut that does not divide,
+        as torchtitan makes for 126 layers over 8 stages, loads one rank more)."""
+        if self.split:
+            return max(self.rank_layers(model))
         return -(-model.n_layers // (self.pp * self.vpp)) * self.vpp
+
+    def rank_layers(self, model: ModelSpec) -> list[int]:
+        """Layers each pipeline rank holds, over its chunks: stages r, r + pp, ... (looped
+        schedules) or r and 2pp - 1 - r (ZB-V's V shape)."""
+        n = self.pp * self.vpp
+        if self.split:
+            split = self.split
+        else:
+            base, extra = divmod(model.n_layers, n)
+            split = tuple(base + (1 if s < extra else 0) for s in range(n))
+        if self.schedule == "zbv":
+            return [split[r] + split[2 * self.pp - 1 - r] for r in range(self.pp)]
+        return [sum(split[r::self.pp]) for r in range(self.pp)]
 
     @property
     def gpus(self) -> int:
@@ -117,6 +136,10 @@ class Layout:
             out.append(f"tp={self.tp} must divide ffn_dim={model.ffn_dim}")
         if self.pp * self.vpp > model.n_layers:
             out.append(f"pp x vpp = {self.pp * self.vpp} exceeds the {model.n_layers} layers")
+        if self.split and (len(self.split) != self.pp * self.vpp or sum(self.split) != model.n_layers
+                           or min(self.split) < 1):
+            out.append(f"stage split {','.join(map(str, self.split))} must give each of the pp x vpp = "
+                       f"{self.pp * self.vpp} stages at least one layer, {model.n_layers} in all")
         if seq_len % (self.cp * (self.tp if self.sequence_parallel else 1)):
             out.append(f"the sequence ({seq_len}) must split over cp={self.cp}"
                        + (f" x tp={self.tp} (sequence parallel)" if self.sequence_parallel else ""))

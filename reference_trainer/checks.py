@@ -23,7 +23,7 @@ def reshard_after_forward(dims: ParallelDims, requested: bool | None) -> bool:
 
 
 def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: str,
-              reshard: bool | None) -> None:
+              reshard: bool | None, stage_layers: tuple[int, ...] | None = None) -> None:
     """Raise :class:`UserInputError` naming the first thing that cannot work as asked."""
     m = cfg.model
     if schedule not in SCHEDULES:
@@ -53,11 +53,17 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
                                  "config such as tiny_moe, or drop ep")
         if m.n_experts % dims.ep:
             raise UserInputError(f"layout ep={dims.ep}: {m.n_experts} experts do not split over ep={dims.ep}")
+    if stage_layers is not None and dims.pp == 1:
+        raise UserInputError("--stage-layers splits the layers over pipeline stages; the layout has no pp")
     if dims.pp > 1:
         stages = dims.pp * virtual_stages(schedule)
         if m.n_layers < stages:
             raise UserInputError(f"layout pp={dims.pp} with {schedule}: {stages} pipeline stages need at least "
                                  f"{stages} layers; the model has {m.n_layers}")
+        if stage_layers is not None and (len(stage_layers) != stages or sum(stage_layers) != m.n_layers):
+            raise UserInputError(f"--stage-layers {','.join(map(str, stage_layers))}: layout pp={dims.pp} with "
+                                 f"{schedule} has {stages} stages; give {stages} counts that add up to the "
+                                 f"model's {m.n_layers} layers")
         if cfg.grad_accum > 1:
             raise UserInputError("grad_accum with pipeline parallelism: the schedule's microbatches are the "
                                  "accumulation; raise --microbatches instead")

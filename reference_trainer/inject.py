@@ -30,14 +30,15 @@ fault) and ``jitter_ms=J`` (each occurrence lasts ``ms`` plus a uniform draw in
 [-J, J], from a generator seeded by rank, so a run repeats).  ``rank`` is the
 global rank; without it a fault hits every rank (``comm`` defaults to rank 0).
 
-``--paced fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample]`` makes every stage's
+``--paced fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample][,scope=layer]`` makes every stage's
 forward, input-gradient backward and weight-gradient pass take a fixed time (a
 sleep that dominates the tiny model's compute): 16 ranks on 2 cores then keep
 the timing of dedicated devices, which pipeline-bubble tests need.  ``w_ms``
 sleeps in a node that only the weight gradients depend on, so zero-bubble
 schedules run it in their W pass (others in the backward); with ``per=sample``
 the times are per sample of the microbatch, so more microbatches mean less
-work each, as on a real device.
+work each, as on a real device; with ``scope=layer`` they are per transformer
+layer of the stage, so an uneven ``--stage-layers`` split makes uneven stages.
 """
 from __future__ import annotations
 
@@ -259,8 +260,10 @@ class _SleepInWeightGrad(torch.autograd.Function):
 
 def apply_paced(modules: list[nn.Module], pacing: Pacing) -> None:
     """Each stage module's forward takes ``fwd_ms`` more, its backward ``bwd_ms`` and its weight
-    gradients ``w_ms`` (times the microbatch's samples with ``per_sample``)."""
-    for m in modules:
+    gradients ``w_ms`` (times the microbatch's samples with ``per_sample``); with ``per_layer``
+    each transformer block of the stage does."""
+    targets = [block for m in modules for block in m.layers.values()] if pacing.per_layer else modules
+    for m in targets:
         _delay(m, "fwd", lambda: pacing.fwd_ms / 1e3, "mfuscope.paced/forward", pacing.per_sample)
         _delay(m, "bwd", lambda: pacing.bwd_ms / 1e3, "mfuscope.paced/backward", pacing.per_sample)
         if pacing.w_ms:

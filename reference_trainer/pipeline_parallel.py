@@ -1,7 +1,9 @@
 """Pipeline parallelism through ``torch.distributed.pipelining``.
 
-The model's layers are cut into ``pp x virtual`` contiguous stages; stage 0
-keeps the embedding, the last stage the final norm and LM head.  A rank
+The model's layers are cut into ``pp x virtual`` contiguous stages, evenly or
+as ``--stage-layers`` says (5,3: five layers on stage 0, three on stage 1, to
+balance a heavier stage); stage 0 keeps the embedding, the last stage the
+final norm and LM head.  A rank
 builds each of its stages on the meta device and cuts it there
 (:func:`build_stage`); the trainer shards it, still on meta, and then
 allocates and initializes what is left (:func:`materialize`): no rank holds
@@ -27,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mfuscope.errors import UserInputError
+
 from .config import ModelConfig
 from .model import Transformer
 from .parallel_dims import ParallelDims
@@ -45,21 +49,39 @@ def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages(schedule))]
 
 
-def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
+def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
+    """``--stage-layers 5,3`` as (5, 3); None when not given."""
+    if not text:
+        return None
+    try:
+        split = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserInputError(f"--stage-layers: cannot read {text!r}; layers per pipeline stage, e.g. 5,3") from None
+    if any(n < 1 for n in split):
+        raise UserInputError(f"--stage-layers {text}: every stage needs at least one layer")
+    return split
+
+
+def layer_ranges(n_layers: int, n_stages: int, split: tuple[int, ...] | None = None) -> list[range]:
+    """The layers of each stage: ``split`` (layers per stage, in stage order) or an even cut, the
+    first stages taking one more where it does not divide."""
     if n_layers < n_stages:
         raise ValueError(f"{n_layers} layers cannot fill {n_stages} pipeline stages")
-    base, extra = divmod(n_layers, n_stages)
+    if split is None:
+        base, extra = divmod(n_layers, n_stages)
+        split = tuple(base + (1 if s < extra else 0) for s in range(n_stages))
+    elif len(split) != n_stages or sum(split) != n_layers:
+        raise ValueError(f"stage split {split} is not {n_stages} stages of {n_layers} layers in all")
     out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
+    for size in split:
         out.append(range(start, start + size))
         start += size
     return out
 
 
-def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+def stage_module(model: nn.Module, stage: int, n_stages: int, split: tuple[int, ...] | None = None) -> nn.Module:
     """``model`` cut, in place, to what ``stage`` runs; the parameters keep their names."""
-    keep = layer_ranges(len(model.layers), n_stages)[stage]
+    keep = layer_ranges(len(model.layers), n_stages, split)[stage]
     for name in list(model.layers.keys()):
         if int(name) not in keep:
             del model.layers[name]
@@ -72,13 +94,13 @@ def stage_module(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
 
 
 def build_stage(cfg: ModelConfig, seq_len: int, seed: int, stage: int, n_stages: int,
-                device: torch.device | str) -> Transformer:
+                device: torch.device | str, split: tuple[int, ...] | None = None) -> Transformer:
     """Stage ``stage`` of ``n_stages`` (the whole model for one stage) on ``device``: built on meta
     and cut.  On the meta device it holds no values yet: the trainer shards it there (tensor and
     expert parallelism) and then :func:`materialize` s it, so a rank allocates only its part."""
     with torch.device("meta"):
         model = Transformer(cfg, seq_len, seed=seed)
-    stage_module(model, stage, n_stages)
+    stage_module(model, stage, n_stages, split)
     if torch.device(device).type != "meta":
         materialize(model, device)
     return model

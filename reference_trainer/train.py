@@ -49,6 +49,7 @@ class RunOptions:
     microbatches: int | None = None
     inject: str | None = None
     paced: str | None = None
+    stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: an even cut
     out: str | None = None         # run directory: steps, communication, GPU samples (the collectors)
     window: str | None = None      # Kineto window "START:STEPS" into RUN_DIR/traces; None: no traces
     force: bool = False            # replace an earlier run directory at ``out``
@@ -77,7 +78,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     cfg: TrainConfig = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     dims = ParallelDims.parse(opts.layout, world)
-    check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward)
+    check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward,
+              stage_layers=opts.stage_layers)
     device = _device()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -94,7 +96,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         n_stages = dims.pp * len(ids)
     else:
         ids, n_stages = [0], 1
-    modules = [pipeline_parallel.build_stage(cfg.model, cfg.seq_len, cfg.seed, s, n_stages, "meta") for s in ids]
+    modules = [pipeline_parallel.build_stage(cfg.model, cfg.seq_len, cfg.seed, s, n_stages, "meta", opts.stage_layers)
+               for s in ids]
 
     injector = Injector(parse_faults(opts.inject), rank, cfg.seed)
     paced = parse_paced(opts.paced)
@@ -255,6 +258,7 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                           manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
                                     "trainer": {"dp_mode": opts.dp_mode, "paced": opts.paced, "inject": opts.inject,
                                                 "reshard_after_forward": opts.reshard_after_forward,
+                                                "stage_layers": list(opts.stage_layers) if opts.stage_layers else None,
                                                 "window": opts.window, "schedule": opts.schedule},
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
 
@@ -345,6 +349,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--microbatches", type=int)
     p.add_argument("--inject")
     p.add_argument("--paced")
+    p.add_argument("--stage-layers", help="layers per pipeline stage, e.g. 5,3 (default: an even cut)")
     p.add_argument("--out", help="run directory (steps, communication, GPU samples)")
     p.add_argument("--window", help="Kineto trace window START:STEPS into RUN_DIR/traces, e.g. 1:3")
     p.add_argument("--force", action="store_true", help="replace an earlier run directory at --out")
@@ -354,7 +359,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     a = p.parse_args(argv)
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
                       reshard_after_forward=a.reshard_after_forward, steps=a.steps,
-                      microbatches=a.microbatches, inject=a.inject, paced=a.paced, out=a.out, window=a.window, force=a.force,
+                      microbatches=a.microbatches, inject=a.inject, paced=a.paced,
+                      stage_layers=pipeline_parallel.parse_stage_layers(a.stage_layers), out=a.out, window=a.window, force=a.force,
                       result=a.result, overrides=parse_overrides(a.set))
 
 

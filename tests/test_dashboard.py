@@ -461,6 +461,11 @@ def test_optimize_page_shows_proposals_and_what_was_applied(tab, runs):
     ran = [f for f in summary["fixes"] if f["measured_step_s"] is not None]
     assert ran and all(Path(f["run"]).name in listed for f in ran)
     tab.shot("gpipe-optimize")
+    # Each fix's run opens beside the base on the Compare page, the fix named.
+    href = tab.page.locator("#optimize-runs a.compare-fix-link").first.get_attribute("href")
+    tab.open(href, "#compare-summary-box .ag-row")
+    assert ran[0]["fix"] in tab.text("#compare-fix") and ran[0]["summary"] in tab.text("#compare-fix")
+    assert Path(ran[0]["run"]).name in tab.text("#compare-summary-box")
     tab.open("/", "#runs-grid .ag-row")
     assert Path(ran[0]["run"]).name in tab.text("#runs-grid")
 
