@@ -644,6 +644,8 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
 
     _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
                       op, dim, pg, group_ranks, nbytes, seq)
+    gloo = np.array([str(v).startswith("gloo:") for v in name_values] or [False], dtype=bool)[name_idx]
+    _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, group_ranks, gloo)
 
     columns = {
         "lane": lane, "device": device.astype(np.int16), "stream": stream.astype(np.int32), "tid": tid_col,
@@ -758,6 +760,44 @@ def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name
                     nbytes[k] = nbytes[c]
                 if seq[k] < 0 and seq[c] >= 0:
                     seq[k] = seq[c]
+
+
+#: How long after an async call returns its work may still be starting on a gloo worker thread.
+PICKUP_NS = 5_000_000
+
+
+def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, group_ranks, gloo) -> None:
+    """Give each collective a gloo worker thread runs the group of the call that issued it.
+
+    An async gloo call (DDP's bucket all-reduces, FSDP's prefetched gathers) returns at once; its
+    work runs as ``gloo:<op>`` on a worker thread, without the process group's name.  Its issuer
+    is the latest labelled call of the same op on another thread of the rank, running when the
+    work started or returned at most ``PICKUP_NS`` before (a worker's wake-up): the work inherits
+    its dimension, group and ranks.  Work that started later (queued behind other work) keeps
+    no dimension.
+    """
+    host = ~on_device
+    orphans = np.flatnonzero(host & gloo & (kind == "comm") & np.array([d is None for d in dim], dtype=bool))
+    labelled = np.flatnonzero(host & np.array([d is not None for d in dim], dtype=bool)
+                              & np.array([o is not None for o in op], dtype=bool))
+    if len(orphans) == 0 or len(labelled) == 0:
+        return
+    labelled = labelled[np.argsort(ts_ns[labelled], kind="stable")]
+    starts = ts_ns[labelled]
+    for i in orphans:
+        j = np.searchsorted(starts, ts_ns[i], side="right") - 1
+        while j >= 0:
+            c = labelled[j]
+            if tid_col[c] != tid_col[i] and op[c] == op[i]:
+                break
+            j -= 1
+        if j < 0 or ts_ns[c] + dur_ns[c] + PICKUP_NS < ts_ns[i]:
+            continue
+        dim[i] = dim[c]
+        if pg[i] is None:
+            pg[i] = pg[c]
+        if group_ranks[i] is None:
+            group_ranks[i] = group_ranks[c]
 
 
 def _nesting_layers(rows: np.ndarray, ts_ns: np.ndarray, dur_ns: np.ndarray) -> list[np.ndarray]:

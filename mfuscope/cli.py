@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="FSDP2: free the gathered weights after each forward (default: on without pp, off with pp, "
                         "where it would re-gather them for every microbatch)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="FSDP2: explicit prefetch (each block gathers the next one's weights early, async)")
     p.add_argument("--inject", default=None, help="faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
                    "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, "
                    "jitter_ms=J (docs/reference_trainer.md)")
@@ -272,7 +274,7 @@ def _check_train(args: argparse.Namespace, window: str | None) -> None:
     cfg = load_config(args.config, steps=args.steps, microbatches=args.microbatches, **parse_overrides(args.set))
     dims = ParallelDims.parse(args.layout, args.nproc * args.nnodes)
     check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward,
-              stage_layers=parse_stage_layers(args.stage_layers))
+              stage_layers=parse_stage_layers(args.stage_layers), prefetch=args.prefetch)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -289,6 +291,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     train_args = ["--config", args.config, "--schedule", args.schedule, "--dp-mode", args.dp_mode, "--out", str(out)]
     if args.reshard_after_forward is not None:
         train_args.append("--reshard-after-forward" if args.reshard_after_forward else "--no-reshard-after-forward")
+    if args.prefetch:
+        train_args.append("--prefetch")
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
                         ("--inject", args.inject), ("--paced", args.paced), ("--stage-layers", args.stage_layers)):
         if value not in (None, ""):

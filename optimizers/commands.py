@@ -242,8 +242,9 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
         return 0
     _print_proposals(summary["fixes"])
     final = summary["final"]
-    print(f"\nbase {summary['base_step_s']:.4g} s -> final {final['measured_step_s']:.4g} s "
-          f"({final['gain']:+.1%}) with {', '.join(final['fixes']) or 'no change'}: {final['run']}")
+    print(f"\nbase {summary['base_step_s']:.4g} s (MFU {_pct(summary['base_mfu'])}) -> final "
+          f"{final['measured_step_s']:.4g} s (MFU {_pct(final['measured_mfu'])}, {final['gain']:+.1%}) with "
+          f"{', '.join(final['fixes']) or 'no change'}: {final['run']}")
     print(f"written: {run.path / 'optimize.json'}, {run.path / 'optimize.md'}")
     return 0
 
@@ -290,16 +291,25 @@ def _print_proposals(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         meas = f"{r['measured_step_s']:.4g}" if r["measured_step_s"] is not None else "-"
         print(f"{r['fix']:<22} {r['predicted_step_s']:>12.4g} {r['predicted_gain']:>+10.1%} {meas:>12}  "
-              f"{r['summary']}" + (f"  [{r['note']}]" if r["note"] else ""))
+              f"{r['summary']}" + (f"; moved {r['moved']}" if r.get("moved") else "")
+              + (f"  [{r['note']}]" if r["note"] else ""))
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.3g}%"
 
 
 def _markdown(summary: dict[str, Any]) -> str:
     lines = ["# mfuscope optimize", "", f"Base run: `{summary['base_run']}`, step {summary['base_step_s']:.4g} s", "",
-             "| fix | change | predicted step (s) | measured step (s) | note |", "|---|---|---|---|---|"]
+             "| fix | change | predicted step (s) | measured step (s) | gain | MFU | leaf moved most | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in summary["fixes"]:
         meas = f"{r['measured_step_s']:.4g}" if r["measured_step_s"] is not None else "–"
-        lines.append(f"| {r['fix']} | {r['summary']} | {r['predicted_step_s']:.4g} | {meas} | {r['note']} |")
+        gain = f"{1 - r['measured_step_s'] / summary['base_step_s']:+.1%}" if r["measured_step_s"] else "–"
+        lines.append(f"| {r['fix']} | {r['summary']} | {r['predicted_step_s']:.4g} | {meas} | {gain} | "
+                     f"{_pct(r['measured_mfu'])} | {r['moved'] or '–'} | {r['note']} |")
     f = summary["final"]
-    lines += ["", f"Final: {', '.join(f['fixes']) or 'no change'}, step {f['measured_step_s']:.4g} s "
-              f"({f['gain']:+.1%}), run `{f['run']}`", ""]
+    lines += ["", f"Base: step {summary['base_step_s']:.4g} s, MFU {_pct(summary['base_mfu'])}.",
+              f"Final: {', '.join(f['fixes']) or 'no change'}, step {f['measured_step_s']:.4g} s "
+              f"({f['gain']:+.1%}), MFU {_pct(f['measured_mfu'])}, run `{f['run']}`", ""]
     return "\n".join(lines)

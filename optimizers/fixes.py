@@ -16,6 +16,7 @@ more_microbatches        a pipeline whose micro-batch can be split         m x 2
 interleaved_schedule     a pipeline on GPipe or 1F1B                        interleaved 1F1B (v=2), ZB-V
 less_recompute           recomputation on                                  selective -> none, full -> selective/none
 rebalance_stages         pipeline ranks whose measured compute differs     layers moved to the lighter stages
+overlap_dp_grads         FSDP gathers exposed, not prefetched              explicit prefetch, async gathers
 keep_weights_gathered    FSDP without a pipeline, gathers exposed          no reshard after forward
 better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
 =======================  ================================================  ==========================
@@ -124,6 +125,21 @@ def less_recompute(run: MeasuredRun) -> list[Change]:
                    {"set": f"recompute={t}"}, flags[t]) for t in targets]
 
 
+def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
+    """FSDP's parameter gathers wait in the open: gather each block's weights while the block
+    before it computes (explicit prefetch), so only what outlasts that compute stays exposed."""
+    lay = run.layout
+    if lay.dp_shard == 1 or run.training.overlap_param_gather or _measured_share(run, "comm/dp/all_gather") < 0.01:
+        return []
+    return [Change("overlap_dp_grads", "FSDP prefetches the next block's weights (async gathers)", lay,
+                   replace(run.training, overlap_param_gather=True), {"prefetch": "true"},
+                   {"torchtitan": "(FSDP2 prefetches one block ahead by default on GPU; check that "
+                                  "--parallelism.fsdp_reshard_after_forward is not forcing extra gathers)",
+                    "megatron": "--overlap-param-gather --overlap-grad-reduce (distributed optimizer)",
+                    "pytorch": "block.set_modules_to_forward_prefetch([next_block]); "
+                               "block.set_modules_to_backward_prefetch([prev_block])"})]
+
+
 def keep_weights_gathered(run: MeasuredRun) -> list[Change]:
     lay = run.layout
     if lay.dp_shard == 1 or lay.pp > 1 or run.training.reshard_after_forward is False:
@@ -197,6 +213,7 @@ CATALOGUE: dict[str, Callable[..., list[Change]]] = {
     "interleaved_schedule": interleaved_schedule,
     "rebalance_stages": rebalance_stages,
     "less_recompute": less_recompute,
+    "overlap_dp_grads": overlap_dp_grads,
     "keep_weights_gathered": keep_weights_gathered,
     "better_layout": better_layout,
 }

@@ -44,6 +44,7 @@ class MeasuredRun:
     tokens_per_s_per_gpu: float | None
     bubble_fraction: float | None
     stage_compute_s: tuple[float, ...] = ()           # compute seconds a step per pipeline rank, measured
+    mfu: float | None = None
 
     def predict(self, profile: Profile | None, layout: Layout | None = None,
                 training: Training | None = None) -> Prediction:
@@ -153,11 +154,15 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     acc = hardware.lookup(hw.get("device_name")) if hw.get("device_name") not in (None, "x86_64", "cpu") else None
     # The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive
     # before the microbatch's compute: every hop is on the critical path.  On a CPU, gloo's
-    # collectives run on the same cores as the compute they would hide behind: nothing overlaps.
+    # collectives block the calling thread and share its cores: nothing overlaps, except FSDP's
+    # gathers with --prefetch, which are issued async a block ahead (their reduce-scatters still
+    # block).
     on_gpu = acc is not None
+    prefetch = bool(trainer.get("prefetch"))
     training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
                         compiled=bool(train.get("compile")), overlap_p2p=False,
-                        overlap_grad_reduce=on_gpu, overlap_param_gather=on_gpu,
+                        overlap_grad_reduce=on_gpu, overlap_param_gather=on_gpu or prefetch,
+                        overlap_reduce_scatter=None if on_gpu else False,
                         reshard_after_forward=trainer.get("reshard_after_forward"))
     ranks = int(manifest.get("world_size") or 1)
     if acc is not None:
@@ -179,7 +184,8 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
         leaves = stages[stage_compute.index(max(stage_compute))]
     return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout, model), pacing, leaves,
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
-                       tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute)
+                       tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute,
+                       summary.get("mfu"))
 
 
 #: Pipeline ranks whose compute differs by more than this ratio are uneven stages.

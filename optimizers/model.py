@@ -160,7 +160,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
 
     # Data parallelism and the optimizer.
     params = memory_model.params_per_gpu(model, layout)
-    _data_parallel(layout, training, links, ledger, params, stage, m)
+    _data_parallel(layout, training, links, ledger, params, stage, m, _first_gathers(model, layout, layers))
     shard = layout.dp_shard if layout.dp_shard > 1 else (layout.dp if layout.zero >= 1 else 1)
     ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
     ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
@@ -210,9 +210,21 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
     return f_total, b_total
 
 
+def _first_gathers(model: ModelSpec, layout: Layout, layers: float) -> tuple[float, float]:
+    """The shares of a stage's FSDP gather that no compute can hide, (forward, backward): a pass's
+    first unit has nothing before it to overlap -- in forward the root (embedding, and the head,
+    gathered together) and the first block, whose gather starts when the root's does, since the
+    embedding is only a lookup; in backward the first block (the root stays gathered)."""
+    layer = sum(model.layer_params())
+    root = model.embedding_params() * (1.0 if layout.pp == 1 else 0.5)
+    stage = layers * layer + root
+    return min((layer + root) / stage, 1.0), min(layer / stage, 1.0)
+
+
 def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Ledger, params: float,
-                   stage: StageCompute, m: int) -> None:
-    """Book the exposed data-parallel communication of one step."""
+                   stage: StageCompute, m: int, first: tuple[float, float]) -> None:
+    """Book the exposed data-parallel communication of one step; ``first``: the shares of FSDP's
+    gather each pass exposes whatever the prefetch (:func:`_first_gathers`)."""
     grads = params * training.grad_reduce_bytes
     weights = params * training.activation_bytes
     bwd_window = stage.total("bwd") if training.overlap_grad_reduce else 0.0
@@ -226,15 +238,24 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         # run it) only the last microbatch's backward syncs and reshards: one gather, one
         # reduce-scatter a step.
         reshard = layout.pp == 1 if training.reshard_after_forward is None else training.reshard_after_forward
-        fwd_w, bwd_w = (stage.total("fwd"), stage.total("bwd")) if prefetch else (0.0, 0.0)
+        # Prefetch hides a pass's gathers behind its compute, all but the first unit's.
+        fwd_w = min(stage.total("fwd"), gather * (1 - first[0])) if prefetch else 0.0
+        bwd_w = stage.total("bwd") if prefetch else 0.0
+        bwd_gather_w = min(bwd_w, gather * (1 - first[1])) if reshard else bwd_w
+        hide_scatter = prefetch if training.overlap_reduce_scatter is None else training.overlap_reduce_scatter
         if layout.pp == 1:
             ledger.expose("dp", {"all_gather": gather}, fwd_w, m)
-            ledger.expose("dp", {"all_gather": gather if reshard else 0.0, "reduce_scatter": scatter}, bwd_w, m)
+            if hide_scatter == prefetch:
+                ledger.expose("dp", {"all_gather": gather if reshard else 0.0, "reduce_scatter": scatter},
+                              min(bwd_w, scatter + bwd_gather_w) if reshard else bwd_w, m)
+            else:
+                ledger.expose("dp", {"all_gather": gather if reshard else 0.0}, bwd_gather_w, m)
+                ledger.expose("dp", {"reduce_scatter": scatter}, stage.total("bwd") if hide_scatter else 0.0, m)
         else:
             ledger.expose("dp", {"all_gather": gather}, fwd_w, m if reshard else 1)
             if reshard:
-                ledger.expose("dp", {"all_gather": gather}, bwd_w, m)
-            ledger.expose("dp", {"reduce_scatter": scatter}, bwd_w, 1)
+                ledger.expose("dp", {"all_gather": gather}, bwd_gather_w, m)
+            ledger.expose("dp", {"reduce_scatter": scatter}, stage.total("bwd") if hide_scatter else 0.0, 1)
         if layout.dp_replicate > 1:
             reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)

@@ -44,7 +44,12 @@ class Proposal:
     predicted_gain: float            # fraction of the base's predicted step
     fits: bool | None
     memory_gib: float
+    predicted_leaves: dict[str, float]  # seconds a step, busiest GPU
+    predicted_mfu: float | None = None
     measured_step_s: float | None = None
+    measured_mfu: float | None = None
+    measured_leaves: dict[str, float] | None = None
+    moved: str | None = None             # the leaf the change moved most, measured
     run: str | None = None
     note: str = ""
 
@@ -52,7 +57,18 @@ class Proposal:
         return {"fix": self.change.fix, "summary": self.change.summary, "change": self.change.trainer,
                 "flags": self.change.flags, "predicted_step_s": self.predicted_step_s,
                 "predicted_gain": self.predicted_gain, "fits": self.fits, "memory_gib": self.memory_gib,
-                "measured_step_s": self.measured_step_s, "run": self.run, "note": self.note}
+                "predicted_leaves": self.predicted_leaves, "predicted_mfu": self.predicted_mfu,
+                "measured_step_s": self.measured_step_s, "measured_mfu": self.measured_mfu,
+                "measured_leaves": self.measured_leaves, "moved": self.moved, "run": self.run, "note": self.note}
+
+    def measured_against(self, new: measured.MeasuredRun, before: measured.MeasuredRun) -> None:
+        """Record the run this change made, against the run it was applied to."""
+        self.measured_step_s, self.run, self.measured_leaves = new.step_s, str(new.path), new.leaves
+        self.measured_mfu = new.mfu
+        names = set(new.leaves) | set(before.leaves)
+        delta = {k: new.leaves.get(k, 0.0) - before.leaves.get(k, 0.0) for k in names}
+        leaf = max(delta, key=lambda k: abs(delta[k]))
+        self.moved = f"{leaf} {delta[leaf] * 1e3:+.0f} ms"
 
 
 def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[Prediction, Profile, list[Proposal]]:
@@ -73,7 +89,8 @@ def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[Pr
             gib = p.memory.total_bytes / 2**30
             note = "" if p.memory.fits is not False else (
                 f"not applied: needs {gib:.4g} GiB, the budget is {run.system.device_bytes / 2**30:.4g}")
-            out.append(Proposal(change, p.step_s, 1 - p.step_s / base, p.memory.fits, gib, note=note))
+            leaves = {k: v for k, v in p.leaves.items() if v > 0}
+            out.append(Proposal(change, p.step_s, 1 - p.step_s / base, p.memory.fits, gib, leaves, p.mfu, note=note))
     out.sort(key=lambda pr: -pr.predicted_gain)
     return base_prediction, profile, out
 
@@ -91,6 +108,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
             "microbatches": str(sched.get("microbatches") or (manifest.get("train") or {}).get("microbatches", 1)),
             "dp_mode": trainer.get("dp_mode") or "fsdp", "paced": trainer.get("paced"), "inject": trainer.get("inject"),
             "window": trainer.get("window") or "1:"}
+    if trainer.get("prefetch"):
+        opts["prefetch"] = "true"
     if trainer.get("stage_layers"):
         opts["stage_layers"] = ",".join(map(str, trainer["stage_layers"]))
     if trainer.get("reshard_after_forward") is not None:
@@ -108,6 +127,9 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
     for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window", "stage_layers"):
         if opts.get(key):
             cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
+    shards = dict(kv.split("=") for kv in opts["layout"].split(",")).get("dp_shard", "1")
+    if opts.get("prefetch") == "true" and int(shards) > 1 and opts["dp_mode"] == "fsdp":
+        cmd.append("--prefetch")  # FSDP's switch: a layout without FSDP drops it
     if "reshard_after_forward" in opts:
         cmd.append("--reshard-after-forward" if opts["reshard_after_forward"] == "true" else "--no-reshard-after-forward")
     for item in sets:
@@ -136,7 +158,8 @@ def run_and_measure(manifest: dict[str, Any], config: Path, out: Path, change: d
     say("+ " + " ".join(cmd[2:]))
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise UserInputError(f"the trainer failed for {out.name}: {done.stderr.strip().splitlines()[-1:]}", out)
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UserInputError(f"the trainer failed (exit {done.returncode}): {last}", out)
     analyze(out, out / "report.json", out / VIEWS, use_cache=False)
     return replace(measured.load(out), system=system)
 
@@ -177,8 +200,14 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
                 f"{elapsed:.0f} s so far{left}")
             runs += 1
             change = {**applied_changes, **p.change.trainer}
-            new = run_and_measure(current_manifest, config, out_dir / name, change, say, base_run.system)
-            p.measured_step_s, p.run = new.step_s, str(new.path)
+            try:
+                new = run_and_measure(current_manifest, config, out_dir / name, change, say, base_run.system)
+            except UserInputError as e:  # the trainer refused or failed: reported, the search goes on
+                p.note = f"not measured: {e}"
+                tried.append(p)
+                say(f"round {r + 1}: {p.change.summary}: {p.note}")
+                continue
+            p.measured_against(new, current)
             measured_gain = 1 - new.step_s / current.step_s
             if measured_gain < 0:
                 p.note = f"slower: {new.step_s:.3f} s against {current.step_s:.3f} s; dropped"
@@ -197,11 +226,12 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
         current = new
         current_manifest = json.loads((new.path / "manifest.json").read_text())
         say(f"round {r + 1}: kept {p.change.summary}: step {new.step_s:.3f} s")
-    summary = {"base_run": str(base_run.path), "base_step_s": base_step,
+    summary = {"base_run": str(base_run.path), "base_step_s": base_step, "base_mfu": base_run.mfu,
                "fixes": [p.as_dict() for p in tried],
                "final": {"fixes": applied, "change": applied_changes, "measured_step_s": current.step_s,
                          "predicted_step_s": None if current is base_run else
                          next(p.predicted_step_s for p in tried if p.run == str(current.path)),
-                         "gain": 1 - current.step_s / base_step, "run": str(current.path)}}
+                         "gain": 1 - current.step_s / base_step, "measured_mfu": current.mfu,
+                         "run": str(current.path)}}
     scratch.cleanup()
     return summary

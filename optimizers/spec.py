@@ -179,7 +179,9 @@ class Training:
     matmul's output, so it re-runs half the forward GEMMs (0.5) and all elementwise work.
     ``reshard_after_forward``: FSDP frees gathered weights after forward (and gathers them again
     for backward); None is FSDP2's default as torchtitan and the reference trainer set it -- on
-    without a pipeline, off with one."""
+    without a pipeline, off with one.  ``overlap_reduce_scatter``: FSDP's gradient reduce-scatter
+    hides behind the backward; None: whenever its gathers do (``overlap_param_gather``), as on a
+    GPU's separate stream."""
 
     seq_len: int
     dtype: str = "bf16"
@@ -193,6 +195,7 @@ class Training:
     grad_reduce_bytes: int = 4
     selective_gemm_fraction: float = 0.0
     reshard_after_forward: bool | None = None
+    overlap_reduce_scatter: bool | None = None
 
     @property
     def activation_bytes(self) -> int:

@@ -23,7 +23,7 @@ def reshard_after_forward(dims: ParallelDims, requested: bool | None) -> bool:
 
 
 def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: str,
-              reshard: bool | None, stage_layers: tuple[int, ...] | None = None) -> None:
+              reshard: bool | None, stage_layers: tuple[int, ...] | None = None, prefetch: bool = False) -> None:
     """Raise :class:`UserInputError` naming the first thing that cannot work as asked."""
     m = cfg.model
     if schedule not in SCHEDULES:
@@ -53,6 +53,9 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
                                  "config such as tiny_moe, or drop ep")
         if m.n_experts % dims.ep:
             raise UserInputError(f"layout ep={dims.ep}: {m.n_experts} experts do not split over ep={dims.ep}")
+    if prefetch and (dp_mode != "fsdp" or dims.dp == 1):
+        raise UserInputError("--prefetch orders FSDP's parameter gathers; the layout has no FSDP "
+                             f"(dp_mode={dp_mode}, {dims.dp} data ranks)")
     if stage_layers is not None and dims.pp == 1:
         raise UserInputError("--stage-layers splits the layers over pipeline stages; the layout has no pp")
     if dims.pp > 1:

@@ -18,9 +18,16 @@ from .parallel_dims import ParallelDims
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None, ignored_params: set | None = None,
-               expert_mesh=None) -> nn.Module:
+               expert_mesh=None, prefetch: bool = False) -> nn.Module:
     """Shard ``model`` over the data ranks, except ``ignored_params``; with ``expert_mesh``, each
-    MoE's experts (already cut to this rank's slice) over that mesh first."""
+    MoE's experts (already cut to this rank's slice) over that mesh first.
+
+    ``prefetch``: each block, once its own weights are gathered, starts gathering the next
+    block's (forward) or the previous block's (backward), and every gather is issued as an async
+    op and waited for only when its block runs -- so the gather overlaps the block before it
+    (torchtitan's and FSDP2's explicit prefetching).  Without it, FSDP2's own order: each block's
+    gather starts when the block does (on a GPU a separate stream still overlaps it; on a CPU,
+    where gloo's calls block, nothing does)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dims.mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims.mesh["dp_shard_cp"]
@@ -36,10 +43,25 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: b
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if ignored_params:
         kwargs["ignored_params"] = ignored_params
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    if prefetch:
+        _prefetch(model, blocks)
     return model
+
+
+def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Explicit prefetching: the root gathers block 0 early, each block the next one in forward
+    and the previous one in backward; gathers async, waited for when their block runs."""
+    chain = [model, *blocks]
+    for here, ahead in zip(chain, chain[1:]):
+        here.set_modules_to_forward_prefetch([ahead])
+    for here, behind in zip(blocks[1:], blocks):
+        here.set_modules_to_backward_prefetch([behind])
+    for m in chain:
+        m._set_unshard_async_op(True)
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:

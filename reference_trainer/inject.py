@@ -12,10 +12,12 @@ comm        dim=tp, ms, rank (default 0)           global rank R arrives ``ms`` 
                                                    sequence-parallel all-gather in front of attention
                                                    and the MLP: its tp peers wait there
 link        dim=dp|pp|cp|ep, gbps                  a slow link: every collective on that dimension's
-                                                   groups moves its bytes at ``gbps`` gigabits/s; each
-                                                   member waits for the call to complete, then
-                                                   bytes/bandwidth more, inside the call -- the whole
-                                                   group sees long collectives, nobody arrives late
+                                                   groups moves its bytes at ``gbps`` gigabits/s: it
+                                                   completes no sooner than bytes/bandwidth after it
+                                                   was issued (a blocking call returns then; an async
+                                                   one's wait or future is held to it, so work issued
+                                                   early overlaps it) -- the whole group sees long
+                                                   collectives, nobody arrives late
 loader      ms, rank                               a data-loader stall at the start of each step (a
                                                    ``DataLoader`` region, as PyTorch names real ones)
 gc          ms, rank                               the training thread pauses with no operator running,
@@ -198,9 +200,11 @@ class Injector:
                     slow[g.group_name] = f
         if not slow:
             return
+        deadlines: dict[int, float] = {}
         for name in _COLLECTIVES:
             if hasattr(dist, name):  # all_gather_single (FSDP2's since torch 2.12) is newer than others
-                setattr(dist, name, _slowed(getattr(dist, name), slow, self))
+                setattr(dist, name, _slowed(getattr(dist, name), slow, self, deadlines))
+        _hold_works(deadlines)
 
 
 def _host_sync(module, args, out) -> None:
@@ -277,7 +281,11 @@ def apply_paced(modules: list[nn.Module], pacing: Pacing) -> None:
             m.register_forward_hook(add_weight_pass)
 
 
-def _slowed(fn, slow: dict, injector: Injector):
+def _slowed(fn, slow: dict, injector: Injector, deadlines: dict[int, float]):
+    """``fn`` on a slow link: its call completes no sooner than bytes/bandwidth after it was issued.
+    A blocking call sleeps out the rest before it returns; an async call returns at once and its
+    ``Work`` is held to the deadline when waited on or through its future (:func:`_hold_works`), so
+    work issued early (prefetch, DDP's buckets) hides the link as it would on a real one."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if fn.__name__ == "batch_isend_irecv":
@@ -289,14 +297,47 @@ def _slowed(fn, slow: dict, injector: Injector):
             tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
             nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
         fault = slow.get(getattr(group, "group_name", None))
+        issued = time.monotonic()
         out = fn(*args, **kwargs)
         if fault is None or injector.step % fault.every:
             return out
-        works = out if isinstance(out, list) else [out]
-        for w in works:
-            if isinstance(w, dist.Work):
-                w.wait()
         ms = fault.jitter_ms and injector._rng.uniform(-fault.jitter_ms, fault.jitter_ms)
-        time.sleep(max(nbytes * 8 / (fault.gbps * 1e9) + ms / 1e3, 0.0))
+        deadline = issued + max(nbytes * 8 / (fault.gbps * 1e9) + ms / 1e3, 0.0)
+        works = [w for w in (out if isinstance(out, list) else [out]) if isinstance(w, dist.Work)]
+        if not works:
+            time.sleep(max(deadline - time.monotonic(), 0.0))
+        if len(deadlines) > 4096:  # works nobody waited for (futures only): forget the old ones
+            for key in [k for k, d in deadlines.items() if d < issued - 60]:
+                del deadlines[key]
+        for w in works:
+            deadlines[id(w)] = deadline
         return out
     return call
+
+
+def _hold_works(deadlines: dict[int, float]) -> None:
+    """``Work.wait`` and ``Work.get_future`` of a slow link's async calls end at their deadline
+    (installed before the collectors wrap ``Work.wait``, so their labels include the delay)."""
+    wait, get_future = dist.Work.wait, dist.Work.get_future
+
+    @functools.wraps(wait)
+    def held_wait(work, *args, **kwargs):
+        out = wait(work, *args, **kwargs)
+        deadline = deadlines.pop(id(work), None)
+        if deadline is not None:
+            time.sleep(max(deadline - time.monotonic(), 0.0))
+        return out
+
+    @functools.wraps(get_future)
+    def held_future(work):
+        fut = get_future(work)
+        deadline = deadlines.get(id(work))
+        if deadline is None:
+            return fut
+
+        def at_deadline(done):  # runs where the transfer completes, off the training thread
+            time.sleep(max(deadline - time.monotonic(), 0.0))
+            return done.value()
+        return fut.then(at_deadline)
+
+    dist.Work.wait, dist.Work.get_future = held_wait, held_future

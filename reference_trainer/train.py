@@ -45,6 +45,7 @@ class RunOptions:
     schedule: str = "1f1b"
     dp_mode: str = "fsdp"          # fsdp | ddp
     reshard_after_forward: bool | None = None  # None: on without pp, off with pp (checks.reshard_after_forward)
+    prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
     steps: int | None = None
     microbatches: int | None = None
     inject: str | None = None
@@ -79,7 +80,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     dims = ParallelDims.parse(opts.layout, world)
     check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward,
-              stage_layers=opts.stage_layers)
+              stage_layers=opts.stage_layers, prefetch=opts.prefetch)
     device = _device()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -146,7 +147,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         else:
             reshard = reshard_after_forward(dims, opts.reshard_after_forward)
             modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=reshard, param_dtype=param_dtype,
-                                                ignored_params=set(local_experts) or None, expert_mesh=expert_mesh)
+                                                ignored_params=set(local_experts) or None, expert_mesh=expert_mesh,
+                                                prefetch=opts.prefetch)
                        for m in modules]
     # MoE weights replicated over tp (each tp rank routes its own sequence shard): gradients summed over tp.
     tp_moe_params = tensor_parallel.moe_params(modules) if dims.tp > 1 and cfg.model.n_experts else []
@@ -259,6 +261,7 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                                     "trainer": {"dp_mode": opts.dp_mode, "paced": opts.paced, "inject": opts.inject,
                                                 "reshard_after_forward": opts.reshard_after_forward,
                                                 "stage_layers": list(opts.stage_layers) if opts.stage_layers else None,
+                                                "prefetch": opts.prefetch,
                                                 "window": opts.window, "schedule": opts.schedule},
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
 
@@ -345,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--dp-mode", default="fsdp", choices=("fsdp", "ddp"))
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="FSDP2: free gathered weights after each forward (default: on without pp, off with pp)")
+    p.add_argument("--prefetch", action="store_true", help="FSDP2: explicit forward/backward prefetch, async gathers")
     p.add_argument("--steps", type=int)
     p.add_argument("--microbatches", type=int)
     p.add_argument("--inject")
@@ -358,7 +362,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                    help="override a train setting, e.g. --set recompute=full --set dtype=bf16")
     a = p.parse_args(argv)
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
-                      reshard_after_forward=a.reshard_after_forward, steps=a.steps,
+                      reshard_after_forward=a.reshard_after_forward, prefetch=a.prefetch, steps=a.steps,
                       microbatches=a.microbatches, inject=a.inject, paced=a.paced,
                       stage_layers=pipeline_parallel.parse_stage_layers(a.stage_layers), out=a.out, window=a.window, force=a.force,
                       result=a.result, overrides=parse_overrides(a.set))

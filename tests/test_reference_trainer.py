@@ -126,6 +126,8 @@ DENSE = [
     ("ddp_cp2", 4, "dp_shard=2,cp=2", {"dp_mode": "ddp"}),
     ("fsdp2", 2, "dp_shard=2", {}),
     ("fsdp2_no_reshard", 2, "dp_shard=2", {"reshard_after_forward": False}),
+    ("fsdp2_prefetch", 2, "dp_shard=2", {"prefetch": True}),
+    ("hsdp_prefetch_accumulate", 4, "dp_replicate=2,dp_shard=2", {"prefetch": True, "overrides": {"grad_accum": 2}}),
     ("fsdp2_recompute_full", 2, "dp_shard=2", {"overrides": {"recompute": "full"}}),
     ("fsdp2_recompute_selective", 2, "dp_shard=2", {"overrides": {"recompute": "selective"}}),
     ("hsdp", 4, "dp_replicate=2,dp_shard=2", {}),
@@ -133,6 +135,9 @@ DENSE = [
     ("cp2", 2, "cp=2", {}),
     ("cp2_tp2", 4, "cp=2,tp=2", {}),
     ("3d_8ranks", 8, "dp_shard=2,tp=2,pp=2", {}),
+    # An uneven cut (optimize's rebalance_stages): stage 0 holds 3 layers and the embedding.
+    ("pp2_split31_fsdp", 4, "pp=2,dp_shard=2", {"stage_layers": (3, 1)}),
+    ("pp2_split13_gpipe", 2, "pp=2", {"schedule": "gpipe", "stage_layers": (1, 3)}),
 ]
 # Every schedule with every dimension it can be combined with (DDP is refused with pp).
 PIPELINED = [(f"{sched}_{dim}", world, f"pp=2,{extra}", {"schedule": sched})
@@ -297,6 +302,11 @@ REFUSED = [
     ("cp_chunks", "tiny_dense", 3, "cp=3", {}, "2*cp"),
     ("stages_over_layers", "tiny_dense", 4, "pp=4", {"schedule": "interleaved_1f1b"}, "8 pipeline stages"),
     ("experts_over_ep", "tiny_moe", 3, "dp_shard=3,ep=3", {}, "4 experts"),
+    ("split_not_the_layers", "tiny_dense", 2, "pp=2", {"stage_layers": (3, 2)}, "add up to the model's 4 layers"),
+    ("split_not_the_stages", "tiny_dense", 2, "pp=2", {"schedule": "interleaved_1f1b", "stage_layers": (2, 2)},
+     "has 4 stages"),
+    ("split_without_pp", "tiny_dense", 2, "dp_shard=2", {"stage_layers": (2, 2)}, "no pp"),
+    ("prefetch_without_fsdp", "tiny_dense", 2, "dp_shard=2", {"dp_mode": "ddp", "prefetch": True}, "no FSDP"),
 ]
 
 
@@ -309,7 +319,8 @@ def test_a_combination_that_cannot_work_is_refused(name, config, world, layout, 
     cfg = load_config(config, **opts.get("overrides", {}))
     with pytest.raises(UserInputError, match=words.replace("*", r"\*")):
         check_run(cfg, ParallelDims.parse(layout, world), schedule=opts.get("schedule", "1f1b"),
-                  dp_mode=opts.get("dp_mode", "fsdp"), reshard=opts.get("reshard"))
+                  dp_mode=opts.get("dp_mode", "fsdp"), reshard=opts.get("reshard"),
+                  stage_layers=opts.get("stage_layers"), prefetch=opts.get("prefetch", False))
 
 
 def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path):
@@ -324,3 +335,15 @@ def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "ep=2" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists()  # nothing was started or written
+
+
+def test_stage_layers_cut_the_model_where_asked():
+    from mfuscope.reference_trainer.pipeline_parallel import build_stage, parse_stage_layers
+
+    cfg = load_config("tiny_dense")
+    split = parse_stage_layers("3,1")
+    held = [sorted(int(n) for n in build_stage(cfg.model, cfg.seq_len, cfg.seed, s, 2, "meta", split).layers)
+            for s in range(2)]
+    assert held == [[0, 1, 2], [3]]
+    assert [sorted(int(n) for n in build_stage(cfg.model, cfg.seq_len, cfg.seed, s, 2, "meta").layers)
+            for s in range(2)] == [[0, 1], [2, 3]]
