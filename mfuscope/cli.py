@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "where it would re-gather them for every microbatch)")
     p.add_argument("--prefetch", action="store_true",
                    help="FSDP2: explicit prefetch (each block gathers the next one's weights early, async)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=None,
+                   help="DDP: gradient bucket size in MiB (default 25); smaller buckets start reducing during backward")
+    p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradients live in the buckets")
     p.add_argument("--inject", default=None, help="faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
                    "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, "
                    "jitter_ms=J (docs/reference_trainer.md)")
@@ -274,7 +277,8 @@ def _check_train(args: argparse.Namespace, window: str | None) -> None:
     cfg = load_config(args.config, steps=args.steps, microbatches=args.microbatches, **parse_overrides(args.set))
     dims = ParallelDims.parse(args.layout, args.nproc * args.nnodes)
     check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward,
-              stage_layers=parse_stage_layers(args.stage_layers), prefetch=args.prefetch)
+              stage_layers=parse_stage_layers(args.stage_layers), prefetch=args.prefetch,
+              ddp_buckets=args.ddp_bucket_mb is not None or args.grad_as_bucket_view, bucket_mb=args.ddp_bucket_mb)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -293,8 +297,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_args.append("--reshard-after-forward" if args.reshard_after_forward else "--no-reshard-after-forward")
     if args.prefetch:
         train_args.append("--prefetch")
+    if args.grad_as_bucket_view:
+        train_args.append("--grad-as-bucket-view")
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
-                        ("--inject", args.inject), ("--paced", args.paced), ("--stage-layers", args.stage_layers)):
+                        ("--inject", args.inject), ("--paced", args.paced), ("--stage-layers", args.stage_layers),
+                        ("--ddp-bucket-mb", args.ddp_bucket_mb)):
         if value not in (None, ""):
             train_args += [flag, str(value)]
     for item in args.set:

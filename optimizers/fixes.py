@@ -16,7 +16,8 @@ more_microbatches        a pipeline whose micro-batch can be split         m x 2
 interleaved_schedule     a pipeline on GPipe or 1F1B                        interleaved 1F1B (v=2), ZB-V
 less_recompute           recomputation on                                  selective -> none, full -> selective/none
 rebalance_stages         pipeline ranks whose measured compute differs     layers moved to the lighter stages
-overlap_dp_grads         FSDP gathers exposed, not prefetched              explicit prefetch, async gathers
+overlap_dp_grads         FSDP gathers exposed, not prefetched;             explicit prefetch, async gathers;
+                         DDP's all-reduce exposed in one or two buckets    a bucket a layer
 keep_weights_gathered    FSDP without a pipeline, gathers exposed          no reshard after forward
 better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
 =======================  ================================================  ==========================
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from . import planner
+from .cost import memory as memory_model
+from .model import DDP_BUCKET_BYTES
 from .measured import UNEVEN, MeasuredRun
 from .spec import Layout, Training
 
@@ -126,10 +129,14 @@ def less_recompute(run: MeasuredRun) -> list[Change]:
 
 
 def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
-    """FSDP's parameter gathers wait in the open: gather each block's weights while the block
-    before it computes (explicit prefetch), so only what outlasts that compute stays exposed."""
+    """Data-parallel communication waits in the open.  FSDP: gather each block's weights while the
+    block before it computes (explicit prefetch), so only what outlasts that compute stays
+    exposed.  DDP: gradients in one or two buckets are reduced after the backward; a bucket a
+    layer starts reducing the last layers' gradients while the first layers' are computed."""
     lay = run.layout
-    if lay.dp_shard == 1 or run.training.overlap_param_gather or _measured_share(run, "comm/dp/all_gather") < 0.01:
+    if lay.dp_shard == 1:
+        return _smaller_buckets(run)
+    if run.training.overlap_param_gather or _measured_share(run, "comm/dp/all_gather") < 0.01:
         return []
     return [Change("overlap_dp_grads", "FSDP prefetches the next block's weights (async gathers)", lay,
                    replace(run.training, overlap_param_gather=True), {"prefetch": "true"},
@@ -138,6 +145,24 @@ def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
                     "megatron": "--overlap-param-gather --overlap-grad-reduce (distributed optimizer)",
                     "pytorch": "block.set_modules_to_forward_prefetch([next_block]); "
                                "block.set_modules_to_backward_prefetch([prev_block])"})]
+
+
+def _smaller_buckets(run: MeasuredRun) -> list[Change]:
+    lay, training = run.layout, run.training
+    if lay.dp_replicate == 1 or lay.zero or _measured_share(run, "comm/dp/all_reduce") < 0.01:
+        return []
+    grads = memory_model.params_per_gpu(run.model, lay) * training.grad_reduce_bytes
+    bucket = training.grad_bucket_bytes or DDP_BUCKET_BYTES
+    if bucket < grads / 2:
+        return []  # already reducing during the backward
+    mib = max(round(grads / run.model.n_layers / 2**20, 3), 0.001)
+    return [Change("overlap_dp_grads", f"DDP buckets of {mib:g} MiB (one layer's gradients; was "
+                   f"{min(bucket, grads) / 2**20:.3g} MiB, all of them)", lay,
+                   replace(training, overlap_grad_reduce=True, grad_bucket_bytes=mib * 2**20),
+                   {"ddp_bucket_mb": f"{mib:g}"},
+                   {"torchtitan": "(torchtitan's data-parallel replicas are FSDP2/HSDP: see its prefetch)",
+                    "megatron": f"--overlap-grad-reduce --ddp-bucket-size {int(mib * 2**20 / training.grad_reduce_bytes)}",
+                    "pytorch": f"DistributedDataParallel(model, bucket_cap_mb={mib:g}, gradient_as_bucket_view=True)"})]
 
 
 def keep_weights_gathered(run: MeasuredRun) -> list[Change]:

@@ -156,14 +156,18 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     # before the microbatch's compute: every hop is on the critical path.  On a CPU, gloo's
     # collectives block the calling thread and share its cores: nothing overlaps, except FSDP's
     # gathers with --prefetch, which are issued async a block ahead (their reduce-scatters still
-    # block).
+    # block), and DDP's bucket all-reduces, which run async on gloo's worker threads (all but the
+    # last bucket can overlap the backward).
     on_gpu = acc is not None
     prefetch = bool(trainer.get("prefetch"))
+    ddp = trainer.get("dp_mode") == "ddp"
+    bucket_mb = trainer.get("ddp_bucket_mb")
     training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
                         compiled=bool(train.get("compile")), overlap_p2p=False,
-                        overlap_grad_reduce=on_gpu, overlap_param_gather=on_gpu or prefetch,
+                        overlap_grad_reduce=on_gpu or ddp, overlap_param_gather=on_gpu or prefetch,
                         overlap_reduce_scatter=None if on_gpu else False,
-                        reshard_after_forward=trainer.get("reshard_after_forward"))
+                        reshard_after_forward=trainer.get("reshard_after_forward"),
+                        grad_bucket_bytes=float(bucket_mb) * 2**20 if bucket_mb else None)
     ranks = int(manifest.get("world_size") or 1)
     if acc is not None:
         sys = system(acc.key)

@@ -210,6 +210,10 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
     return f_total, b_total
 
 
+#: DDP's default gradient bucket (``bucket_cap_mb=25``).
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
 def _first_gathers(model: ModelSpec, layout: Layout, layers: float) -> tuple[float, float]:
     """The shares of a stage's FSDP gather that no compute can hide, (forward, backward): a pass's
     first unit has nothing before it to overlap -- in forward the root (embedding, and the head,
@@ -260,8 +264,13 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
             reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)
     elif layout.dp > 1:
+        # Buckets are reduced as their gradients are ready: all but the last can hide behind the
+        # rest of the backward; the last (the first layers' gradients) is reduced after it.
+        last = min(training.grad_bucket_bytes or DDP_BUCKET_BYTES, grads) / grads if grads else 1.0
         if layout.zero == 0:
-            ledger.expose("dp", {"all_reduce": links.seconds("dp", "all_reduce", grads)}, bwd_window)
+            t = links.seconds("dp", "all_reduce", grads)
+            ledger.expose("dp", {"all_reduce": t}, min(bwd_window, t * (1 - last)))
         else:
-            ledger.expose("dp", {"reduce_scatter": links.seconds("dp", "reduce_scatter", grads)}, bwd_window)
+            t = links.seconds("dp", "reduce_scatter", grads)
+            ledger.expose("dp", {"reduce_scatter": t}, min(bwd_window, t * (1 - last)))
             ledger.expose("dp", {"all_gather": links.seconds("dp", "all_gather", weights)}, 0.0)

@@ -110,6 +110,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
             "window": trainer.get("window") or "1:"}
     if trainer.get("prefetch"):
         opts["prefetch"] = "true"
+    if trainer.get("ddp_bucket_mb"):
+        opts["ddp_bucket_mb"] = str(trainer["ddp_bucket_mb"])
     if trainer.get("stage_layers"):
         opts["stage_layers"] = ",".join(map(str, trainer["stage_layers"]))
     if trainer.get("reshard_after_forward") is not None:
@@ -127,6 +129,10 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
     for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window", "stage_layers"):
         if opts.get(key):
             cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
+    if opts.get("ddp_bucket_mb") and opts["dp_mode"] == "ddp":
+        cmd += ["--ddp-bucket-mb", opts["ddp_bucket_mb"]]
+    if trainer.get("grad_as_bucket_view") and opts["dp_mode"] == "ddp":
+        cmd.append("--grad-as-bucket-view")
     shards = dict(kv.split("=") for kv in opts["layout"].split(",")).get("dp_shard", "1")
     if opts.get("prefetch") == "true" and int(shards) > 1 and opts["dp_mode"] == "fsdp":
         cmd.append("--prefetch")  # FSDP's switch: a layout without FSDP drops it

@@ -181,7 +181,9 @@ class Training:
     for backward); None is FSDP2's default as torchtitan and the reference trainer set it -- on
     without a pipeline, off with one.  ``overlap_reduce_scatter``: FSDP's gradient reduce-scatter
     hides behind the backward; None: whenever its gathers do (``overlap_param_gather``), as on a
-    GPU's separate stream."""
+    GPU's separate stream.  ``grad_bucket_bytes``: DDP's (or the distributed optimizer's) gradient
+    bucket; None is DDP's 25 MiB.  The last bucket is reduced after the backward ends, whatever the
+    overlap."""
 
     seq_len: int
     dtype: str = "bf16"
@@ -196,6 +198,7 @@ class Training:
     selective_gemm_fraction: float = 0.0
     reshard_after_forward: bool | None = None
     overlap_reduce_scatter: bool | None = None
+    grad_bucket_bytes: float | None = None
 
     @property
     def activation_bytes(self) -> int:

@@ -23,7 +23,8 @@ def reshard_after_forward(dims: ParallelDims, requested: bool | None) -> bool:
 
 
 def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: str,
-              reshard: bool | None, stage_layers: tuple[int, ...] | None = None, prefetch: bool = False) -> None:
+              reshard: bool | None, stage_layers: tuple[int, ...] | None = None, prefetch: bool = False,
+              ddp_buckets: bool = False, bucket_mb: float | None = None) -> None:
     """Raise :class:`UserInputError` naming the first thing that cannot work as asked."""
     m = cfg.model
     if schedule not in SCHEDULES:
@@ -56,6 +57,11 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
     if prefetch and (dp_mode != "fsdp" or dims.dp == 1):
         raise UserInputError("--prefetch orders FSDP's parameter gathers; the layout has no FSDP "
                              f"(dp_mode={dp_mode}, {dims.dp} data ranks)")
+    if ddp_buckets and (dp_mode != "ddp" or dims.dp * dims.cp == 1):
+        raise UserInputError("--ddp-bucket-mb and --grad-as-bucket-view set DDP's gradient buckets; "
+                             f"the run has no DDP (dp_mode={dp_mode}, {dims.dp} data ranks)")
+    if bucket_mb is not None and bucket_mb <= 0:
+        raise UserInputError(f"--ddp-bucket-mb {bucket_mb:g}: a bucket holds a positive number of MiB")
     if stage_layers is not None and dims.pp == 1:
         raise UserInputError("--stage-layers splits the layers over pipeline stages; the layout has no pp")
     if dims.pp > 1:

@@ -64,9 +64,16 @@ def _prefetch(model: nn.Module, blocks: list[nn.Module]) -> None:
         m._set_unshard_async_op(True)
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Pure data (+context) parallelism (checks.py refuses DDP with tp, pp or ep)."""
+def apply_ddp(model: nn.Module, dims: ParallelDims, *, bucket_mb: float | None = None,
+              as_bucket_view: bool = False) -> nn.Module:
+    """Pure data (+context) parallelism (checks.py refuses DDP with tp, pp or ep).
+
+    ``bucket_mb``: DDP's gradient bucket (default 25 MiB).  Buckets are all-reduced as soon as
+    their gradients are ready, so smaller ones start during the backward and overlap it; one
+    bucket holding every gradient waits for the end.  ``as_bucket_view``: gradients live in the
+    buckets (no copy in and out)."""
     from torch.nn.parallel import DistributedDataParallel
 
     # Profiled runs see DDP's all-reduces through the collectors' comm hook (collectors/comm_timer.py).
-    return DistributedDataParallel(model, process_group=dims.mesh["dp_cp"].get_group())
+    return DistributedDataParallel(model, process_group=dims.mesh["dp_cp"].get_group(), bucket_cap_mb=bucket_mb,
+                                   gradient_as_bucket_view=as_bucket_view)

@@ -46,6 +46,8 @@ class RunOptions:
     dp_mode: str = "fsdp"          # fsdp | ddp
     reshard_after_forward: bool | None = None  # None: on without pp, off with pp (checks.reshard_after_forward)
     prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
+    ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
+    grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
     steps: int | None = None
     microbatches: int | None = None
     inject: str | None = None
@@ -80,7 +82,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     dims = ParallelDims.parse(opts.layout, world)
     check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward,
-              stage_layers=opts.stage_layers, prefetch=opts.prefetch)
+              stage_layers=opts.stage_layers, prefetch=opts.prefetch,
+              ddp_buckets=opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, bucket_mb=opts.ddp_bucket_mb)
     device = _device()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -140,7 +143,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     param_dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
     if dims.dp > 1:
         if opts.dp_mode == "ddp":
-            modules = [data_parallel.apply_ddp(m, dims) for m in modules]
+            modules = [data_parallel.apply_ddp(m, dims, bucket_mb=opts.ddp_bucket_mb,
+                                               as_bucket_view=opts.grad_as_bucket_view) for m in modules]
             if injector.of("link"):  # DDP reduces in C++; its Python hook makes the slow link reachable
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
                 modules[0].register_comm_hook(modules[0].process_group, allreduce_hook)
@@ -261,7 +265,8 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                                     "trainer": {"dp_mode": opts.dp_mode, "paced": opts.paced, "inject": opts.inject,
                                                 "reshard_after_forward": opts.reshard_after_forward,
                                                 "stage_layers": list(opts.stage_layers) if opts.stage_layers else None,
-                                                "prefetch": opts.prefetch,
+                                                "prefetch": opts.prefetch, "ddp_bucket_mb": opts.ddp_bucket_mb,
+                                                "grad_as_bucket_view": opts.grad_as_bucket_view,
                                                 "window": opts.window, "schedule": opts.schedule},
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
 
@@ -349,6 +354,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="FSDP2: free gathered weights after each forward (default: on without pp, off with pp)")
     p.add_argument("--prefetch", action="store_true", help="FSDP2: explicit forward/backward prefetch, async gathers")
+    p.add_argument("--ddp-bucket-mb", type=float, help="DDP: gradient bucket size in MiB (default 25)")
+    p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradient_as_bucket_view")
     p.add_argument("--steps", type=int)
     p.add_argument("--microbatches", type=int)
     p.add_argument("--inject")
@@ -362,7 +369,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                    help="override a train setting, e.g. --set recompute=full --set dtype=bf16")
     a = p.parse_args(argv)
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
-                      reshard_after_forward=a.reshard_after_forward, prefetch=a.prefetch, steps=a.steps,
+                      reshard_after_forward=a.reshard_after_forward, prefetch=a.prefetch,
+                      ddp_bucket_mb=a.ddp_bucket_mb, grad_as_bucket_view=a.grad_as_bucket_view, steps=a.steps,
                       microbatches=a.microbatches, inject=a.inject, paced=a.paced,
                       stage_layers=pipeline_parallel.parse_stage_layers(a.stage_layers), out=a.out, window=a.window, force=a.force,
                       result=a.result, overrides=parse_overrides(a.set))

@@ -86,14 +86,19 @@ def test_ddp_all_reduce_is_exposed_without_overlap_and_hidden_with_it():
     layout = Layout(dp_replicate=4, micro_batch=8, microbatches=2)
     params = TOY.total_params()
     exposed = predict(TOY, layout, Training(seq_len=1024, overlap_grad_reduce=False), s, IDEAL)
-    assert exposed.leaves["comm/dp/all_reduce"] == pytest.approx(2 * 3 / 4 * params * 4 / s.scale_up.bandwidth_Bps)
+    full = 2 * 3 / 4 * params * 4 / s.scale_up.bandwidth_Bps
+    assert exposed.leaves["comm/dp/all_reduce"] == pytest.approx(full)
+    # Eight buckets: seven reduce during the backward (longer than the reduction), the last after it.
+    eight = Training(seq_len=1024, grad_bucket_bytes=params * 4 / 8)
     slow = replace(IDEAL, overlap_slowdown=0.5)
-    hidden = predict(TOY, layout, Training(seq_len=1024), s, slow)
-    base = predict(TOY, layout, Training(seq_len=1024), s, IDEAL)
-    assert hidden.leaves["comm/dp/all_reduce"] == 0.0  # the backward is longer than the reduction
+    hidden = predict(TOY, layout, eight, s, slow)
+    base = predict(TOY, layout, eight, s, IDEAL)
+    assert hidden.leaves["comm/dp/all_reduce"] == pytest.approx(full / 8)
     # Hiding is not free: half the hidden time is added to the GEMMs.
-    assert hidden.leaves["compute/gemm"] - base.leaves["compute/gemm"] == pytest.approx(
-        0.5 * exposed.leaves["comm/dp/all_reduce"])
+    assert hidden.leaves["compute/gemm"] - base.leaves["compute/gemm"] == pytest.approx(0.5 * full * 7 / 8)
+    # One bucket holding every gradient is reduced after the backward: nothing hides.
+    one = Training(seq_len=1024, grad_bucket_bytes=params * 4)
+    assert predict(TOY, layout, one, s, IDEAL).leaves["comm/dp/all_reduce"] == pytest.approx(full)
 
 
 # ----------------------------------------------------------------------------- compute

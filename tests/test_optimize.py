@@ -105,6 +105,32 @@ def test_prefetch_hides_a_slow_links_gathers_as_predicted(tmp_path):
     assert fix["predicted_step_s"] == pytest.approx(fix["measured_step_s"], rel=0.25)
 
 
+def test_smaller_ddp_buckets_hide_a_slow_links_all_reduce_as_predicted(tmp_path):
+    """DDP over the same slow link: the tiny model's 0.7 MB of gradients fit one 25 MiB bucket, all
+    reduced after the backward (145 ms a step).  Buckets of one layer start reducing the last
+    layers' gradients while the first layers' are computed; the last bucket stays exposed."""
+    base = tmp_path / "ddp"
+    trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "2", "--layout", "dp_shard=2", "--dp-mode", "ddp",
+                        "--steps", "3", "--profile", "--paced", "fwd_ms=40,bwd_ms=80,scope=layer",
+                        "--inject", "link:dim=dp:gbps=0.04", "--out", str(base))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    done = _mfuscope("optimize", str(base), "--apply", "--fixes", "overlap_dp_grads", "--rounds", "1", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["final"]["fixes"] == ["overlap_dp_grads"], summary
+    fix = summary["fixes"][0]
+    assert set(fix["change"]) == {"ddp_bucket_mb"} and fix["moved"].startswith("comm/dp/all_reduce")
+    kept = Path(summary["final"]["run"])
+    assert json.loads((kept / "manifest.json").read_text())["trainer"]["ddp_bucket_mb"] == float(
+        fix["change"]["ddp_bucket_mb"])
+    before, after = (_dp_leaves(json.loads((p / "report.json").read_text()), "all_reduce") for p in (base, kept))
+    # 725 KB at 0.04 Gbit/s, once a step (every byte of gradient crosses the link once).
+    assert before == pytest.approx(0.145, rel=0.2)
+    assert after < 0.5 * before
+    assert after == pytest.approx(fix["predicted_leaves"]["comm/dp/all_reduce"], abs=0.2 * before)
+    assert fix["predicted_step_s"] == pytest.approx(fix["measured_step_s"], rel=0.25)
+
+
 def test_a_change_over_the_memory_budget_is_not_run(tmp_path):
     """Full recomputation cut to selective or none needs more activation memory than the run
     uses: with a budget between the two, the changes are listed with why, and never run."""

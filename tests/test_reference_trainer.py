@@ -124,6 +124,7 @@ DENSE = [
     ("ddp", 2, "dp_shard=2", {"dp_mode": "ddp"}),
     ("ddp_accumulate", 2, "dp_shard=2", {"dp_mode": "ddp", "overrides": {"grad_accum": 2}}),
     ("ddp_cp2", 4, "dp_shard=2,cp=2", {"dp_mode": "ddp"}),
+    ("ddp_small_buckets_view", 2, "dp_shard=2", {"dp_mode": "ddp", "ddp_bucket_mb": 0.05, "grad_as_bucket_view": True}),
     ("fsdp2", 2, "dp_shard=2", {}),
     ("fsdp2_no_reshard", 2, "dp_shard=2", {"reshard_after_forward": False}),
     ("fsdp2_prefetch", 2, "dp_shard=2", {"prefetch": True}),
@@ -205,7 +206,7 @@ def _with_kwargs(fn, **extra):
 
 
 def _no_ddp_reduction(monkeypatch):
-    monkeypatch.setattr(data_parallel, "apply_ddp", lambda model, dims: model)
+    monkeypatch.setattr(data_parallel, "apply_ddp", lambda model, dims, **kw: model)
 
 
 def _dropped_cp_chunk(monkeypatch):
@@ -219,9 +220,9 @@ def _dropped_cp_chunk(monkeypatch):
 def _positions_broadcast(monkeypatch):
     original = data_parallel.apply_ddp
 
-    def ddp(model, dims):  # positions as a buffer: DDP copies rank 0's to every rank
+    def ddp(model, dims, **kw):  # positions as a buffer: DDP copies rank 0's to every rank
         model.register_buffer("positions", model.__dict__.pop("positions"), persistent=False)
-        return original(model, dims)
+        return original(model, dims, **kw)
     monkeypatch.setattr(data_parallel, "apply_ddp", ddp)
 
 
@@ -307,6 +308,7 @@ REFUSED = [
      "has 4 stages"),
     ("split_without_pp", "tiny_dense", 2, "dp_shard=2", {"stage_layers": (2, 2)}, "no pp"),
     ("prefetch_without_fsdp", "tiny_dense", 2, "dp_shard=2", {"dp_mode": "ddp", "prefetch": True}, "no FSDP"),
+    ("buckets_without_ddp", "tiny_dense", 2, "dp_shard=2", {"ddp_buckets": True}, "no DDP"),
 ]
 
 
@@ -320,7 +322,8 @@ def test_a_combination_that_cannot_work_is_refused(name, config, world, layout, 
     with pytest.raises(UserInputError, match=words.replace("*", r"\*")):
         check_run(cfg, ParallelDims.parse(layout, world), schedule=opts.get("schedule", "1f1b"),
                   dp_mode=opts.get("dp_mode", "fsdp"), reshard=opts.get("reshard"),
-                  stage_layers=opts.get("stage_layers"), prefetch=opts.get("prefetch", False))
+                  stage_layers=opts.get("stage_layers"), prefetch=opts.get("prefetch", False),
+                  ddp_buckets=opts.get("ddp_buckets", False))
 
 
 def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path):
