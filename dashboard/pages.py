@@ -155,7 +155,10 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
         card("steps timed", f"{s.get('steps')}", f"{_traced_steps(r)} in the trace window · "
              + (f"run {s['status']}" if s.get("status") else "from traces")),
     ]
-    findings = [{"gain_ms": f["gain_s"] * 1e3, "gain": f["gain_fraction"], "title": f["title"], "fix": f["fix"]}
+    model = _model_gains(run, a)
+    findings = [{"gain_ms": f["gain_s"] * 1e3, "gain": f["gain_fraction"], "title": f["title"], "fix": f["fix"],
+                 "model_gain": model[f["fix"]].predicted_gain if f["fix"] in model else None,
+                 "model_change": model[f["fix"]].change.summary if f["fix"] in model else None}
                 for f in r.get("findings") or []]
     return html.Div([
         html.H2(f"Overview: {run.id}"),
@@ -169,14 +172,31 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
         html.Div(info_panel("Click a box of the breakdown to see it per rank."), id="node-detail"),
         _prediction_section(run, a),
         html.H3("Top findings (estimated gain per step if fixed)"),
+        html.P("The estimate bounds what the finding's time could give back; where the run has a model spec, "
+               "the cost model's predicted gain for the fix's best change (calibrated on this run) stands beside "
+               "it. The Optimize page lists every change.", className="muted") if model else None,
         grid("findings-grid", findings, [
             {"field": "gain_ms", "headerName": "gain (ms/step)", "valueFormatter": NUM, "sort": "desc",
              "minWidth": 140, "maxWidth": 170},
             {"field": "gain", "headerName": "of the step", "valueFormatter": PCT, "maxWidth": 130},
             {"field": "title", "headerName": "finding", "minWidth": 320},
-            {"field": "fix", "headerName": "fix id", "maxWidth": 200}]) if findings else
+            {"field": "fix", "headerName": "fix id", "maxWidth": 200}]
+            + ([{"field": "model_gain", "headerName": "cost model: predicted gain", "valueFormatter": PCT,
+                 "maxWidth": 190},
+                {"field": "model_change", "headerName": "its change", "minWidth": 220, **WRAP}] if model else []))
+        if findings else
         info_panel("No findings: nothing exceeded a finding's threshold."),
     ])
+
+
+def _model_gains(run: Run, a: Analysis) -> dict:
+    """Fix id -> the cost model's best proposal, for a run with a model spec (else empty)."""
+    if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
+        return {}
+    try:
+        return optimize.best_by_fix(measured.from_documents(a.report, run.manifest, run.path))
+    except (UserInputError, ValueError, KeyError):
+        return {}
 
 
 def _prediction_section(run: Run, a: Analysis) -> html.Div | None:

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "where it would re-gather them for every microbatch)")
     p.add_argument("--prefetch", action="store_true",
                    help="FSDP2: explicit prefetch (each block gathers the next one's weights early, async)")
+    p.add_argument("--keep-last-gathered", action="store_true",
+                   help="FSDP2: the last block keeps its weights gathered after forward (its backward is next)")
     p.add_argument("--ddp-bucket-mb", type=float, default=None,
                    help="DDP: gradient bucket size in MiB (default 25); smaller buckets start reducing during backward")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradients live in the buckets")
@@ -277,7 +279,7 @@ def _check_train(args: argparse.Namespace, window: str | None) -> None:
     cfg = load_config(args.config, steps=args.steps, microbatches=args.microbatches, **parse_overrides(args.set))
     dims = ParallelDims.parse(args.layout, args.nproc * args.nnodes)
     check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward,
-              stage_layers=parse_stage_layers(args.stage_layers), prefetch=args.prefetch,
+              stage_layers=parse_stage_layers(args.stage_layers), prefetch=args.prefetch or args.keep_last_gathered,
               ddp_buckets=args.ddp_bucket_mb is not None or args.grad_as_bucket_view, bucket_mb=args.ddp_bucket_mb)
 
 
@@ -297,6 +299,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_args.append("--reshard-after-forward" if args.reshard_after_forward else "--no-reshard-after-forward")
     if args.prefetch:
         train_args.append("--prefetch")
+    if args.keep_last_gathered:
+        train_args.append("--keep-last-gathered")
     if args.grad_as_bucket_view:
         train_args.append("--grad-as-bucket-view")
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
@@ -372,6 +376,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(overview.format_text(report))
+        if run and report.get("findings"):
+            from mfuscope.optimizers import commands
+            print(commands.model_gains_text(Path(args.path), report))
         print(f"\nreport written to {out}")
     if args.predict:
         if not run:

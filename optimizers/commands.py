@@ -249,6 +249,25 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
     return 0
 
 
+def model_gains_text(run_path: Path, report: dict[str, Any]) -> str:
+    """The cost model's predicted gain for each finding's fix (runs with a model spec; else '')."""
+    from . import optimize as opt
+    manifest = run_dir.read_manifest(run_path)
+    if not (manifest.get("model") and (manifest.get("train") or {}).get("seq_len")):
+        return ""
+    try:
+        best = opt.best_by_fix(measured.from_documents(report, manifest, run_path))
+    except (UserInputError, ValueError, KeyError):
+        return ""
+    rows = [(best[f].predicted_gain, f, best[f].change.summary) for f in dict.fromkeys(x["fix"] for x in report["findings"])
+            if f in best]
+    if not rows:
+        return ""
+    lines = ["\ncost model, calibrated on this run (`mfuscope optimize` to apply and measure):"]
+    lines += [f"  {gain:>+7.1%}  {fix}: {summary}" for gain, fix, summary in sorted(rows, reverse=True)]
+    return "\n".join(lines)
+
+
 def _optimize_foreign(path: Path, wanted: set[str] | None, as_json: bool) -> int:
     """Proposals for a job mfuscope cannot rerun: the report's findings with each fix's flags."""
     from mfuscope.analyzers import overview, trace_set

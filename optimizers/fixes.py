@@ -166,16 +166,27 @@ def _smaller_buckets(run: MeasuredRun) -> list[Change]:
 
 
 def keep_weights_gathered(run: MeasuredRun) -> list[Change]:
-    lay = run.layout
-    if lay.dp_shard == 1 or lay.pp > 1 or run.training.reshard_after_forward is False:
+    """FSDP reshards after forward and gathers every block again for backward: keep the last
+    block gathered (its backward comes next; torchtitan's default), or every block, memory
+    permitting (the memory check decides)."""
+    lay, training = run.layout, run.training
+    if lay.dp_shard == 1 or lay.pp > 1 or training.reshard_after_forward is False:
         return []
     if _measured_share(run, "comm/dp/all_gather") < 0.01:
         return []
-    return [Change("keep_weights_gathered", "FSDP keeps weights gathered from forward to backward",
-                   lay, replace(run.training, reshard_after_forward=False), {"reshard_after_forward": "false"},
-                   {"torchtitan": "--parallelism.fsdp_reshard_after_forward never",
-                    "megatron": "(distributed optimizer: --overlap-param-gather)",
-                    "pytorch": "fully_shard(block, reshard_after_forward=False)"})]
+    out = []
+    if not training.keep_last_gathered:
+        out.append(Change("keep_weights_gathered", "FSDP keeps the last block gathered after forward", lay,
+                          replace(training, keep_last_gathered=True), {"keep_last_gathered": "true"},
+                          {"torchtitan": "(its default: the last block is not resharded after forward)",
+                           "megatron": "(distributed optimizer: --overlap-param-gather)",
+                           "pytorch": "fully_shard(blocks[-1], reshard_after_forward=False)"}))
+    out.append(Change("keep_weights_gathered", "FSDP keeps weights gathered from forward to backward",
+                      lay, replace(training, reshard_after_forward=False), {"reshard_after_forward": "false"},
+                      {"torchtitan": "--parallelism.fsdp_reshard_after_forward never",
+                       "megatron": "(distributed optimizer: --overlap-param-gather)",
+                       "pytorch": "fully_shard(block, reshard_after_forward=False)"}))
+    return out
 
 
 def better_layout(run: MeasuredRun, profile=None) -> list[Change]:

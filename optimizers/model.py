@@ -245,20 +245,24 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         # Prefetch hides a pass's gathers behind its compute, all but the first unit's.
         fwd_w = min(stage.total("fwd"), gather * (1 - first[0])) if prefetch else 0.0
         bwd_w = stage.total("bwd") if prefetch else 0.0
-        bwd_gather_w = min(bwd_w, gather * (1 - first[1])) if reshard else bwd_w
+        # Backward gathers every block again; a last block kept gathered is one fewer, and the first
+        # gather backward then prefetches behind that block.
+        keep_last = training.keep_last_gathered
+        bwd_gather = gather * (1 - first[1]) if keep_last else gather
+        bwd_gather_w = min(bwd_w, bwd_gather if keep_last else bwd_gather * (1 - first[1])) if reshard else bwd_w
         hide_scatter = prefetch if training.overlap_reduce_scatter is None else training.overlap_reduce_scatter
         if layout.pp == 1:
             ledger.expose("dp", {"all_gather": gather}, fwd_w, m)
             if hide_scatter == prefetch:
-                ledger.expose("dp", {"all_gather": gather if reshard else 0.0, "reduce_scatter": scatter},
+                ledger.expose("dp", {"all_gather": bwd_gather if reshard else 0.0, "reduce_scatter": scatter},
                               min(bwd_w, scatter + bwd_gather_w) if reshard else bwd_w, m)
             else:
-                ledger.expose("dp", {"all_gather": gather if reshard else 0.0}, bwd_gather_w, m)
+                ledger.expose("dp", {"all_gather": bwd_gather if reshard else 0.0}, bwd_gather_w, m)
                 ledger.expose("dp", {"reduce_scatter": scatter}, stage.total("bwd") if hide_scatter else 0.0, m)
         else:
             ledger.expose("dp", {"all_gather": gather}, fwd_w, m if reshard else 1)
             if reshard:
-                ledger.expose("dp", {"all_gather": gather}, bwd_gather_w, m)
+                ledger.expose("dp", {"all_gather": bwd_gather}, bwd_gather_w, m)
             ledger.expose("dp", {"reduce_scatter": scatter}, stage.total("bwd") if hide_scatter else 0.0, 1)
         if layout.dp_replicate > 1:
             reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)

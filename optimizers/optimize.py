@@ -95,6 +95,16 @@ def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[Pr
     return base_prediction, profile, out
 
 
+def best_by_fix(run: measured.MeasuredRun) -> dict[str, Proposal]:
+    """Each fix id's most promising change that fits: the cost model's gain beside a finding's
+    estimate (the analyzers' fixed ratios know nothing of the layout)."""
+    best: dict[str, Proposal] = {}
+    for p in propose(run)[2]:
+        if p.fits is not False:
+            best.setdefault(p.change.fix, p)
+    return best
+
+
 # ----------------------------------------------------------------------------- applying
 
 def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: dict[str, str]) -> list[str]:
@@ -110,6 +120,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
             "window": trainer.get("window") or "1:"}
     if trainer.get("prefetch"):
         opts["prefetch"] = "true"
+    if trainer.get("keep_last_gathered"):
+        opts["keep_last_gathered"] = "true"
     if trainer.get("ddp_bucket_mb"):
         opts["ddp_bucket_mb"] = str(trainer["ddp_bucket_mb"])
     if trainer.get("stage_layers"):
@@ -134,8 +146,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
     if trainer.get("grad_as_bucket_view") and opts["dp_mode"] == "ddp":
         cmd.append("--grad-as-bucket-view")
     shards = dict(kv.split("=") for kv in opts["layout"].split(",")).get("dp_shard", "1")
-    if opts.get("prefetch") == "true" and int(shards) > 1 and opts["dp_mode"] == "fsdp":
-        cmd.append("--prefetch")  # FSDP's switch: a layout without FSDP drops it
+    if int(shards) > 1 and opts["dp_mode"] == "fsdp":  # FSDP's switches: a layout without FSDP drops them
+        cmd += [f"--{k.replace('_', '-')}" for k in ("prefetch", "keep_last_gathered") if opts.get(k) == "true"]
     if "reshard_after_forward" in opts:
         cmd.append("--reshard-after-forward" if opts["reshard_after_forward"] == "true" else "--no-reshard-after-forward")
     for item in sets:

@@ -183,7 +183,8 @@ class Training:
     hides behind the backward; None: whenever its gathers do (``overlap_param_gather``), as on a
     GPU's separate stream.  ``grad_bucket_bytes``: DDP's (or the distributed optimizer's) gradient
     bucket; None is DDP's 25 MiB.  The last bucket is reduced after the backward ends, whatever the
-    overlap."""
+    overlap.  ``keep_last_gathered``: FSDP does not reshard the last block after forward (its
+    backward is next), so backward gathers one block fewer."""
 
     seq_len: int
     dtype: str = "bf16"
@@ -199,6 +200,7 @@ class Training:
     reshard_after_forward: bool | None = None
     overlap_reduce_scatter: bool | None = None
     grad_bucket_bytes: float | None = None
+    keep_last_gathered: bool = False
 
     @property
     def activation_bytes(self) -> int:

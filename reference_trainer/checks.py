@@ -55,7 +55,7 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
         if m.n_experts % dims.ep:
             raise UserInputError(f"layout ep={dims.ep}: {m.n_experts} experts do not split over ep={dims.ep}")
     if prefetch and (dp_mode != "fsdp" or dims.dp == 1):
-        raise UserInputError("--prefetch orders FSDP's parameter gathers; the layout has no FSDP "
+        raise UserInputError("--prefetch and --keep-last-gathered order FSDP's parameter gathers; the layout has no FSDP "
                              f"(dp_mode={dp_mode}, {dims.dp} data ranks)")
     if ddp_buckets and (dp_mode != "ddp" or dims.dp * dims.cp == 1):
         raise UserInputError("--ddp-bucket-mb and --grad-as-bucket-view set DDP's gradient buckets; "

@@ -18,7 +18,7 @@ from .parallel_dims import ParallelDims
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None, ignored_params: set | None = None,
-               expert_mesh=None, prefetch: bool = False) -> nn.Module:
+               expert_mesh=None, prefetch: bool = False, keep_last_gathered: bool = False) -> nn.Module:
     """Shard ``model`` over the data ranks, except ``ignored_params``; with ``expert_mesh``, each
     MoE's experts (already cut to this rank's slice) over that mesh first.
 
@@ -27,7 +27,10 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: b
     op and waited for only when its block runs -- so the gather overlaps the block before it
     (torchtitan's and FSDP2's explicit prefetching).  Without it, FSDP2's own order: each block's
     gather starts when the block does (on a GPU a separate stream still overlaps it; on a CPU,
-    where gloo's calls block, nothing does)."""
+    where gloo's calls block, nothing does).
+
+    ``keep_last_gathered``: the last block keeps its weights gathered after forward (torchtitan's
+    default): its backward comes right after, so resharding it would only gather it again."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dims.mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims.mesh["dp_shard_cp"]
@@ -44,8 +47,9 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: b
     if ignored_params:
         kwargs["ignored_params"] = ignored_params
     blocks = list(model.layers.values())
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    for i, block in enumerate(blocks):
+        last = keep_last_gathered and i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if prefetch:
         _prefetch(model, blocks)

@@ -46,6 +46,7 @@ class RunOptions:
     dp_mode: str = "fsdp"          # fsdp | ddp
     reshard_after_forward: bool | None = None  # None: on without pp, off with pp (checks.reshard_after_forward)
     prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
+    keep_last_gathered: bool = False  # FSDP2: the last block is not resharded after forward
     ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
     grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
     steps: int | None = None
@@ -82,7 +83,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     dims = ParallelDims.parse(opts.layout, world)
     check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward,
-              stage_layers=opts.stage_layers, prefetch=opts.prefetch,
+              stage_layers=opts.stage_layers, prefetch=opts.prefetch or opts.keep_last_gathered,
               ddp_buckets=opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, bucket_mb=opts.ddp_bucket_mb)
     device = _device()
     if not dist.is_initialized():
@@ -152,7 +153,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             reshard = reshard_after_forward(dims, opts.reshard_after_forward)
             modules = [data_parallel.apply_fsdp(m, dims, reshard_after_forward=reshard, param_dtype=param_dtype,
                                                 ignored_params=set(local_experts) or None, expert_mesh=expert_mesh,
-                                                prefetch=opts.prefetch)
+                                                prefetch=opts.prefetch, keep_last_gathered=opts.keep_last_gathered)
                        for m in modules]
     # MoE weights replicated over tp (each tp rank routes its own sequence shard): gradients summed over tp.
     tp_moe_params = tensor_parallel.moe_params(modules) if dims.tp > 1 and cfg.model.n_experts else []
@@ -265,7 +266,8 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                                     "trainer": {"dp_mode": opts.dp_mode, "paced": opts.paced, "inject": opts.inject,
                                                 "reshard_after_forward": opts.reshard_after_forward,
                                                 "stage_layers": list(opts.stage_layers) if opts.stage_layers else None,
-                                                "prefetch": opts.prefetch, "ddp_bucket_mb": opts.ddp_bucket_mb,
+                                                "prefetch": opts.prefetch, "keep_last_gathered": opts.keep_last_gathered,
+                                                "ddp_bucket_mb": opts.ddp_bucket_mb,
                                                 "grad_as_bucket_view": opts.grad_as_bucket_view,
                                                 "window": opts.window, "schedule": opts.schedule},
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
@@ -354,6 +356,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="FSDP2: free gathered weights after each forward (default: on without pp, off with pp)")
     p.add_argument("--prefetch", action="store_true", help="FSDP2: explicit forward/backward prefetch, async gathers")
+    p.add_argument("--keep-last-gathered", action="store_true", help="FSDP2: no reshard after forward for the last block")
     p.add_argument("--ddp-bucket-mb", type=float, help="DDP: gradient bucket size in MiB (default 25)")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradient_as_bucket_view")
     p.add_argument("--steps", type=int)
@@ -370,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     a = p.parse_args(argv)
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
                       reshard_after_forward=a.reshard_after_forward, prefetch=a.prefetch,
+                      keep_last_gathered=a.keep_last_gathered,
                       ddp_bucket_mb=a.ddp_bucket_mb, grad_as_bucket_view=a.grad_as_bucket_view, steps=a.steps,
                       microbatches=a.microbatches, inject=a.inject, paced=a.paced,
                       stage_layers=pipeline_parallel.parse_stage_layers(a.stage_layers), out=a.out, window=a.window, force=a.force,

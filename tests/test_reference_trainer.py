@@ -128,6 +128,7 @@ DENSE = [
     ("fsdp2", 2, "dp_shard=2", {}),
     ("fsdp2_no_reshard", 2, "dp_shard=2", {"reshard_after_forward": False}),
     ("fsdp2_prefetch", 2, "dp_shard=2", {"prefetch": True}),
+    ("fsdp2_keep_last_gathered", 2, "dp_shard=2", {"keep_last_gathered": True}),
     ("hsdp_prefetch_accumulate", 4, "dp_replicate=2,dp_shard=2", {"prefetch": True, "overrides": {"grad_accum": 2}}),
     ("fsdp2_recompute_full", 2, "dp_shard=2", {"overrides": {"recompute": "full"}}),
     ("fsdp2_recompute_selective", 2, "dp_shard=2", {"overrides": {"recompute": "selective"}}),
