@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FSDP2: explicit prefetch (each block gathers the next one's weights early, async)")
     p.add_argument("--keep-last-gathered", action="store_true",
                    help="FSDP2: the last block keeps its weights gathered after forward (its backward is next)")
+    p.add_argument("--async-tp", action="store_true",
+                   help="micro-pipelined TP: tp collectives overlap their GEMMs (CUDA, with --set compile=true)")
     p.add_argument("--ddp-bucket-mb", type=float, default=None,
                    help="DDP: gradient bucket size in MiB (default 25); smaller buckets start reducing during backward")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradients live in the buckets")
@@ -280,7 +282,8 @@ def _check_train(args: argparse.Namespace, window: str | None) -> None:
     dims = ParallelDims.parse(args.layout, args.nproc * args.nnodes)
     check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward,
               stage_layers=parse_stage_layers(args.stage_layers), prefetch=args.prefetch or args.keep_last_gathered,
-              ddp_buckets=args.ddp_bucket_mb is not None or args.grad_as_bucket_view, bucket_mb=args.ddp_bucket_mb)
+              ddp_buckets=args.ddp_bucket_mb is not None or args.grad_as_bucket_view, bucket_mb=args.ddp_bucket_mb,
+              async_tp=args.async_tp)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -301,6 +304,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_args.append("--prefetch")
     if args.keep_last_gathered:
         train_args.append("--keep-last-gathered")
+    if args.async_tp:
+        train_args.append("--async-tp")
     if args.grad_as_bucket_view:
         train_args.append("--grad-as-bucket-view")
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),

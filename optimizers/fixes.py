@@ -18,7 +18,9 @@ less_recompute           recomputation on                                  selec
 rebalance_stages         pipeline ranks whose measured compute differs     layers moved to the lighter stages
 overlap_dp_grads         FSDP gathers exposed, not prefetched;             explicit prefetch, async gathers;
                          DDP's all-reduce exposed in one or two buckets    a bucket a layer
-keep_weights_gathered    FSDP without a pipeline, gathers exposed          no reshard after forward
+overlap_tp_comm          TP collectives exposed (GPU runs)                 async TP under torch.compile
+fuse_elementwise         norm/elementwise >= 10% of the step, eager        torch.compile per block
+keep_weights_gathered    FSDP without a pipeline, gathers exposed          last block / every block kept gathered
 better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
 =======================  ================================================  ==========================
 """
@@ -125,7 +127,7 @@ def less_recompute(run: MeasuredRun) -> list[Change]:
                            "megatron": "--recompute-granularity selective",
                            "pytorch": "checkpoint_wrapper with a selective policy"}}
     return [Change("less_recompute", f"recompute {lay.recompute} -> {t}", replace(lay, recompute=t), run.training,
-                   {"set": f"recompute={t}"}, flags[t]) for t in targets]
+                   {"set.recompute": t}, flags[t]) for t in targets]
 
 
 def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
@@ -163,6 +165,34 @@ def _smaller_buckets(run: MeasuredRun) -> list[Change]:
                    {"torchtitan": "(torchtitan's data-parallel replicas are FSDP2/HSDP: see its prefetch)",
                     "megatron": f"--overlap-grad-reduce --ddp-bucket-size {int(mib * 2**20 / training.grad_reduce_bytes)}",
                     "pytorch": f"DistributedDataParallel(model, bucket_cap_mb={mib:g}, gradient_as_bucket_view=True)"})]
+
+
+def overlap_tp_comm(run: MeasuredRun) -> list[Change]:
+    """Tensor-parallel collectives wait in the open: micro-pipelined (async) TP splits each
+    all-gather / reduce-scatter into per-rank chunks that overlap the GEMM they feed.  It runs
+    on symmetric memory under torch.compile, so it is a GPU change; a CPU run gets none."""
+    lay, training = run.layout, run.training
+    if lay.tp == 1 or training.async_tp or run.system.key == "CPU" or _measured_share(run, "comm/tp") < 0.01:
+        return []
+    trainer = {"async_tp": "true"} if training.compiled else {"async_tp": "true", "set.compile": "true"}
+    return [Change("overlap_tp_comm", "async TP: tensor-parallel collectives overlap their GEMMs (torch.compile)",
+                   lay, replace(training, async_tp=True, compiled=True), trainer,
+                   {"torchtitan": "--parallelism.enable_async_tensor_parallel --compile.enable",
+                    "megatron": "--tp-comm-overlap (Transformer Engine userbuffers)",
+                    "pytorch": "torch._inductor.config._micro_pipeline_tp = True; "
+                               "enable_symm_mem_for_group(tp_group.group_name); torch.compile"})]
+
+
+def fuse_elementwise(run: MeasuredRun) -> list[Change]:
+    """Norms, activations and residual adds run as separate memory-bound kernels: torch.compile
+    fuses each chain into one read and one write (the fused Triton kernels of ``kernels/`` are
+    the other route)."""
+    if run.training.compiled or _measured_share(run, "compute/norm_elementwise") < 0.10:
+        return []
+    return [Change("fuse_elementwise", "torch.compile each transformer block (elementwise chains fused)",
+                   run.layout, replace(run.training, compiled=True), {"set.compile": "true"},
+                   {"torchtitan": "--compile.enable", "megatron": "keep the fusions on (drop --no-bias-swiglu-fusion, "
+                    "--no-masked-softmax-fusion); --apply-rope-fusion", "pytorch": "torch.compile(block) per block"})]
 
 
 def keep_weights_gathered(run: MeasuredRun) -> list[Change]:
@@ -250,6 +280,8 @@ CATALOGUE: dict[str, Callable[..., list[Change]]] = {
     "rebalance_stages": rebalance_stages,
     "less_recompute": less_recompute,
     "overlap_dp_grads": overlap_dp_grads,
+    "overlap_tp_comm": overlap_tp_comm,
+    "fuse_elementwise": fuse_elementwise,
     "keep_weights_gathered": keep_weights_gathered,
     "better_layout": better_layout,
 }

@@ -120,6 +120,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
             "window": trainer.get("window") or "1:"}
     if trainer.get("prefetch"):
         opts["prefetch"] = "true"
+    if trainer.get("async_tp"):
+        opts["async_tp"] = "true"
     if trainer.get("keep_last_gathered"):
         opts["keep_last_gathered"] = "true"
     if trainer.get("ddp_bucket_mb"):
@@ -130,8 +132,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
         opts["reshard_after_forward"] = str(trainer["reshard_after_forward"]).lower()
     sets = []
     for key, value in change.items():
-        if key == "set":
-            sets.append(value)
+        if key.startswith("set."):  # a train setting: set.recompute -> --set recompute=...
+            sets.append(f"{key[4:]}={value}")
         else:
             opts[key] = value
     cmd = [sys.executable, "-m", "mfuscope", "train", "--config", str(config),
@@ -148,6 +150,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
     shards = dict(kv.split("=") for kv in opts["layout"].split(",")).get("dp_shard", "1")
     if int(shards) > 1 and opts["dp_mode"] == "fsdp":  # FSDP's switches: a layout without FSDP drops them
         cmd += [f"--{k.replace('_', '-')}" for k in ("prefetch", "keep_last_gathered") if opts.get(k) == "true"]
+    if opts.get("async_tp") == "true" and "tp=" in opts["layout"]:
+        cmd.append("--async-tp")
     if "reshard_after_forward" in opts:
         cmd.append("--reshard-after-forward" if opts["reshard_after_forward"] == "true" else "--no-reshard-after-forward")
     for item in sets:

@@ -8,6 +8,8 @@ silently ignore part of it.
 """
 from __future__ import annotations
 
+import torch
+
 from mfuscope.errors import UserInputError
 
 from .config import TrainConfig
@@ -24,7 +26,7 @@ def reshard_after_forward(dims: ParallelDims, requested: bool | None) -> bool:
 
 def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: str,
               reshard: bool | None, stage_layers: tuple[int, ...] | None = None, prefetch: bool = False,
-              ddp_buckets: bool = False, bucket_mb: float | None = None) -> None:
+              ddp_buckets: bool = False, bucket_mb: float | None = None, async_tp: bool = False) -> None:
     """Raise :class:`UserInputError` naming the first thing that cannot work as asked."""
     m = cfg.model
     if schedule not in SCHEDULES:
@@ -62,6 +64,11 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
                              f"the run has no DDP (dp_mode={dp_mode}, {dims.dp} data ranks)")
     if bucket_mb is not None and bucket_mb <= 0:
         raise UserInputError(f"--ddp-bucket-mb {bucket_mb:g}: a bucket holds a positive number of MiB")
+    if async_tp and (dims.tp == 1 or not cfg.compile):
+        raise UserInputError("--async-tp overlaps tensor-parallel collectives with their GEMMs inside "
+                             f"torch.compile: it needs tp > 1 (layout tp={dims.tp}) and --set compile=true")
+    if async_tp and not torch.cuda.is_available():
+        raise UserInputError("--async-tp runs on CUDA symmetric memory; this machine has no CUDA GPU")
     if stage_layers is not None and dims.pp == 1:
         raise UserInputError("--stage-layers splits the layers over pipeline stages; the layout has no pp")
     if dims.pp > 1:

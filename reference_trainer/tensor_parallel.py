@@ -77,3 +77,17 @@ def reduce_moe_grads(params: list[nn.Parameter], tp_group) -> None:
     """Sum MoE gradients over tp (after data-parallel reduction: every tp rank holds the same shard)."""
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
     all_reduce_flat(grads, tp_group)
+
+
+def enable_async_tp(tp_group, device) -> None:
+    """Micro-pipelined (async) TP, as torchtitan's ``enable_async_tensor_parallel``: inductor
+    rewrites each sequence-parallel all-gather + GEMM (and GEMM + reduce-scatter) into per-rank
+    chunks that overlap, over symmetric memory on the tp group.  Needs CUDA and torch.compile
+    (checks.py refuses it otherwise)."""
+    import torch._inductor.config as inductor
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    if device.type != "cuda":
+        raise RuntimeError("async TP needs CUDA tensors (symmetric memory)")
+    inductor._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_group.group_name)

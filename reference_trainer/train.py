@@ -47,6 +47,7 @@ class RunOptions:
     reshard_after_forward: bool | None = None  # None: on without pp, off with pp (checks.reshard_after_forward)
     prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
     keep_last_gathered: bool = False  # FSDP2: the last block is not resharded after forward
+    async_tp: bool = False         # micro-pipelined TP (CUDA, torch.compile, symmetric memory)
     ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
     grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
     steps: int | None = None
@@ -84,7 +85,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     dims = ParallelDims.parse(opts.layout, world)
     check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward,
               stage_layers=opts.stage_layers, prefetch=opts.prefetch or opts.keep_last_gathered,
-              ddp_buckets=opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, bucket_mb=opts.ddp_bucket_mb)
+              ddp_buckets=opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, bucket_mb=opts.ddp_bucket_mb,
+              async_tp=opts.async_tp)
     device = _device()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -134,6 +136,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         apply_paced(modules, paced)
     if cfg.recompute != "none":
         _apply_recompute(modules, cfg.recompute)
+    if opts.async_tp:
+        tensor_parallel.enable_async_tp(mesh["tp"].get_group(), device)
     if cfg.compile:
         # MoE layers read their rows per expert to the host (split sizes): traced into the graph as
         # data-dependent sizes instead of breaking it at every element.
@@ -267,6 +271,7 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                                                 "reshard_after_forward": opts.reshard_after_forward,
                                                 "stage_layers": list(opts.stage_layers) if opts.stage_layers else None,
                                                 "prefetch": opts.prefetch, "keep_last_gathered": opts.keep_last_gathered,
+                                                "async_tp": opts.async_tp,
                                                 "ddp_bucket_mb": opts.ddp_bucket_mb,
                                                 "grad_as_bucket_view": opts.grad_as_bucket_view,
                                                 "window": opts.window, "schedule": opts.schedule},
@@ -357,6 +362,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                    help="FSDP2: free gathered weights after each forward (default: on without pp, off with pp)")
     p.add_argument("--prefetch", action="store_true", help="FSDP2: explicit forward/backward prefetch, async gathers")
     p.add_argument("--keep-last-gathered", action="store_true", help="FSDP2: no reshard after forward for the last block")
+    p.add_argument("--async-tp", action="store_true", help="micro-pipelined TP (CUDA, with compile=true)")
     p.add_argument("--ddp-bucket-mb", type=float, help="DDP: gradient bucket size in MiB (default 25)")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradient_as_bucket_view")
     p.add_argument("--steps", type=int)
@@ -373,7 +379,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     a = p.parse_args(argv)
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
                       reshard_after_forward=a.reshard_after_forward, prefetch=a.prefetch,
-                      keep_last_gathered=a.keep_last_gathered,
+                      keep_last_gathered=a.keep_last_gathered, async_tp=a.async_tp,
                       ddp_bucket_mb=a.ddp_bucket_mb, grad_as_bucket_view=a.grad_as_bucket_view, steps=a.steps,
                       microbatches=a.microbatches, inject=a.inject, paced=a.paced,
                       stage_layers=pipeline_parallel.parse_stage_layers(a.stage_layers), out=a.out, window=a.window, force=a.force,

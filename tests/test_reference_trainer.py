@@ -310,6 +310,7 @@ REFUSED = [
     ("split_without_pp", "tiny_dense", 2, "dp_shard=2", {"stage_layers": (2, 2)}, "no pp"),
     ("prefetch_without_fsdp", "tiny_dense", 2, "dp_shard=2", {"dp_mode": "ddp", "prefetch": True}, "no FSDP"),
     ("buckets_without_ddp", "tiny_dense", 2, "dp_shard=2", {"ddp_buckets": True}, "no DDP"),
+    ("async_tp_without_compile", "tiny_dense", 2, "tp=2", {"async_tp": True}, "compile=true"),
 ]
 
 
@@ -324,7 +325,18 @@ def test_a_combination_that_cannot_work_is_refused(name, config, world, layout, 
         check_run(cfg, ParallelDims.parse(layout, world), schedule=opts.get("schedule", "1f1b"),
                   dp_mode=opts.get("dp_mode", "fsdp"), reshard=opts.get("reshard"),
                   stage_layers=opts.get("stage_layers"), prefetch=opts.get("prefetch", False),
-                  ddp_buckets=opts.get("ddp_buckets", False))
+                  ddp_buckets=opts.get("ddp_buckets", False), async_tp=opts.get("async_tp", False))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
+def test_async_tp_without_a_gpu_is_refused():
+    from mfuscope.errors import UserInputError
+    from mfuscope.reference_trainer.checks import check_run
+    from mfuscope.reference_trainer.parallel_dims import ParallelDims
+
+    with pytest.raises(UserInputError, match="no CUDA GPU"):
+        check_run(load_config("tiny_dense", compile=True), ParallelDims.parse("tp=2", 2), schedule="1f1b",
+                  dp_mode="fsdp", reshard=None, async_tp=True)
 
 
 def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path):

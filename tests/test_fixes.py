@@ -1,0 +1,94 @@
+"""The fix catalogue's rules, on measured runs built by hand: when each fix applies, what it
+changes, and how a change becomes trainer options (``optimize.trainer_command``)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mfuscope.optimizers import fixes
+from mfuscope.optimizers.measured import MeasuredRun, cpu_system
+from mfuscope.optimizers.optimize import trainer_command
+from mfuscope.optimizers.spec import Layout, ModelSpec, Training
+from mfuscope.optimizers.system import system
+
+MODEL = ModelSpec(n_layers=8, dim=64, n_heads=4, ffn_dim=128, vocab_size=256)
+
+
+def _run(layout: Layout, leaves: dict[str, float], step_s: float = 1.0, stage_compute=(), on_gpu=False,
+         training: Training | None = None) -> MeasuredRun:
+    sys_ = system("H100") if on_gpu else cpu_system(1e11, layout.gpus)
+    return MeasuredRun(Path("run"), MODEL, layout, training or Training(seq_len=32, dtype="fp32"), sys_, None, None,
+                       leaves, step_s, None, None, tuple(stage_compute))
+
+
+def test_rebalance_moves_layers_off_the_busiest_stage():
+    lay = Layout(pp=2, micro_batch=4, microbatches=2, schedule="gpipe", split=(7, 1))
+    # Layers cost the same everywhere: the even cut.
+    even = fixes.rebalance_stages(_run(lay, {"compute/other": 1.0}, stage_compute=(0.7, 0.1)))
+    assert [c.layout.split for c in even] == [(4, 4)] and even[0].trainer == {"stage_layers": "4,4"}
+    # Stage 1 carries 0.2 s besides its layer (the head, say): it keeps fewer layers.
+    heavy = fixes.rebalance_stages(_run(replace(lay, split=(4, 4)), {}, stage_compute=(0.4, 0.6)))
+    assert heavy[0].layout.split == (5, 3)  # a layer is 0.1 s: 5 x 0.1 against 0.2 + 3 x 0.1
+    assert fixes.rebalance_stages(_run(replace(lay, split=(4, 4)), {}, stage_compute=(0.4, 0.41))) == []  # balanced
+
+
+def test_async_tp_is_a_gpu_change_and_turns_compile_on():
+    lay = Layout(tp=2, micro_batch=8)
+    leaves = {"compute/gemm": 0.8, "comm/tp/all_gather": 0.1, "comm/tp/reduce_scatter": 0.1}
+    (change,) = fixes.overlap_tp_comm(_run(lay, leaves, on_gpu=True))
+    assert change.training.async_tp and change.training.compiled
+    assert change.trainer == {"async_tp": "true", "set.compile": "true"}
+    assert fixes.overlap_tp_comm(_run(lay, leaves)) == []  # a CPU run: symmetric memory needs CUDA
+    assert fixes.overlap_tp_comm(_run(lay, {"compute/gemm": 1.0}, on_gpu=True)) == []  # nothing exposed
+
+
+def test_fuse_elementwise_applies_past_a_tenth_of_the_step():
+    lay = Layout(dp_shard=2, micro_batch=4)
+    assert fixes.fuse_elementwise(_run(lay, {"compute/norm_elementwise": 0.09, "compute/gemm": 0.91})) == []
+    (change,) = fixes.fuse_elementwise(_run(lay, {"compute/norm_elementwise": 0.2, "compute/gemm": 0.8}))
+    assert change.training.compiled and change.trainer == {"set.compile": "true"}
+
+
+def test_ddp_buckets_are_proposed_only_when_everything_waits_for_the_end():
+    lay = Layout(dp_replicate=2, micro_batch=4)
+    leaves = {"compute/gemm": 0.9, "comm/dp/all_reduce": 0.1}
+    (change,) = fixes.overlap_dp_grads(_run(lay, leaves))
+    assert set(change.trainer) == {"ddp_bucket_mb"}
+    bucket = change.training.grad_bucket_bytes
+    small = replace(Training(seq_len=32, dtype="fp32"), grad_bucket_bytes=bucket)
+    assert fixes.overlap_dp_grads(_run(lay, leaves, training=small)) == []  # already a bucket a layer
+
+
+MANIFEST = {"world_size": 4, "layout": {"pp": 2, "dp_shard": 2},
+            "schedule": {"name": "1f1b", "microbatches": 4, "virtual_stages": 1},
+            "trainer": {"dp_mode": "fsdp", "schedule": "1f1b", "stage_layers": [3, 1], "prefetch": True,
+                        "window": "1:"}}
+
+
+def test_trainer_command_carries_the_run_and_drops_what_a_new_layout_cannot_take():
+    cmd = trainer_command(MANIFEST, Path("c.toml"), Path("out"), {"set.recompute": "none", "microbatches": "8"})
+    assert cmd[cmd.index("--layout") + 1] == "pp=2,dp_shard=2" and cmd[cmd.index("--microbatches") + 1] == "8"
+    assert cmd[cmd.index("--stage-layers") + 1] == "3,1" and "--prefetch" in cmd
+    assert cmd[cmd.index("--set") + 1] == "recompute=none"
+    # A new layout: the old split has the wrong stages, and without FSDP there is nothing to prefetch.
+    moved = trainer_command(MANIFEST, Path("c.toml"), Path("out"), {"layout": "tp=4", "schedule": "1f1b"})
+    assert "--stage-layers" not in moved and "--prefetch" not in moved
+    interleaved = trainer_command(MANIFEST, Path("c.toml"), Path("out"), {"schedule": "interleaved_1f1b"})
+    assert "--stage-layers" not in interleaved
+
+
+@pytest.mark.parametrize("fix", sorted(fixes.CATALOGUE))
+def test_every_fix_names_the_flags_of_three_frameworks(fix):
+    runs = [_run(Layout(pp=2, micro_batch=4, microbatches=2, schedule="gpipe", split=(7, 1)),
+                 {"compute/norm_elementwise": 0.3, "bubble": 0.3}, stage_compute=(0.7, 0.1)),
+            _run(Layout(dp_shard=2, micro_batch=4, recompute="full"), {"comm/dp/all_gather": 0.2},
+                 training=Training(seq_len=32, dtype="fp32", overlap_param_gather=False)),
+            _run(Layout(tp=2, micro_batch=8), {"comm/tp/all_gather": 0.2}, on_gpu=True)]
+    changes = [c for r in runs for c in (fixes.CATALOGUE[fix](r, None) if fix == "better_layout"
+                                         else fixes.CATALOGUE[fix](r))]
+    assert changes, fix
+    for c in changes:
+        assert set(c.flags) == {"torchtitan", "megatron", "pytorch"} and all(c.flags.values()), c
+        assert c.trainer, c
