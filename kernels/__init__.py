@@ -1,0 +1,11 @@
+"""Fused training kernels in Triton, each beside its PyTorch reference.
+
+Each operator is one module (kernels, launchers, a ``torch.library`` custom op
+with its fake and autograd), so ``torch.compile`` traces through it.  CUDA
+tensors run the Triton kernel; CPU tensors run the reference, or the kernel
+through Triton's interpreter under ``TRITON_INTERPRET=1`` (see ``_dispatch``).
+"""
+from .rms_norm import rms_norm, rms_norm_reference
+from .swiglu import swiglu, swiglu_reference
+
+__all__ = ["rms_norm", "rms_norm_reference", "swiglu", "swiglu_reference"]

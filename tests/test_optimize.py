@@ -76,23 +76,27 @@ def _dp_leaves(report: dict, op: str) -> float:
     return walk(report["breakdown"])
 
 
-def test_prefetch_hides_a_slow_links_gathers_as_predicted(tmp_path):
-    """FSDP over a slow data-parallel link (0.04 Gbit/s: each block's 148 KB gather takes 30 ms)
-    with 40/80 ms of paced compute per block: unprefetched, every gather waits in the open.  The
-    overlap fix turns on explicit prefetch; the gathers then hide behind the block before them,
-    all but each pass's first, while the reduce-scatters (blocking on a CPU) stay exposed."""
-    base = tmp_path / "fsdp"
-    trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "2", "--layout", "dp_shard=2", "--steps", "3",
-                        "--profile", "--paced", "fwd_ms=40,bwd_ms=80,scope=layer", "--inject", "link:dim=dp:gbps=0.04",
-                        "--out", str(base))
+def _overlap_over_a_slow_link(base: Path, *options: str) -> tuple[Path, dict, Path]:
+    """Two data ranks over a 0.04 Gbit/s link, paced 40/80 ms per block, then ``optimize --apply``
+    with the overlap fix alone: (base run, the fix's row of optimize.json, the run it kept)."""
+    trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "2", "--layout", "dp_shard=2", *options,
+                        "--steps", "3", "--profile", "--paced", "fwd_ms=40,bwd_ms=80,scope=layer",
+                        "--inject", "link:dim=dp:gbps=0.04", "--out", str(base))
     assert trained.returncode == 0, trained.stderr[-3000:]
     done = _mfuscope("optimize", str(base), "--apply", "--fixes", "overlap_dp_grads", "--rounds", "1", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     assert summary["final"]["fixes"] == ["overlap_dp_grads"], summary
-    fix = summary["fixes"][0]
+    return base, summary["fixes"][0], Path(summary["final"]["run"])
+
+
+def test_prefetch_hides_a_slow_links_gathers_as_predicted(tmp_path):
+    """FSDP over a slow data-parallel link (0.04 Gbit/s: each block's 148 KB gather takes 30 ms)
+    with 40/80 ms of paced compute per block: unprefetched, every gather waits in the open.  The
+    overlap fix turns on explicit prefetch; the gathers then hide behind the block before them,
+    all but each pass's first, while the reduce-scatters (blocking on a CPU) stay exposed."""
+    base, fix, kept = _overlap_over_a_slow_link(tmp_path / "fsdp")
     assert fix["change"] == {"prefetch": "true"} and fix["moved"].startswith("comm/dp/all_gather")
-    kept = Path(summary["final"]["run"])
     assert json.loads((kept / "manifest.json").read_text())["trainer"]["prefetch"] is True
     before, after = (json.loads((p / "report.json").read_text()) for p in (base, kept))
     gathers, scatters = _dp_leaves(before, "all_gather"), _dp_leaves(before, "reduce_scatter")
@@ -109,18 +113,8 @@ def test_smaller_ddp_buckets_hide_a_slow_links_all_reduce_as_predicted(tmp_path)
     """DDP over the same slow link: the tiny model's 0.7 MB of gradients fit one 25 MiB bucket, all
     reduced after the backward (145 ms a step).  Buckets of one layer start reducing the last
     layers' gradients while the first layers' are computed; the last bucket stays exposed."""
-    base = tmp_path / "ddp"
-    trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "2", "--layout", "dp_shard=2", "--dp-mode", "ddp",
-                        "--steps", "3", "--profile", "--paced", "fwd_ms=40,bwd_ms=80,scope=layer",
-                        "--inject", "link:dim=dp:gbps=0.04", "--out", str(base))
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    done = _mfuscope("optimize", str(base), "--apply", "--fixes", "overlap_dp_grads", "--rounds", "1", "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)
-    assert summary["final"]["fixes"] == ["overlap_dp_grads"], summary
-    fix = summary["fixes"][0]
+    base, fix, kept = _overlap_over_a_slow_link(tmp_path / "ddp", "--dp-mode", "ddp")
     assert set(fix["change"]) == {"ddp_bucket_mb"} and fix["moved"].startswith("comm/dp/all_reduce")
-    kept = Path(summary["final"]["run"])
     assert json.loads((kept / "manifest.json").read_text())["trainer"]["ddp_bucket_mb"] == float(
         fix["change"]["ddp_bucket_mb"])
     before, after = (_dp_leaves(json.loads((p / "report.json").read_text()), "all_reduce") for p in (base, kept))

@@ -1,0 +1,145 @@
+"""RMSNorm, fused: ``y = x * rsqrt(mean(x**2, -1) + eps) * weight``, forward and backward.
+
+Numerics follow the reference trainer's ``RMSNorm`` (``reference_trainer/model.py``):
+the row statistics in float32 whatever the input dtype, the output in
+``promote(x.dtype, weight.dtype)``.  The kernel computes in float32 throughout
+(loads cast up, the store casts down); the reference casts the normalized row
+to ``x``'s dtype before the weight multiplies it, so bf16 results differ by up
+to one bf16 rounding.
+
+Memory traffic per row of D elements (b bytes each): forward reads x and
+writes y (2Db; unfused PyTorch reads x three times and writes three
+intermediates), backward reads x and dy and writes dx (3Db) plus one float32
+partial weight gradient per program, summed afterwards -- never atomics.
+
+Backward, with x̂ = x * rstd and g = dy * weight:
+``dx = rstd * (g - x̂ * mean(g * x̂))`` and ``dweight = sum over rows of dy * x̂``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._dispatch import HAVE_TRITON, rows, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        tl.store(rstd_ptr + row, rstd)
+        tl.store(y_ptr + row * n_cols + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
+                                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        col_ok = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(0, ROWS):
+            row = pid * ROWS + i
+            ok = col_ok & (row < n_rows)
+            x = tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+            x_hat = x * rstd
+            g = dy * w
+            c = tl.sum(g * x_hat, axis=0) / n_cols
+            tl.store(dx_ptr + row * n_cols + cols, (rstd * (g - x_hat * c)).to(dx_ptr.dtype.element_ty), mask=ok)
+            dw += dy * x_hat
+        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_ok)
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """The reference trainer's RMSNorm, in PyTorch."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+def _rows_per_program(n_rows: int, device: torch.device) -> int:
+    """Rows each backward program takes: enough programs to fill a GPU, few enough that their
+    partial weight gradients (one float32 row each) stay small; a power of two, so the kernel
+    (which takes it as a constant) compiles for a handful of values only."""
+    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return triton.next_power_of_2(max(triton.cdiv(n_rows, programs), 1))
+
+
+@torch.library.custom_op("mfuscope::rms_norm_forward", mutates_args=())
+def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y, rstd): y like ``x`` in ``promote(x, weight)``, rstd float32 per row."""
+    x2 = rows(x)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if not use_triton(x2):
+        xf = x2.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+        y = (xf * rstd[:, None] * weight.float()).to(out_dtype)
+        return y.reshape(x.shape), rstd
+    n_rows, n_cols = x2.shape
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows:
+        _rms_norm_forward_kernel[(n_rows,)](x2, weight.contiguous(), y, rstd, n_cols, float(eps),
+                                            BLOCK=triton.next_power_of_2(n_cols))
+    return y.reshape(x.shape), rstd
+
+
+@_forward.register_fake
+def _(x, weight, eps):
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+            x.new_empty((n_rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("mfuscope::rms_norm_backward", mutates_args=())
+def _backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx like x, dweight like weight)."""
+    x2, dy2 = rows(x), rows(dy)
+    if not use_triton(x2):
+        x_hat = x2.float() * rstd[:, None]
+        g = dy2.float() * weight.float()
+        dx = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        return dx.to(x.dtype).reshape(x.shape), (dy2.float() * x_hat).sum(0).to(weight.dtype)
+    n_rows, n_cols = x2.shape
+    dx = torch.empty_like(x2)
+    per = _rows_per_program(n_rows, x.device)
+    programs = triton.cdiv(n_rows, per)
+    partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x.device)
+    if n_rows:
+        _rms_norm_backward_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, partial, n_rows, n_cols,
+                                               ROWS=per, BLOCK=triton.next_power_of_2(n_cols))
+    return dx.reshape(x.shape), partial.sum(0).to(weight.dtype)
+
+
+@_backward.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _autograd_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.mfuscope.rms_norm_backward(dy.contiguous(), x, weight, rstd)
+    return dx, dw, None
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """RMSNorm of ``x`` over its last dimension, scaled by ``weight`` (that dimension's size)."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]}")
+    return torch.ops.mfuscope.rms_norm_forward(x, weight, float(eps))[0]

@@ -1,0 +1,45 @@
+"""What every fused kernel's tests share: tolerances derived from the dtype, a float32 truth,
+inputs of awkward layouts, and guard buffers that catch reads and writes out of bounds (Triton's
+interpreter does no bounds checks)."""
+from __future__ import annotations
+
+import torch
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tolerance(dtype: torch.dtype, reduced: int = 1) -> float:
+    """Relative error a result may carry: one rounding of the output's dtype, plus float32
+    accumulation over ``reduced`` terms (sqrt(n) eps for a sum of random-sign errors, with a
+    factor 4 of margin)."""
+    eps32 = torch.finfo(torch.float32).eps
+    out = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    return out + 4 * eps32 * max(reduced, 1) ** 0.5
+
+
+def assert_close(actual: torch.Tensor, truth: torch.Tensor, rel: float, what: str) -> None:
+    """Elementwise |actual - truth| <= rel * (|truth| + scale), where ``scale`` is the truth's RMS:
+    entries near zero are held to the tensor's scale, not to their own."""
+    a, t = actual.double(), truth.double()
+    scale = t.pow(2).mean().sqrt().item() if t.numel() else 0.0
+    bad = (a - t).abs() > rel * (t.abs() + scale)
+    assert not torch.isnan(a).any(), f"{what}: NaN in the result"
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} entries off by more than {rel:.2e} "
+                           f"relative; worst {((a - t).abs() / (t.abs() + scale)).max().item():.2e}")
+
+
+def guarded(shape: tuple[int, ...], dtype: torch.dtype, fill: torch.Tensor | None = None,
+            pad: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a contiguous tensor of ``shape`` inside a NaN-filled buffer, the buffer)."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.full((n + 2 * pad,), float("nan"), dtype=dtype)
+    view = buf[pad:pad + n].view(shape)
+    if fill is not None:
+        view.copy_(fill)
+    return view, buf
+
+
+def guards_intact(buf: torch.Tensor, n: int, pad: int = 64) -> bool:
+    return bool(torch.isnan(buf[:pad]).all() and torch.isnan(buf[pad + n:]).all())

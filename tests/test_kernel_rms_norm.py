@@ -1,0 +1,125 @@
+"""``mfuscope.kernels.rms_norm`` (Triton, through the interpreter on CPU) against the reference
+trainer's RMSNorm in float32: output, input gradient and weight gradient, per dtype, over awkward
+shapes and layouts; the custom op's registrations; torch.compile without graph breaks; no access
+outside the tensors."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+pytest.importorskip("triton", reason="the kernels need triton (in the [torch] extra); not installed")
+
+from mfuscope.kernels import rms_norm, rms_norm_reference  # noqa: E402
+from mfuscope.kernels import rms_norm as module  # noqa: E402,F401
+from mfuscope.kernels._dispatch import use_triton  # noqa: E402
+from mfuscope.tests.kernel_checks import DTYPES, assert_close, guarded, guards_intact, tolerance  # noqa: E402
+
+SHAPES = [(1, 8), (3, 4095), (64, 128), (2, 3, 1000)]
+
+
+def _truth(x, w, dy, eps=1e-6):
+    """Output and gradients of the reference in float32, from the (rounded) inputs upcast."""
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y = rms_norm_reference(xf, wf, eps)
+    y.backward(dy.float())
+    return y.detach(), xf.grad, wf.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_backward_match_the_reference(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(dtype)
+    assert use_triton(x)  # the kernel runs, not the reference
+    y = rms_norm(x, w)
+    y.backward(dy)
+    y_true, dx_true, dw_true = _truth(x, w, dy)
+    d = shape[-1]
+    rows = x.numel() // d
+    assert y.dtype == dtype and x.grad.dtype == dtype and w.grad.dtype == dtype
+    assert_close(y, y_true, tolerance(dtype, d), "y")
+    assert_close(x.grad, dx_true, tolerance(dtype, d), "dx")
+    assert_close(w.grad, dw_true, tolerance(dtype, rows), "dweight")
+
+
+def test_non_contiguous_input_and_gradient():
+    base = torch.randn(6, 2 * 257)
+    x = base[:, ::2].requires_grad_()  # every other column: a strided view
+    w = torch.rand(257) + 0.5
+    dy = torch.randn(257, 6).t()
+    assert not x.is_contiguous() and not dy.is_contiguous()
+    y = rms_norm(x, w)
+    y.backward(dy)
+    y_true, dx_true, _ = _truth(x, w, dy)
+    assert_close(y, y_true, tolerance(torch.float32, 257), "y")
+    assert_close(x.grad, dx_true, tolerance(torch.float32, 257), "dx")
+
+
+def test_the_kernels_stay_inside_their_tensors():
+    """Inputs and outputs inside NaN-filled buffers: a read outside would put NaN into the result,
+    a write outside would overwrite the NaN around it."""
+    from mfuscope.kernels.rms_norm import _rms_norm_backward_kernel, _rms_norm_forward_kernel
+    import triton
+
+    rows, cols = 5, 33
+    block = triton.next_power_of_2(cols)
+    x, xb = guarded((rows, cols), torch.float32, torch.randn(rows, cols))
+    w, wb = guarded((cols,), torch.float32, torch.rand(cols) + 0.5)
+    y, yb = guarded((rows, cols), torch.float32)
+    rstd, rb = guarded((rows,), torch.float32)
+    _rms_norm_forward_kernel[(rows,)](x, w, y, rstd, cols, 1e-6, BLOCK=block)
+    assert not torch.isnan(y).any() and not torch.isnan(rstd).any()
+    assert all(guards_intact(b, n) for b, n in ((xb, rows * cols), (wb, cols), (yb, rows * cols), (rb, rows)))
+    dy, dyb = guarded((rows, cols), torch.float32, torch.randn(rows, cols))
+    dx, dxb = guarded((rows, cols), torch.float32)
+    partial, pb = guarded((3, cols), torch.float32, torch.zeros(3, cols))
+    _rms_norm_backward_kernel[(3,)](dy, x, w, rstd, dx, partial, rows, cols, ROWS=2, BLOCK=block)
+    assert not torch.isnan(dx).any() and not torch.isnan(partial).any()
+    assert guards_intact(dxb, rows * cols) and guards_intact(pb, 3 * cols) and guards_intact(dyb, rows * cols)
+
+
+def test_custom_op_registrations_hold():
+    x, w = torch.randn(4, 64, requires_grad=True), torch.rand(64, requires_grad=True)
+    torch.library.opcheck(torch.ops.mfuscope.rms_norm_forward.default, (x, w, 1e-6))
+    rstd = torch.rand(4) + 0.5
+    torch.library.opcheck(torch.ops.mfuscope.rms_norm_backward.default, (torch.randn(4, 64), x.detach(), w.detach(), rstd))
+
+
+def test_torch_compile_traces_it_without_a_graph_break():
+    x, w = torch.randn(4, 96, requires_grad=True), torch.rand(96, requires_grad=True)
+
+    def f(x, w):
+        return rms_norm(x, w).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled(x, w).backward()
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    f(x, w).backward()
+    assert torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
+
+
+def test_a_mismatched_weight_is_refused():
+    with pytest.raises(ValueError, match="weight of shape"):
+        rms_norm(torch.randn(2, 8), torch.ones(7))
+
+
+def test_without_the_interpreter_cpu_tensors_take_the_pytorch_path():
+    """A CPU run without TRITON_INTERPRET (any user's laptop): the ops run their PyTorch
+    implementation, with the same results."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch\n"
+              "from mfuscope.kernels import rms_norm, rms_norm_reference, swiglu, swiglu_reference\n"
+              "from mfuscope.kernels._dispatch import use_triton\n"
+              "x = torch.randn(3, 65); w = torch.rand(65) + 0.5\n"
+              "assert not use_triton(x)\n"
+              "assert torch.allclose(rms_norm(x, w), rms_norm_reference(x, w), rtol=1e-5, atol=1e-6)\n"
+              "assert torch.allclose(swiglu(x, x.flip(0)), swiglu_reference(x, x.flip(0)), rtol=1e-6, atol=1e-7)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
