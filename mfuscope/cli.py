@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FSDP2: the last block keeps its weights gathered after forward (its backward is next)")
     p.add_argument("--async-tp", action="store_true",
                    help="micro-pipelined TP: tp collectives overlap their GEMMs (CUDA, with --set compile=true)")
+    p.add_argument("--kernels", default="eager", choices=("eager", "fused"),
+                   help="fused: the model's RMSNorm and SwiGLU run mfuscope's Triton kernels (docs/kernels.md)")
     p.add_argument("--ddp-bucket-mb", type=float, default=None,
                    help="DDP: gradient bucket size in MiB (default 25); smaller buckets start reducing during backward")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradients live in the buckets")
@@ -306,6 +308,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_args.append("--keep-last-gathered")
     if args.async_tp:
         train_args.append("--async-tp")
+    if args.kernels != "eager":
+        train_args += ["--kernels", args.kernels]
     if args.grad_as_bucket_view:
         train_args.append("--grad-as-bucket-view")
     for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),

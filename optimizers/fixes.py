@@ -19,7 +19,7 @@ rebalance_stages         pipeline ranks whose measured compute differs     layer
 overlap_dp_grads         FSDP gathers exposed, not prefetched;             explicit prefetch, async gathers;
                          DDP's all-reduce exposed in one or two buckets    a bucket a layer
 overlap_tp_comm          TP collectives exposed (GPU runs)                 async TP under torch.compile
-fuse_elementwise         norm/elementwise >= 10% of the step, eager        torch.compile per block
+fuse_elementwise         norm/elementwise >= 10% of the step, eager        fused kernels; torch.compile per block
 keep_weights_gathered    FSDP without a pipeline, gathers exposed          last block / every block kept gathered
 better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
 =======================  ================================================  ==========================
@@ -189,8 +189,14 @@ def fuse_elementwise(run: MeasuredRun) -> list[Change]:
     the other route)."""
     if run.training.compiled or _measured_share(run, "compute/norm_elementwise") < 0.10:
         return []
-    return [Change("fuse_elementwise", "torch.compile each transformer block (elementwise chains fused)",
-                   run.layout, replace(run.training, compiled=True), {"set.compile": "true"},
+    fused = replace(run.training, compiled=True)
+    return [Change("fuse_elementwise", "mfuscope's fused RMSNorm and SwiGLU kernels", run.layout, fused,
+                   {"kernels": "fused"},
+                   {"torchtitan": "(Liger-style kernels: swap the norms and MLPs with mfuscope.kernels.apply(model))",
+                    "megatron": "--normalization RMSNorm with Transformer Engine, --bias-swiglu-fusion",
+                    "pytorch": "mfuscope.kernels.apply(model)"}),
+            Change("fuse_elementwise", "torch.compile each transformer block (elementwise chains fused)",
+                   run.layout, fused, {"set.compile": "true"},
                    {"torchtitan": "--compile.enable", "megatron": "keep the fusions on (drop --no-bias-swiglu-fusion, "
                     "--no-masked-softmax-fusion); --apply-rope-fusion", "pytorch": "torch.compile(block) per block"})]
 

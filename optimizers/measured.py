@@ -163,7 +163,7 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     ddp = trainer.get("dp_mode") == "ddp"
     bucket_mb = trainer.get("ddp_bucket_mb")
     training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
-                        compiled=bool(train.get("compile")), overlap_p2p=False,
+                        compiled=bool(train.get("compile")) or trainer.get("kernels") == "fused", overlap_p2p=False,
                         overlap_grad_reduce=on_gpu or ddp, overlap_param_gather=on_gpu or prefetch,
                         overlap_reduce_scatter=None if on_gpu else False,
                         reshard_after_forward=trainer.get("reshard_after_forward"),

@@ -122,6 +122,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
         opts["prefetch"] = "true"
     if trainer.get("async_tp"):
         opts["async_tp"] = "true"
+    if trainer.get("kernels") == "fused":
+        opts["kernels"] = "fused"
     if trainer.get("keep_last_gathered"):
         opts["keep_last_gathered"] = "true"
     if trainer.get("ddp_bucket_mb"):
@@ -140,7 +142,8 @@ def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: d
            "--nproc", str(manifest.get("world_size") or 1), "--out", str(out), "--force"]
     if "stage_layers" in opts and (opts["layout"] != layout or opts["schedule"] != (trainer.get("schedule") or "1f1b")):
         del opts["stage_layers"]  # a split for other stages: the new layout cuts evenly
-    for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window", "stage_layers"):
+    for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window", "stage_layers",
+                "kernels"):
         if opts.get(key):
             cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
     if opts.get("ddp_bucket_mb") and opts["dp_mode"] == "ddp":

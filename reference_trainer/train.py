@@ -48,6 +48,7 @@ class RunOptions:
     prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
     keep_last_gathered: bool = False  # FSDP2: the last block is not resharded after forward
     async_tp: bool = False         # micro-pipelined TP (CUDA, torch.compile, symmetric memory)
+    kernels: str = "eager"         # fused: mfuscope.kernels' RMSNorm and SwiGLU in place of PyTorch's
     ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
     grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
     steps: int | None = None
@@ -131,6 +132,10 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         pipeline_parallel.materialize(m, device)
     if cfg.model.n_experts and dims.ep > 1 and expert_mesh is None:
         local_experts = expert_parallel.expert_parameters(modules)
+    if opts.kernels == "fused":
+        from mfuscope.kernels import apply as fuse
+        for m in modules:
+            fuse(m, ops=("rms_norm", "swiglu"))
     injector.attach_modules(modules, ids)
     if paced:
         apply_paced(modules, paced)
@@ -271,7 +276,7 @@ def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extr
                                                 "reshard_after_forward": opts.reshard_after_forward,
                                                 "stage_layers": list(opts.stage_layers) if opts.stage_layers else None,
                                                 "prefetch": opts.prefetch, "keep_last_gathered": opts.keep_last_gathered,
-                                                "async_tp": opts.async_tp,
+                                                "async_tp": opts.async_tp, "kernels": opts.kernels,
                                                 "ddp_bucket_mb": opts.ddp_bucket_mb,
                                                 "grad_as_bucket_view": opts.grad_as_bucket_view,
                                                 "window": opts.window, "schedule": opts.schedule},
@@ -363,6 +368,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     p.add_argument("--prefetch", action="store_true", help="FSDP2: explicit forward/backward prefetch, async gathers")
     p.add_argument("--keep-last-gathered", action="store_true", help="FSDP2: no reshard after forward for the last block")
     p.add_argument("--async-tp", action="store_true", help="micro-pipelined TP (CUDA, with compile=true)")
+    p.add_argument("--kernels", default="eager", choices=("eager", "fused"), help="fused: mfuscope.kernels")
     p.add_argument("--ddp-bucket-mb", type=float, help="DDP: gradient bucket size in MiB (default 25)")
     p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradient_as_bucket_view")
     p.add_argument("--steps", type=int)
@@ -379,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     a = p.parse_args(argv)
     return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
                       reshard_after_forward=a.reshard_after_forward, prefetch=a.prefetch,
-                      keep_last_gathered=a.keep_last_gathered, async_tp=a.async_tp,
+                      keep_last_gathered=a.keep_last_gathered, async_tp=a.async_tp, kernels=a.kernels,
                       ddp_bucket_mb=a.ddp_bucket_mb, grad_as_bucket_view=a.grad_as_bucket_view, steps=a.steps,
                       microbatches=a.microbatches, inject=a.inject, paced=a.paced,
                       stage_layers=pipeline_parallel.parse_stage_layers(a.stage_layers), out=a.out, window=a.window, force=a.force,

@@ -47,8 +47,9 @@ def test_async_tp_is_a_gpu_change_and_turns_compile_on():
 def test_fuse_elementwise_applies_past_a_tenth_of_the_step():
     lay = Layout(dp_shard=2, micro_batch=4)
     assert fixes.fuse_elementwise(_run(lay, {"compute/norm_elementwise": 0.09, "compute/gemm": 0.91})) == []
-    (change,) = fixes.fuse_elementwise(_run(lay, {"compute/norm_elementwise": 0.2, "compute/gemm": 0.8}))
-    assert change.training.compiled and change.trainer == {"set.compile": "true"}
+    kernels, compiled = fixes.fuse_elementwise(_run(lay, {"compute/norm_elementwise": 0.2, "compute/gemm": 0.8}))
+    assert kernels.trainer == {"kernels": "fused"} and compiled.trainer == {"set.compile": "true"}
+    assert kernels.training.compiled and compiled.training.compiled
 
 
 def test_ddp_buckets_are_proposed_only_when_everything_waits_for_the_end():

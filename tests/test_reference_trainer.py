@@ -129,6 +129,10 @@ DENSE = [
     ("fsdp2_no_reshard", 2, "dp_shard=2", {"reshard_after_forward": False}),
     ("fsdp2_prefetch", 2, "dp_shard=2", {"prefetch": True}),
     ("fsdp2_keep_last_gathered", 2, "dp_shard=2", {"keep_last_gathered": True}),
+    # mfuscope's fused RMSNorm and SwiGLU (Triton through the interpreter on CPU): one rank, and tp=2,
+    # where the norms run sequence parallel on DTensor shards.
+    ("fused_kernels_1rank", 1, "", {"kernels": "fused"}),
+    ("fused_kernels_tp2", 2, "tp=2", {"kernels": "fused"}),
     ("hsdp_prefetch_accumulate", 4, "dp_replicate=2,dp_shard=2", {"prefetch": True, "overrides": {"grad_accum": 2}}),
     ("fsdp2_recompute_full", 2, "dp_shard=2", {"overrides": {"recompute": "full"}}),
     ("fsdp2_recompute_selective", 2, "dp_shard=2", {"overrides": {"recompute": "selective"}}),

@@ -1,0 +1,108 @@
+"""Swap a model's norms and SwiGLU feed-forwards for the fused kernels, in place, undoably.
+
+Modules are recognized by what they are, not imported by class, so this works
+on the reference trainer's model and on Hugging Face Llama-family models
+alike without either being a dependency:
+
+=============  ================================================  ======================================
+op             module                                            becomes
+=============  ================================================  ======================================
+rms_norm       a class named ``*RMSNorm`` with ``weight`` and    ``rms_norm(x, weight, eps)``
+               ``eps`` (reference trainer) or
+               ``variance_epsilon`` (Hugging Face)
+swiglu         ``w1``/``w2``/``w3`` (reference trainer: w2(silu  ``w2(swiglu(w1 x, w3 x))``
+               (w1 x) * w3 x)) or ``gate_proj``/``up_proj``/
+               ``down_proj`` with a SiLU ``act_fn`` (Hugging Face)
+=============  ================================================  ======================================
+
+Each swapped module gets an instance ``forward``; :meth:`Applied.undo` deletes
+it, so the class's own forward is back.  Under tensor parallelism a norm's
+input and weight are DTensors (sequence parallel): the kernel runs on the
+local shard and the replicated weight's gradient is marked partial, summed
+over the tensor-parallel ranks as DTensor would.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .rms_norm import rms_norm
+from .swiglu import swiglu
+
+log = logging.getLogger("mfuscope.kernels")
+
+BUILT = ("rms_norm", "swiglu")
+PLANNED = ("rope", "linear_ce")  # issue 15: not built yet
+
+
+@dataclass
+class Applied:
+    """What :func:`apply` swapped; ``undo()`` puts the modules' own forwards back."""
+
+    ops: tuple[str, ...]
+    modules: list[nn.Module] = field(default_factory=list)
+
+    def undo(self) -> None:
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+        self.modules.clear()
+
+
+def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> Applied:
+    """Swap ``model``'s modules for the fused ``ops``; returns what was swapped (``.undo()``)."""
+    unknown = set(ops) - set(BUILT) - set(PLANNED)
+    if unknown:
+        raise ValueError(f"kernels.apply: unknown ops {sorted(unknown)}; known: {', '.join(BUILT + PLANNED)}")
+    planned = [op for op in ops if op in PLANNED]
+    if planned:
+        log.warning("kernels.apply: %s not built yet; left as they are", ", ".join(planned))
+    applied = Applied(tuple(op for op in ops if op in BUILT))
+    for m in model.modules():
+        if "rms_norm" in applied.ops and _is_rms_norm(m):
+            m.forward = _fused_norm(m)
+            applied.modules.append(m)
+        elif "swiglu" in applied.ops and _swiglu_parts(m):
+            m.forward = _fused_mlp(m, *_swiglu_parts(m))
+            applied.modules.append(m)
+    return applied
+
+
+def _is_rms_norm(m: nn.Module) -> bool:
+    return (type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), nn.Parameter)
+            and (hasattr(m, "eps") or hasattr(m, "variance_epsilon")))
+
+
+def _swiglu_parts(m: nn.Module) -> tuple[str, str, str] | None:
+    """(gate, up, down) attribute names of a SwiGLU feed-forward, or None."""
+    if all(isinstance(getattr(m, a, None), nn.Module) for a in ("w1", "w2", "w3")) and type(m).__name__ == "FeedForward":
+        return "w1", "w3", "w2"
+    act = getattr(m, "act_fn", None)
+    if all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_proj", "up_proj", "down_proj")) and (
+            isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")):
+        return "gate_proj", "up_proj", "down_proj"
+    return None
+
+
+def _fused_norm(m: nn.Module):
+    eps = float(getattr(m, "eps", getattr(m, "variance_epsilon", 1e-6)))
+
+    def forward(x):
+        from torch.distributed.tensor import DTensor, Partial
+
+        w = m.weight
+        if isinstance(x, DTensor):  # sequence parallel: the local shard, a replicated weight
+            local_w = w.to_local(grad_placements=[Partial()] * w.device_mesh.ndim) if isinstance(w, DTensor) else w
+            y = rms_norm(x.to_local(), local_w, eps)
+            return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False)
+        return rms_norm(x, w, eps)
+    return forward
+
+
+def _fused_mlp(m: nn.Module, gate: str, up: str, down: str):
+    g, u, d = getattr(m, gate), getattr(m, up), getattr(m, down)
+
+    def forward(x):
+        return d(swiglu(g(x), u(x)))
+    return forward

@@ -1,0 +1,81 @@
+"""``mfuscope.kernels.apply``: the reference trainer's and Hugging Face-style modules swapped for
+the fused kernels in place (same outputs and gradients), and put back by ``undo``."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+pytest.importorskip("triton", reason="the kernels need triton (in the [torch] extra); not installed")
+
+from torch import nn  # noqa: E402
+
+from mfuscope import kernels  # noqa: E402
+from mfuscope.tests.kernel_checks import assert_close, tolerance  # noqa: E402
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_trainers_model_runs_the_kernels_and_trains_alike():
+    from mfuscope.reference_trainer.config import load_config
+    from mfuscope.reference_trainer.pipeline_parallel import build_stage
+
+    cfg = load_config("tiny_dense")
+    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, "cpu")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    eager_out, eager_grads = _grads(model, tokens)
+    applied = kernels.apply(model)
+    assert applied.ops == ("rms_norm", "swiglu")
+    kinds = {type(m).__name__ for m in applied.modules}
+    assert kinds == {"RMSNorm", "FeedForward"} and len(applied.modules) == 3 * cfg.model.n_layers + 1
+    fused_out, fused_grads = _grads(model, tokens)
+    assert_close(fused_out, eager_out, tolerance(torch.float32, cfg.model.dim * cfg.model.n_layers), "logits")
+    # A weight's gradient sums over the batch's tokens, through every layer's FFN width: float32 over that many
+    reduced = tokens.numel() * cfg.model.ffn_dim * cfg.model.n_layers
+    for name, g in eager_grads.items():
+        assert_close(fused_grads[name], g, tolerance(torch.float32, reduced), name)
+    applied.undo()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(_grads(model, tokens)[0], eager_out)
+
+
+class LlamaRMSNorm(nn.Module):  # the shape of Hugging Face's, without transformers installed
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(1 + 0.1 * torch.randn(d)), 1e-5
+
+    def forward(self, x):
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(v + self.variance_epsilon)).to(x.dtype)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(f, d, bias=False), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_hugging_face_style_modules_are_swapped_by_what_they_are():
+    torch.manual_seed(0)
+    model = nn.Sequential(LlamaRMSNorm(48), LlamaMLP(48, 96), LlamaRMSNorm(48))
+    x = torch.randn(3, 5, 48)
+    eager_out, eager_grads = _grads(model, x)
+    applied = kernels.apply(model, ops=("rms_norm", "swiglu"))
+    assert len(applied.modules) == 3
+    fused_out, fused_grads = _grads(model, x)
+    assert_close(fused_out, eager_out, tolerance(torch.float32, 96), "out")
+    for name, g in eager_grads.items():
+        assert_close(fused_grads[name], g, tolerance(torch.float32, 15 * 96), name)
+
+
+def test_unknown_ops_are_refused():
+    with pytest.raises(ValueError, match="unknown ops"):
+        kernels.apply(nn.Linear(2, 2), ops=("rms_norm", "flash"))
