@@ -8,6 +8,8 @@ through Triton's interpreter under ``TRITON_INTERPRET=1`` (see ``_dispatch``).
 from .add_rms_norm import add_rms_norm, add_rms_norm_reference
 from .apply import Applied, apply
 from .rms_norm import rms_norm, rms_norm_reference
+from .rope import apply_rope, rope_reference
 from .swiglu import swiglu, swiglu_reference
 
-__all__ = ["Applied", "apply", "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference", "swiglu", "swiglu_reference"]
+__all__ = ["Applied", "apply", "add_rms_norm", "add_rms_norm_reference", "apply_rope", "rope_reference",
+           "rms_norm", "rms_norm_reference", "swiglu", "swiglu_reference"]

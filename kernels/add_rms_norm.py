@@ -17,48 +17,49 @@ import torch
 from torch import Tensor
 
 from ._dispatch import HAVE_TRITON, rows, use_triton
-from .rms_norm import _rows_per_program, rms_norm_reference
+from .rms_norm import _rows_per_program, rms_norm_reference, tile_rows
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _add_rms_norm_forward_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, n_cols, eps,
-                                     BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        h = (tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-             + tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-        tl.store(rstd_ptr + row, rstd)
-        tl.store(h_ptr + row * n_cols + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + row * n_cols + cols, (h * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    def _add_rms_norm_forward_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, n_rows, n_cols, eps,
+                                     BLOCK: tl.constexpr, TILE: tl.constexpr):
+        row = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        rows = row[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (rows < n_rows) & (cols < n_cols)
+        h = (tl.load(x_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+             + tl.load(r_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32))
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        tl.store(rstd_ptr + row, rstd, mask=row < n_rows)
+        tl.store(h_ptr + rows * n_cols + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + rows * n_cols + cols, (h * rstd[:, None] * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _add_rms_norm_backward_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows,
-                                      n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                                      n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
         pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK)[None, :]
         col_ok = cols < n_cols
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(0, ROWS):
-            row = pid * ROWS + i
-            ok = col_ok & (row < n_rows)
-            h = tl.load(h_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-            dh = tl.load(dh_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+        for start in range(0, ROWS, TILE):
+            rows = pid * ROWS + start + tl.arange(0, TILE)[:, None]
+            ok = col_ok & (rows < n_rows)
+            h = tl.load(h_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            dh = tl.load(dh_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
             h_hat = h * rstd
             g = dy * w
-            c = tl.sum(g * h_hat, axis=0) / n_cols
-            tl.store(dx_ptr + row * n_cols + cols, (rstd * (g - h_hat * c) + dh).to(dx_ptr.dtype.element_ty),
+            c = tl.sum(g * h_hat, axis=1) / n_cols
+            tl.store(dx_ptr + rows * n_cols + cols, (rstd * (g - h_hat * c[:, None]) + dh).to(dx_ptr.dtype.element_ty),
                      mask=ok)
-            dw += dy * h_hat
-        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_ok)
+            dw += tl.sum(dy * h_hat, axis=0)
+        tl.store(dw_partial_ptr + pid * n_cols + tl.arange(0, BLOCK), dw, mask=tl.arange(0, BLOCK) < n_cols)
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
@@ -83,8 +84,10 @@ def _forward(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[T
     h = torch.empty((n_rows, n_cols), dtype=h_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
-        _add_rms_norm_forward_kernel[(n_rows,)](x2, r2, weight.contiguous(), y, h, rstd, n_cols, float(eps),
-                                                BLOCK=triton.next_power_of_2(n_cols))
+        tile = tile_rows(n_cols, n_rows)
+        _add_rms_norm_forward_kernel[(triton.cdiv(n_rows, tile),)](x2, r2, weight.contiguous(), y, h, rstd, n_rows,
+                                                                   n_cols, float(eps),
+                                                                   BLOCK=triton.next_power_of_2(n_cols), TILE=tile)
     return y.reshape(x.shape), h.reshape(x.shape), rstd
 
 
@@ -107,12 +110,12 @@ def _backward(dy: Tensor, dh: Tensor, h: Tensor, weight: Tensor, rstd: Tensor) -
         return dx.to(h.dtype).reshape(h.shape), (dy2.float() * h_hat).sum(0).to(weight.dtype)
     n_rows, n_cols = h2.shape
     dx = torch.empty_like(h2)
-    per = _rows_per_program(n_rows, h.device)
+    per, tile = _rows_per_program(n_rows, n_cols, h.device)
     programs = triton.cdiv(n_rows, per)
     partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=h.device)
     if n_rows:
         _add_rms_norm_backward_kernel[(programs,)](dy2, dh2, h2, weight.contiguous(), rstd, dx, partial, n_rows,
-                                                   n_cols, ROWS=per, BLOCK=triton.next_power_of_2(n_cols))
+                                                   n_cols, ROWS=per, BLOCK=triton.next_power_of_2(n_cols), TILE=tile)
     return dx.reshape(h.shape), partial.sum(0).to(weight.dtype)
 
 

@@ -13,10 +13,13 @@ rms_norm       a class named ``*RMSNorm`` with ``weight`` and    ``rms_norm(x, w
 swiglu         ``w1``/``w2``/``w3`` (reference trainer: w2(silu  ``w2(swiglu(w1 x, w3 x))``
                (w1 x) * w3 x)) or ``gate_proj``/``up_proj``/
                ``down_proj`` with a SiLU ``act_fn`` (Hugging Face)
+rope           an attention with ``rope_fn`` and ``theta``       ``apply_rope``'s kernel, interleaved
+               (the reference trainer's)                         pairs as the trainer's RoPE
 =============  ================================================  ======================================
 
-Each swapped module gets an instance ``forward``; :meth:`Applied.undo` deletes
-it, so the class's own forward is back.  Under tensor parallelism a norm's
+Each swapped module gets an instance ``forward`` (or ``rope_fn``);
+:meth:`Applied.undo` puts back what was there, so the class's own forward is
+back.  Under tensor parallelism a norm's
 input and weight are DTensors (sequence parallel): the kernel runs on the
 local shard and the replicated weight's gradient is marked partial, summed
 over the tensor-parallel ranks as DTensor would.
@@ -29,25 +32,38 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .rms_norm import rms_norm
+from .rope import rope_angles
 from .swiglu import swiglu
 
 log = logging.getLogger("mfuscope.kernels")
 
-BUILT = ("rms_norm", "swiglu")
-PLANNED = ("rope", "linear_ce")  # issue 15: not built yet
+BUILT = ("rms_norm", "swiglu", "rope")
+PLANNED = ("linear_ce",)  # issue 15: not built yet
+_MISSING = object()
 
 
 @dataclass
 class Applied:
-    """What :func:`apply` swapped; ``undo()`` puts the modules' own forwards back."""
+    """What :func:`apply` swapped; ``undo()`` puts the modules' own attributes back."""
 
     ops: tuple[str, ...]
-    modules: list[nn.Module] = field(default_factory=list)
+    swaps: list[tuple[nn.Module, str, object]] = field(default_factory=list)  # (module, attribute, before)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [m for m, _, _ in self.swaps]
+
+    def swap(self, m: nn.Module, name: str, value) -> None:
+        self.swaps.append((m, name, m.__dict__.get(name, _MISSING)))
+        m.__dict__[name] = value
 
     def undo(self) -> None:
-        for m in self.modules:
-            m.__dict__.pop("forward", None)
-        self.modules.clear()
+        for m, name, before in reversed(self.swaps):
+            if before is _MISSING:
+                m.__dict__.pop(name, None)
+            else:
+                m.__dict__[name] = before
+        self.swaps.clear()
 
 
 def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> Applied:
@@ -61,12 +77,21 @@ def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> 
     applied = Applied(tuple(op for op in ops if op in BUILT))
     for m in model.modules():
         if "rms_norm" in applied.ops and _is_rms_norm(m):
-            m.forward = _fused_norm(m)
-            applied.modules.append(m)
+            applied.swap(m, "forward", _fused_norm(m))
         elif "swiglu" in applied.ops and _swiglu_parts(m):
-            m.forward = _fused_mlp(m, *_swiglu_parts(m))
-            applied.modules.append(m)
+            applied.swap(m, "forward", _fused_mlp(m, *_swiglu_parts(m)))
+        elif "rope" in applied.ops and callable(m.__dict__.get("rope_fn")) and hasattr(m, "theta"):
+            applied.swap(m, "rope_fn", _fused_rope)
     return applied
+
+
+def _fused_rope(x, positions, theta):
+    """The reference trainer's ``rope(x, positions, theta)`` for x (batch, seq, heads, head_dim):
+    the kernel reads it transposed in place and writes (batch, heads, seq, head_dim)."""
+    import torch
+
+    cos, sin = rope_angles(positions, x.shape[-1], theta)
+    return torch.ops.mfuscope.rope(x.transpose(1, 2), cos, sin, True, 1.0).transpose(1, 2)
 
 
 def _is_rms_norm(m: nn.Module) -> bool:

@@ -27,36 +27,46 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        tl.store(rstd_ptr + row, rstd)
-        tl.store(y_ptr + row * n_cols + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    def _rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+                                 BLOCK: tl.constexpr, TILE: tl.constexpr):
+        # One program: TILE rows (one for wide rows, many for narrow ones), all their columns.
+        row = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        rows = row[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (rows < n_rows) & (cols < n_cols)
+        x = tl.load(x_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(rstd_ptr + row, rstd, mask=row < n_rows)
+        tl.store(y_ptr + rows * n_cols + cols, (x * rstd[:, None] * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
-                                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                                  ROWS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+        # One program: ROWS rows, TILE at a time; its share of dweight summed in float32.
         pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK)[None, :]
         col_ok = cols < n_cols
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(0, ROWS):
-            row = pid * ROWS + i
-            ok = col_ok & (row < n_rows)
-            x = tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+        for start in range(0, ROWS, TILE):
+            rows = pid * ROWS + start + tl.arange(0, TILE)[:, None]
+            ok = col_ok & (rows < n_rows)
+            x = tl.load(x_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
             x_hat = x * rstd
             g = dy * w
-            c = tl.sum(g * x_hat, axis=0) / n_cols
-            tl.store(dx_ptr + row * n_cols + cols, (rstd * (g - x_hat * c)).to(dx_ptr.dtype.element_ty), mask=ok)
-            dw += dy * x_hat
-        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_ok)
+            c = tl.sum(g * x_hat, axis=1) / n_cols
+            tl.store(dx_ptr + rows * n_cols + cols, (rstd * (g - x_hat * c[:, None])).to(dx_ptr.dtype.element_ty),
+                     mask=ok)
+            dw += tl.sum(dy * x_hat, axis=0)
+        tl.store(dw_partial_ptr + pid * n_cols + tl.arange(0, BLOCK), dw, mask=tl.arange(0, BLOCK) < n_cols)
+
+
+def tile_rows(n_cols: int, n_rows: int) -> int:
+    """Rows a program holds at once: about 4k elements (one row when rows are that wide)."""
+    return max(1, min(triton.next_power_of_2(max(n_rows, 1)), 4096 // triton.next_power_of_2(n_cols)))
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
@@ -65,12 +75,13 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
 
 
-def _rows_per_program(n_rows: int, device: torch.device) -> int:
-    """Rows each backward program takes: enough programs to fill a GPU, few enough that their
-    partial weight gradients (one float32 row each) stay small; a power of two, so the kernel
-    (which takes it as a constant) compiles for a handful of values only."""
+def _rows_per_program(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int]:
+    """(rows each backward program takes, rows it holds at once): enough programs to fill a GPU,
+    few enough that their partial weight gradients (one float32 row each) stay small; powers of
+    two, so the kernel (which takes them as constants) compiles for a handful of values only."""
     programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return triton.next_power_of_2(max(triton.cdiv(n_rows, programs), 1))
+    per = triton.next_power_of_2(max(triton.cdiv(n_rows, programs), 1))
+    return per, min(per, tile_rows(n_cols, n_rows))
 
 
 @torch.library.custom_op("mfuscope::rms_norm_forward", mutates_args=())
@@ -87,8 +98,10 @@ def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
-        _rms_norm_forward_kernel[(n_rows,)](x2, weight.contiguous(), y, rstd, n_cols, float(eps),
-                                            BLOCK=triton.next_power_of_2(n_cols))
+        tile = tile_rows(n_cols, n_rows)
+        _rms_norm_forward_kernel[(triton.cdiv(n_rows, tile),)](x2, weight.contiguous(), y, rstd, n_rows, n_cols,
+                                                               float(eps), BLOCK=triton.next_power_of_2(n_cols),
+                                                               TILE=tile)
     return y.reshape(x.shape), rstd
 
 
@@ -110,12 +123,12 @@ def _backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tens
         return dx.to(x.dtype).reshape(x.shape), (dy2.float() * x_hat).sum(0).to(weight.dtype)
     n_rows, n_cols = x2.shape
     dx = torch.empty_like(x2)
-    per = _rows_per_program(n_rows, x.device)
+    per, tile = _rows_per_program(n_rows, n_cols, x.device)
     programs = triton.cdiv(n_rows, per)
     partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x.device)
     if n_rows:
         _rms_norm_backward_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, partial, n_rows, n_cols,
-                                               ROWS=per, BLOCK=triton.next_power_of_2(n_cols))
+                                               ROWS=per, BLOCK=triton.next_power_of_2(n_cols), TILE=tile)
     return dx.reshape(x.shape), partial.sum(0).to(weight.dtype)
 
 

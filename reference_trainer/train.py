@@ -48,7 +48,7 @@ class RunOptions:
     prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
     keep_last_gathered: bool = False  # FSDP2: the last block is not resharded after forward
     async_tp: bool = False         # micro-pipelined TP (CUDA, torch.compile, symmetric memory)
-    kernels: str = "eager"         # fused: mfuscope.kernels' RMSNorm and SwiGLU in place of PyTorch's
+    kernels: str = "eager"         # fused: mfuscope.kernels (RMSNorm, SwiGLU, RoPE) in place of PyTorch
     ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
     grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
     steps: int | None = None
@@ -135,7 +135,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     if opts.kernels == "fused":
         from mfuscope.kernels import apply as fuse
         for m in modules:
-            fuse(m, ops=("rms_norm", "swiglu"))
+            fuse(m, ops=("rms_norm", "swiglu", "rope"))
     injector.attach_modules(modules, ids)
     if paced:
         apply_paced(modules, paced)

@@ -28,13 +28,20 @@ def assert_close(actual: torch.Tensor, truth: torch.Tensor, rel: float, what: st
                            f"relative; worst {((a - t).abs() / (t.abs() + scale)).max().item():.2e}")
 
 
+#: What surrounds an output: any write out of bounds changes it (a NaN written there would not show
+#: in a NaN guard, so outputs get this instead).
+SENTINEL = -12345.0
+
+
 def guarded(shape: tuple[int, ...], dtype: torch.dtype, fill: torch.Tensor | None = None,
             pad: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a contiguous tensor of ``shape`` inside a NaN-filled buffer, the buffer)."""
+    """(a contiguous tensor of ``shape`` inside a guard buffer, the buffer).  With ``fill`` (an
+    input) the guard is NaN, so a read out of bounds spreads NaN into the result; without (an
+    output) the guard is ``SENTINEL``, so a write out of bounds changes it."""
     n = 1
     for s in shape:
         n *= s
-    buf = torch.full((n + 2 * pad,), float("nan"), dtype=dtype)
+    buf = torch.full((n + 2 * pad,), float("nan") if fill is not None else SENTINEL, dtype=dtype)
     view = buf[pad:pad + n].view(shape)
     if fill is not None:
         view.copy_(fill)
@@ -42,4 +49,6 @@ def guarded(shape: tuple[int, ...], dtype: torch.dtype, fill: torch.Tensor | Non
 
 
 def guards_intact(buf: torch.Tensor, n: int, pad: int = 64) -> bool:
-    return bool(torch.isnan(buf[:pad]).all() and torch.isnan(buf[pad + n:]).all())
+    """The guard of :func:`guarded` around ``n`` elements is as it was laid."""
+    guard = torch.cat((buf[:pad], buf[pad + n:]))
+    return bool(torch.isnan(guard).all() or (guard == SENTINEL).all())

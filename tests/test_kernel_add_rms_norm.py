@@ -66,16 +66,19 @@ def test_the_kernels_stay_inside_their_tensors():
     y, yb = guarded((rows, cols), torch.float32)
     h, hb = guarded((rows, cols), torch.float32)
     rstd, sb = guarded((rows,), torch.float32)
-    _add_rms_norm_forward_kernel[(rows,)](x, r, w, y, h, rstd, cols, 1e-6, BLOCK=block)
+    _add_rms_norm_forward_kernel[(2,)](x, r, w, y, h, rstd, rows, cols, 1e-6, BLOCK=block, TILE=2)
     assert not any(torch.isnan(t).any() for t in (y, h, rstd))
     assert all(guards_intact(b, k) for b, k in ((xb, n), (rb, n), (wb, cols), (yb, n), (hb, n), (sb, rows)))
     dy, dyb = guarded((rows, cols), torch.float32, torch.randn(rows, cols))
     dh, dhb = guarded((rows, cols), torch.float32, torch.randn(rows, cols))
     dx, dxb = guarded((rows, cols), torch.float32)
-    partial, pb = guarded((2, cols), torch.float32, torch.zeros(2, cols))
-    _add_rms_norm_backward_kernel[(2,)](dy, dh, h, w, rstd, dx, partial, rows, cols, ROWS=2, BLOCK=block)
+    partial, pb = guarded((2, cols), torch.float32)
+    h_in, hib = guarded((rows, cols), torch.float32, h)
+    rstd_in, rib = guarded((rows,), torch.float32, rstd)
+    _add_rms_norm_backward_kernel[(2,)](dy, dh, h_in, w, rstd_in, dx, partial, rows, cols, ROWS=2, BLOCK=block,
+                                        TILE=2)
     assert not torch.isnan(dx).any() and not torch.isnan(partial).any()
-    assert all(guards_intact(b, k) for b, k in ((dyb, n), (dhb, n), (dxb, n), (pb, 2 * cols)))
+    assert all(guards_intact(b, k) for b, k in ((dyb, n), (dhb, n), (dxb, n), (pb, 2 * cols), (hib, n), (rib, rows)))
 
 
 def test_registrations_and_compile():
