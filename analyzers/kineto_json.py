@@ -762,19 +762,16 @@ def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name
                     seq[k] = seq[c]
 
 
-#: How long after an async call returns its work may still be starting on a gloo worker thread.
-PICKUP_NS = 5_000_000
-
-
 def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, group_ranks, gloo) -> None:
     """Give each collective a gloo worker thread runs the group of the call that issued it.
 
     An async gloo call (DDP's bucket all-reduces, FSDP's prefetched gathers) returns at once; its
-    work runs as ``gloo:<op>`` on a worker thread, without the process group's name.  Its issuer
-    is the latest labelled call of the same op on another thread of the rank, running when the
-    work started or returned at most ``PICKUP_NS`` before (a worker's wake-up): the work inherits
-    its dimension, group and ranks.  Work that started later (queued behind other work) keeps
-    no dimension.
+    work runs as ``gloo:<op>`` on a worker thread, without the process group's name, whenever the
+    worker gets to it (on a loaded host, long after the call returned).  Every c10d call the
+    collectors wrap is labelled, so the issuing call is the latest labelled call of the same op
+    on another thread that started before the work.  The work inherits its dimension, group and
+    ranks, and starts when it was issued: a collective is in flight from its call, however late a
+    worker picks it up.
     """
     host = ~on_device
     orphans = np.flatnonzero(host & gloo & (kind == "comm") & np.array([d is None for d in dim], dtype=bool))
@@ -786,13 +783,14 @@ def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, grou
     starts = ts_ns[labelled]
     for i in orphans:
         j = np.searchsorted(starts, ts_ns[i], side="right") - 1
-        while j >= 0:
-            c = labelled[j]
-            if tid_col[c] != tid_col[i] and op[c] == op[i]:
-                break
+        while j >= 0 and (tid_col[labelled[j]] == tid_col[i] or op[labelled[j]] != op[i]):
             j -= 1
-        if j < 0 or ts_ns[c] + dur_ns[c] + PICKUP_NS < ts_ns[i]:
+        if j < 0:
             continue
+        c = labelled[j]
+        end = ts_ns[i] + dur_ns[i]
+        ts_ns[i] = min(ts_ns[i], ts_ns[c])
+        dur_ns[i] = end - ts_ns[i]
         dim[i] = dim[c]
         if pg[i] is None:
             pg[i] = pg[c]

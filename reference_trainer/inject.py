@@ -200,7 +200,7 @@ class Injector:
                     slow[g.group_name] = f
         if not slow:
             return
-        deadlines: dict[int, float] = {}
+        deadlines: dict[int, tuple[float, str, str]] = {}
         for name in _COLLECTIVES:
             if hasattr(dist, name):  # all_gather_single (FSDP2's since torch 2.12) is newer than others
                 setattr(dist, name, _slowed(getattr(dist, name), slow, self, deadlines))
@@ -281,7 +281,7 @@ def apply_paced(modules: list[nn.Module], pacing: Pacing) -> None:
             m.register_forward_hook(add_weight_pass)
 
 
-def _slowed(fn, slow: dict, injector: Injector, deadlines: dict[int, float]):
+def _slowed(fn, slow: dict, injector: Injector, deadlines: dict[int, tuple[float, str, str]]):
     """``fn`` on a slow link: its call completes no sooner than bytes/bandwidth after it was issued.
     A blocking call sleeps out the rest before it returns; an async call returns at once and its
     ``Work`` is held to the deadline when waited on or through its future (:func:`_hold_works`), so
@@ -307,35 +307,45 @@ def _slowed(fn, slow: dict, injector: Injector, deadlines: dict[int, float]):
         if not works:
             time.sleep(max(deadline - time.monotonic(), 0.0))
         if len(deadlines) > 4096:  # works nobody waited for (futures only): forget the old ones
-            for key in [k for k, d in deadlines.items() if d < issued - 60]:
+            for key in [k for k, held in deadlines.items() if held[0] < issued - 60]:
                 del deadlines[key]
         for w in works:
-            deadlines[id(w)] = deadline
+            deadlines[id(w)] = (deadline, fault.dim, fn.__name__)
         return out
     return call
 
 
-def _hold_works(deadlines: dict[int, float]) -> None:
+def _hold_works(deadlines: dict[int, tuple[float, str, str]]) -> None:
     """``Work.wait`` and ``Work.get_future`` of a slow link's async calls end at their deadline
-    (installed before the collectors wrap ``Work.wait``, so their labels include the delay)."""
+    (installed before the collectors wrap ``Work.wait``, so their labels include the delay).
+
+    A future's delay runs in the callback gloo's worker thread calls when the transfer completes
+    (the trace shows it inside that collective, in flight).  A transfer already complete when its
+    future is asked for would run that callback inline, in the caller: it sleeps there, labelled
+    as the link's communication (blocking, as a small message on a loaded host can)."""
     wait, get_future = dist.Work.wait, dist.Work.get_future
 
     @functools.wraps(wait)
     def held_wait(work, *args, **kwargs):
         out = wait(work, *args, **kwargs)
-        deadline = deadlines.pop(id(work), None)
-        if deadline is not None:
-            time.sleep(max(deadline - time.monotonic(), 0.0))
+        held = deadlines.pop(id(work), None)
+        if held is not None:
+            time.sleep(max(held[0] - time.monotonic(), 0.0))
         return out
 
     @functools.wraps(get_future)
     def held_future(work):
         fut = get_future(work)
-        deadline = deadlines.get(id(work))
-        if deadline is None:
+        held = deadlines.get(id(work))
+        if held is None:
+            return fut
+        deadline, dim, name = held
+        if fut.done():
+            with record_function(f"mfuscope.comm/{dim}/{name}"):
+                time.sleep(max(deadline - time.monotonic(), 0.0))
             return fut
 
-        def at_deadline(done):  # runs where the transfer completes, off the training thread
+        def at_deadline(done):
             time.sleep(max(deadline - time.monotonic(), 0.0))
             return done.value()
         return fut.then(at_deadline)
