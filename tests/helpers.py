@@ -69,3 +69,7 @@ global_batch = {global_batch}
 grad_accum = {grad_accum}
 microbatches = {microbatches}
 """
+
+
+#: How long a process on a loaded 2-core host can wait for a core: the slack of timing checks.
+WAKE_S = 0.015

@@ -20,7 +20,7 @@ from mfuscope.optimizers import calibrate, measured
 from mfuscope.optimizers.model import predict
 from mfuscope.optimizers.spec import Layout, ModelSpec, Training
 
-from .helpers import micro_config
+from .helpers import WAKE_S, micro_config
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
@@ -75,7 +75,9 @@ def test_pipeline_predictions_match_paced_runs(tmp_path):
               f"bubble predicted {pred.bubble_fraction:.3f}, measured {bubble:.3f} "
               f"(host time per microbatch pass {profile.microbatch_overhead_s * 1e3:.1f} ms)")
         assert pred.step_s == pytest.approx(step, rel=0.15), (schedule, m, pred.step_s, step)
-        assert pred.bubble_fraction == pytest.approx(bubble, rel=0.15), (schedule, m, pred.bubble_fraction, bubble)
+        # On a loaded host each hop of the fill and drain may wait a wake-up for a core: 2(p-1) of them.
+        slack = 2 * (P - 1) * WAKE_S / step
+        assert abs(pred.bubble_fraction - bubble) <= 0.15 * bubble + slack, (schedule, m, pred.bubble_fraction, bubble)
 
 
 def test_a_cpu_run_calibrates_and_predicts_itself(tmp_path):

@@ -15,9 +15,8 @@ from mfuscope.errors import UserInputError
 from mfuscope.reference_trainer.inject import Injector, parse_faults, parse_paced
 from mfuscope.reference_trainer.launch import fork_ranks
 from mfuscope.reference_trainer.train import RunOptions, run_rank
-from mfuscope.tests.helpers import micro_config
+from mfuscope.tests.helpers import WAKE_S, micro_config
 
-WAKE_S = 0.015
 MICRO = micro_config(n_layers=2, global_batch=8, grad_accum=1)
 
 
