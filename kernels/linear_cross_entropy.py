@@ -122,7 +122,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dloss, _ddh, _ddw):
     dh, dw = ctx.saved_tensors  # reduction mean or sum (none is refused with gradients)
-    return dh * dloss.to(dh.dtype), dw * dloss.to(dw.dtype), None, None, None
+    # Scaled in place: they are this op's own buffers, used once (a copy would add a weight's worth).
+    return dh.mul_(dloss.to(dh.dtype)), dw.mul_(dloss.to(dw.dtype)), None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
