@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_dashboard.py
 	$(PY) benchmarks/bench_plan.py
+	$(PY) benchmarks/bench_kernels.py
 
 clean:
 	rm -rf $(VENV) artifacts build dist *.egg-info
