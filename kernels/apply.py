@@ -15,6 +15,8 @@ swiglu         ``w1``/``w2``/``w3`` (reference trainer: w2(silu  ``w2(swiglu(w1 
                ``down_proj`` with a SiLU ``act_fn`` (Hugging Face)
 rope           an attention with ``rope_fn`` and ``theta``       ``apply_rope``'s kernel, interleaved
                (the reference trainer's)                         pairs as the trainer's RoPE
+linear_ce      a model with ``head_loss`` and ``output`` (the    ``fused_linear_cross_entropy`` when
+               reference trainer's, called with targets)          the model is given targets
 =============  ================================================  ======================================
 
 Each swapped module gets an instance ``forward`` (or ``rope_fn``);
@@ -26,19 +28,16 @@ over the tensor-parallel ranks as DTensor would.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from .linear_cross_entropy import fused_linear_cross_entropy
 from .rms_norm import rms_norm
 from .rope import rope_angles
 from .swiglu import swiglu
 
-log = logging.getLogger("mfuscope.kernels")
-
-BUILT = ("rms_norm", "swiglu", "rope")
-PLANNED = ("linear_ce",)  # issue 15: not built yet
+OPS = ("rms_norm", "swiglu", "rope", "linear_ce")
 _MISSING = object()
 
 
@@ -68,13 +67,10 @@ class Applied:
 
 def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> Applied:
     """Swap ``model``'s modules for the fused ``ops``; returns what was swapped (``.undo()``)."""
-    unknown = set(ops) - set(BUILT) - set(PLANNED)
+    unknown = set(ops) - set(OPS)
     if unknown:
-        raise ValueError(f"kernels.apply: unknown ops {sorted(unknown)}; known: {', '.join(BUILT + PLANNED)}")
-    planned = [op for op in ops if op in PLANNED]
-    if planned:
-        log.warning("kernels.apply: %s not built yet; left as they are", ", ".join(planned))
-    applied = Applied(tuple(op for op in ops if op in BUILT))
+        raise ValueError(f"kernels.apply: unknown ops {sorted(unknown)}; known: {', '.join(OPS)}")
+    applied = Applied(tuple(op for op in OPS if op in ops))
     for m in model.modules():
         if "rms_norm" in applied.ops and _is_rms_norm(m):
             applied.swap(m, "forward", _fused_norm(m))
@@ -82,6 +78,8 @@ def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> 
             applied.swap(m, "forward", _fused_mlp(m, *_swiglu_parts(m)))
         elif "rope" in applied.ops and callable(m.__dict__.get("rope_fn")) and hasattr(m, "theta"):
             applied.swap(m, "rope_fn", _fused_rope)
+        if "linear_ce" in applied.ops and "head_loss" in m.__dict__ and getattr(m, "output", None) is not None:
+            applied.swap(m, "head_loss", fused_linear_cross_entropy)
     return applied
 
 

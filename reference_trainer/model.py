@@ -239,6 +239,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # (hidden, head weight, targets) -> loss without the logits; mfuscope.kernels.apply sets it
+        self.head_loss = None
         # Not a buffer (see the module docstring); on the CPU even when the model is built on meta.
         self.positions = torch.arange(seq_len, device="cpu")
         self.balance_group = None  # process group whose tokens the balance loss counts
@@ -281,7 +283,11 @@ class Transformer(nn.Module):
         std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "w2")) else 0.02
         return value.normal_(0.0, std, generator=torch.Generator().manual_seed(_name_seed(self.seed, name)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (or, for a stage without the head, hidden states); with ``targets``, the mean
+        cross-entropy -- through ``head_loss`` when one is set and the head's weight is a plain
+        tensor here (FSDP gathers it for the forward; a tensor-parallel head stays sharded and
+        takes the eager loss)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if self.positions.device != h.device:  # once: Module.to() moves buffers, not this
             self.positions = self.positions.to(h.device)
@@ -297,7 +303,13 @@ class Transformer(nn.Module):
         if routing:
             h = _AuxLoss.apply(h, self._balance_loss(routing))
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is not None and self.head_loss is not None and type(self.output.weight) in (
+                torch.Tensor, nn.Parameter):
+            return self.head_loss(h, self.output.weight, targets)
+        logits = self.output(h)
+        return logits if targets is None else cross_entropy(logits, targets)
 
     def _balance_loss(self, routing: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Switch-style: per layer E * sum_e f_e * P_e, f from token counts over ``balance_group``

@@ -48,7 +48,7 @@ class RunOptions:
     prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
     keep_last_gathered: bool = False  # FSDP2: the last block is not resharded after forward
     async_tp: bool = False         # micro-pipelined TP (CUDA, torch.compile, symmetric memory)
-    kernels: str = "eager"         # fused: mfuscope.kernels (RMSNorm, SwiGLU, RoPE) in place of PyTorch
+    kernels: str = "eager"         # fused: mfuscope.kernels (RMSNorm, SwiGLU, RoPE, LM head + loss)
     ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
     grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
     steps: int | None = None
@@ -135,7 +135,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     if opts.kernels == "fused":
         from mfuscope.kernels import apply as fuse
         for m in modules:
-            fuse(m, ops=("rms_norm", "swiglu", "rope"))
+            fuse(m, ops=("rms_norm", "swiglu", "rope", "linear_ce"))
     injector.attach_modules(modules, ids)
     if paced:
         apply_paced(modules, paced)
@@ -227,7 +227,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                         # DDP all-reduces once, after the last accumulation step.
                         no_sync = getattr(modules[0], "no_sync", None) if i < micro - 1 else None
                         with no_sync() if no_sync else contextlib.nullcontext(), _nvtx(f"microbatch {i}"):
-                            loss = loss_fn(modules[0](chunk_in), chunk_t)
+                            loss = modules[0](chunk_in, chunk_t)  # the model's own loss: a fused head needs it
                             loss.backward()
                         local = local + loss.detach() / micro
                     if micro > 1:  # as the pipeline schedules do: the MoE balance-loss gradient scales too

@@ -29,16 +29,29 @@ def test_the_trainers_model_runs_the_kernels_and_trains_alike():
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     eager_out, eager_grads = _grads(model, tokens)
     applied = kernels.apply(model)
-    assert applied.ops == ("rms_norm", "swiglu", "rope")  # linear_ce: not built yet
+    assert applied.ops == ("rms_norm", "swiglu", "rope", "linear_ce")
     kinds = {type(m).__name__ for m in applied.modules}
-    assert kinds == {"RMSNorm", "FeedForward", "Attention"} and len(applied.modules) == 4 * cfg.model.n_layers + 1
+    assert kinds == {"RMSNorm", "FeedForward", "Attention", "Transformer"}
+    assert len(applied.modules) == 4 * cfg.model.n_layers + 2
     fused_out, fused_grads = _grads(model, tokens)
     assert_close(fused_out, eager_out, tolerance(torch.float32, cfg.model.dim * cfg.model.n_layers), "logits")
     # A weight's gradient sums over the batch's tokens, through every layer's FFN width: float32 over that many
     reduced = tokens.numel() * cfg.model.ffn_dim * cfg.model.n_layers
     for name, g in eager_grads.items():
         assert_close(fused_grads[name], g, tolerance(torch.float32, reduced), name)
+    # With targets, the model's loss through the fused head: the logits never exist.
+    targets = tokens.roll(-1, dims=1)
+    model.zero_grad(set_to_none=True)
+    fused_loss = model(tokens, targets)
+    fused_loss.backward()
+    head_grad = model.output.weight.grad.clone()
     applied.undo()
+    assert model.head_loss is None
+    model.zero_grad(set_to_none=True)
+    eager_loss = model(tokens, targets)
+    eager_loss.backward()
+    assert_close(fused_loss, eager_loss.detach(), tolerance(torch.float32, cfg.model.vocab_size), "loss")
+    assert_close(head_grad, model.output.weight.grad, tolerance(torch.float32, reduced), "dhead")
     assert not any("forward" in m.__dict__ for m in model.modules())
     from mfuscope.reference_trainer.model import rope
     assert all(m.rope_fn is rope for m in model.modules() if hasattr(m, "rope_fn"))
@@ -79,7 +92,7 @@ def test_hugging_face_style_modules_are_swapped_by_what_they_are():
 
 
 def test_unknown_ops_are_refused():
-    with pytest.raises(ValueError, match="unknown ops"):
+    with pytest.raises(ValueError, match="unknown ops"):  # (HF models have no head_loss: linear_ce skips them)
         kernels.apply(nn.Linear(2, 2), ops=("rms_norm", "flash"))
 
 
