@@ -133,6 +133,7 @@ DENSE = [
     # where the norms run sequence parallel on DTensor shards.
     ("fused_kernels_1rank", 1, "", {"kernels": "fused"}),
     ("fused_kernels_tp2", 2, "tp=2", {"kernels": "fused"}),
+    ("fused_kernels_fsdp2", 2, "dp_shard=2", {"kernels": "fused"}),  # the fused head on FSDP's gathered weight
     ("hsdp_prefetch_accumulate", 4, "dp_replicate=2,dp_shard=2", {"prefetch": True, "overrides": {"grad_accum": 2}}),
     ("fsdp2_recompute_full", 2, "dp_shard=2", {"overrides": {"recompute": "full"}}),
     ("fsdp2_recompute_selective", 2, "dp_shard=2", {"overrides": {"recompute": "selective"}}),
