@@ -27,23 +27,28 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rms_norm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
-                                 BLOCK: tl.constexpr, TILE: tl.constexpr):
-        # One program: TILE rows (one for wide rows, many for narrow ones), all their columns.
+    def _rms_norm_forward_kernel(x_ptr, r_ptr, h_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+                                 BLOCK: tl.constexpr, TILE: tl.constexpr, ADD: tl.constexpr):
+        # One program: TILE rows (one for wide rows, many for narrow ones), all their columns.  With
+        # ADD, the row normalized is x + r, and that sum is stored in h (add_rms_norm).
         row = tl.program_id(0) * TILE + tl.arange(0, TILE)
         rows = row[:, None]
         cols = tl.arange(0, BLOCK)[None, :]
         mask = (rows < n_rows) & (cols < n_cols)
         x = tl.load(x_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if ADD:
+            x += tl.load(r_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(h_ptr + rows * n_cols + cols, x.to(h_ptr.dtype.element_ty), mask=mask)
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + row, rstd, mask=row < n_rows)
         tl.store(y_ptr + rows * n_cols + cols, (x * rstd[:, None] * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rms_norm_backward_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
-                                  ROWS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
-        # One program: ROWS rows, TILE at a time; its share of dweight summed in float32.
+    def _rms_norm_backward_kernel(dy_ptr, dh_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
+                                  ROWS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, ADD: tl.constexpr):
+        # One program: ROWS rows, TILE at a time; its share of dweight summed in float32.  With ADD,
+        # the normalized row's own incoming gradient dh is added (add_rms_norm's sum feeds on).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)[None, :]
         col_ok = cols < n_cols
@@ -58,8 +63,10 @@ if HAVE_TRITON:
             x_hat = x * rstd
             g = dy * w
             c = tl.sum(g * x_hat, axis=1) / n_cols
-            tl.store(dx_ptr + rows * n_cols + cols, (rstd * (g - x_hat * c[:, None])).to(dx_ptr.dtype.element_ty),
-                     mask=ok)
+            dx = rstd * (g - x_hat * c[:, None])
+            if ADD:
+                dx += tl.load(dh_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + rows * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=ok)
             dw += tl.sum(dy * x_hat, axis=0)
         tl.store(dw_partial_ptr + pid * n_cols + tl.arange(0, BLOCK), dw, mask=tl.arange(0, BLOCK) < n_cols)
 
@@ -84,24 +91,52 @@ def _rows_per_program(n_rows: int, n_cols: int, device: torch.device) -> tuple[i
     return per, min(per, tile_rows(n_cols, n_rows))
 
 
+def norm_forward(x2: Tensor, residual2: Tensor | None, weight: Tensor, eps: float, out_dtype: torch.dtype,
+                 h_dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(y, h = x + residual or None, rstd) of rows ``x2``: the kernel, or the same in PyTorch."""
+    n_rows, n_cols = x2.shape
+    if not use_triton(x2):
+        h = x2.float() + residual2.float() if residual2 is not None else x2.float()
+        rstd = torch.rsqrt(h.pow(2).mean(-1) + eps)
+        y = (h * rstd[:, None] * weight.float()).to(out_dtype)
+        return y, (h.to(h_dtype) if residual2 is not None else None), rstd
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
+    h = torch.empty((n_rows, n_cols), dtype=h_dtype, device=x2.device) if residual2 is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    if n_rows:
+        tile = tile_rows(n_cols, n_rows)
+        add = residual2 is not None
+        _rms_norm_forward_kernel[(triton.cdiv(n_rows, tile),)](
+            x2, residual2 if add else x2, h if add else y, weight.contiguous(), y, rstd, n_rows, n_cols, float(eps),
+            BLOCK=triton.next_power_of_2(n_cols), TILE=tile, ADD=add)
+    return y, h, rstd
+
+
+def norm_backward(dy2: Tensor, dh2: Tensor | None, x2: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx like x2, dweight like weight), with ``dh2`` added to dx when given."""
+    n_rows, n_cols = x2.shape
+    if not use_triton(x2):
+        x_hat = x2.float() * rstd[:, None]
+        g = dy2.float() * weight.float()
+        dx = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        if dh2 is not None:
+            dx = dx + dh2.float()
+        return dx.to(x2.dtype), (dy2.float() * x_hat).sum(0).to(weight.dtype)
+    dx = torch.empty_like(x2)
+    per, tile = _rows_per_program(n_rows, n_cols, x2.device)
+    programs = triton.cdiv(n_rows, per)
+    partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x2.device)
+    if n_rows:
+        _rms_norm_backward_kernel[(programs,)](dy2, dh2 if dh2 is not None else dy2, x2, weight.contiguous(), rstd,
+                                               dx, partial, n_rows, n_cols, ROWS=per,
+                                               BLOCK=triton.next_power_of_2(n_cols), TILE=tile, ADD=dh2 is not None)
+    return dx, partial.sum(0).to(weight.dtype)
+
+
 @torch.library.custom_op("mfuscope::rms_norm_forward", mutates_args=())
 def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(y, rstd): y like ``x`` in ``promote(x, weight)``, rstd float32 per row."""
-    x2 = rows(x)
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    if not use_triton(x2):
-        xf = x2.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-        y = (xf * rstd[:, None] * weight.float()).to(out_dtype)
-        return y.reshape(x.shape), rstd
-    n_rows, n_cols = x2.shape
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows:
-        tile = tile_rows(n_cols, n_rows)
-        _rms_norm_forward_kernel[(triton.cdiv(n_rows, tile),)](x2, weight.contiguous(), y, rstd, n_rows, n_cols,
-                                                               float(eps), BLOCK=triton.next_power_of_2(n_cols),
-                                                               TILE=tile)
+    y, _, rstd = norm_forward(rows(x), None, weight, eps, torch.promote_types(x.dtype, weight.dtype), x.dtype)
     return y.reshape(x.shape), rstd
 
 
@@ -115,21 +150,8 @@ def _(x, weight, eps):
 @torch.library.custom_op("mfuscope::rms_norm_backward", mutates_args=())
 def _backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(dx like x, dweight like weight)."""
-    x2, dy2 = rows(x), rows(dy)
-    if not use_triton(x2):
-        x_hat = x2.float() * rstd[:, None]
-        g = dy2.float() * weight.float()
-        dx = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
-        return dx.to(x.dtype).reshape(x.shape), (dy2.float() * x_hat).sum(0).to(weight.dtype)
-    n_rows, n_cols = x2.shape
-    dx = torch.empty_like(x2)
-    per, tile = _rows_per_program(n_rows, n_cols, x.device)
-    programs = triton.cdiv(n_rows, per)
-    partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x.device)
-    if n_rows:
-        _rms_norm_backward_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, partial, n_rows, n_cols,
-                                               ROWS=per, BLOCK=triton.next_power_of_2(n_cols), TILE=tile)
-    return dx.reshape(x.shape), partial.sum(0).to(weight.dtype)
+    dx, dw = norm_backward(rows(dy), None, rows(x), weight, rstd)
+    return dx.reshape(x.shape), dw
 
 
 @_backward.register_fake

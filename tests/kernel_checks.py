@@ -52,3 +52,15 @@ def guards_intact(buf: torch.Tensor, n: int, pad: int = 64) -> bool:
     """The guard of :func:`guarded` around ``n`` elements is as it was laid."""
     guard = torch.cat((buf[:pad], buf[pad + n:]))
     return bool(torch.isnan(guard).all() or (guard == SENTINEL).all())
+
+
+def assert_compiles_like_eager(f, *inputs: torch.Tensor) -> None:
+    """``torch.compile(f, fullgraph=True)`` traces through the custom ops (no graph break) and
+    gives ``inputs`` the gradients eager ``f`` gives (``f`` returns a scalar)."""
+    torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs).backward()
+    compiled = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    f(*inputs).backward()
+    for got, t in zip(compiled, inputs):
+        assert torch.equal(got, t.grad)

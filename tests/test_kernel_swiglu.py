@@ -10,7 +10,8 @@ pytest.importorskip("triton", reason="the kernels need triton (in the [torch] ex
 
 from mfuscope.kernels import swiglu, swiglu_reference  # noqa: E402
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
-from mfuscope.tests.kernel_checks import DTYPES, assert_close, guarded, guards_intact, tolerance  # noqa: E402
+from mfuscope.tests.kernel_checks import (  # noqa: E402
+    DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
 
 SHAPES = [(1, 1), (3, 1001), (4, 2, 1024), (2050,)]
 
@@ -75,14 +76,7 @@ def test_custom_op_registrations_hold():
 def test_torch_compile_traces_it_without_a_graph_break():
     g, u = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
 
-    def f(g, u):
-        return swiglu(g, u).square().sum()
-
-    torch.compile(f, fullgraph=True, backend="aot_eager")(g, u).backward()
-    dg, du = g.grad.clone(), u.grad.clone()
-    g.grad = u.grad = None
-    f(g, u).backward()
-    assert torch.equal(dg, g.grad) and torch.equal(du, u.grad)
+    assert_compiles_like_eager(lambda g, u: swiglu(g, u).square().sum(), g, u)
 
 
 def test_mismatched_shapes_are_refused():
