@@ -762,6 +762,10 @@ def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name
                     seq[k] = seq[c]
 
 
+#: How long after an async call returns a gloo worker may still be picking its work up.
+PICKUP_NS = 5_000_000
+
+
 def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, group_ranks, gloo) -> None:
     """Give each collective a gloo worker thread runs the group of the call that issued it.
 
@@ -770,8 +774,10 @@ def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, grou
     worker gets to it (on a loaded host, long after the call returned).  Every c10d call the
     collectors wrap is labelled, so the issuing call is the latest labelled call of the same op
     on another thread that started before the work.  The work inherits its dimension, group and
-    ranks, and starts when it was issued: a collective is in flight from its call, however late a
-    worker picks it up.
+    ranks.  When a worker picked it up while the call ran or within ``PICKUP_NS`` of its return,
+    the work is in flight from the call's start; later work is not stretched back, since a call
+    matched across a gap (say a rank that slept before its next call) would book that gap as
+    communication.
     """
     host = ~on_device
     orphans = np.flatnonzero(host & gloo & (kind == "comm") & np.array([d is None for d in dim], dtype=bool))
@@ -788,9 +794,10 @@ def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, grou
         if j < 0:
             continue
         c = labelled[j]
-        end = ts_ns[i] + dur_ns[i]
-        ts_ns[i] = min(ts_ns[i], ts_ns[c])
-        dur_ns[i] = end - ts_ns[i]
+        if ts_ns[i] <= ts_ns[c] + dur_ns[c] + PICKUP_NS:
+            end = ts_ns[i] + dur_ns[i]
+            ts_ns[i] = min(ts_ns[i], ts_ns[c])
+            dur_ns[i] = end - ts_ns[i]
         dim[i] = dim[c]
         if pg[i] is None:
             pg[i] = pg[c]

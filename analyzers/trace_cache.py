@@ -24,7 +24,7 @@ from mfuscope import atomic
 from mfuscope.event_table import EventTable
 
 #: Bump when the loader's output for the same input changes.
-LOADER_VERSION = "kineto-4"  # 2: a marker row for traces without step markers; 3-4: gloo worker work labelled
+LOADER_VERSION = "kineto-5"  # 2: a marker row for traces without step markers; 3-5: gloo worker work labelled
 
 
 def cache_dir() -> Path:
