@@ -10,7 +10,6 @@ torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not in
 pytest.importorskip("triton", reason="the kernels need triton (in the [torch] extra); not installed")
 
 from mfuscope.kernels import rms_norm, rms_norm_reference  # noqa: E402
-from mfuscope.kernels import rms_norm as module  # noqa: E402,F401
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
 from mfuscope.tests.kernel_checks import (  # noqa: E402
     DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
