@@ -85,6 +85,10 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
     if hw_flops is None:
         out["mfu_note"] = "no model spec with tokens, and no GEMM shapes in the trace"
         return out
+    if model_flops is not None:
+        out["model_flops_per_step"] = float(model_flops.median())
+    if hw_flops.notna().any():
+        out["hardware_flops_per_step"] = float(hw_flops.median())
     achieved = (hw_flops if model_flops is None else model_flops) / step_times
     out["tflops_per_device"] = float((achieved / devices).median() / 1e12) if devices else None
     if not devices:

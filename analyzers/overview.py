@@ -20,7 +20,7 @@ from mfuscope import run_dir
 from mfuscope.event_table import EventTable
 from mfuscope.report import new_report
 
-from . import breakdown, bubbles, comm_stats, findings, kernel_time, mfu, stragglers, timeline
+from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, stragglers, timeline
 
 
 def build_report(events: EventTable, *, source: str, files: list[str], run: str | Path | None = None) -> dict[str, Any]:
@@ -44,8 +44,11 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
     if run is not None and (Path(run) / run_dir.COMM).exists():
         calls = comm_stats.calls_from_run(run_dir.read_table(run, run_dir.COMM).to_pandas())
         calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
+        calls_source = "the collectors' communication table"
     else:
         calls = comm_stats.calls_from_trace(events)
+        calls_source = "the traces' communication work"
+    counted_steps = sorted(int(s) for s in (leaves["step"] if not leaves.empty else calls["step"]).unique() if s >= 0)
     calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(events))
     skew, offsets = comm_stats.matched(calls)
 
@@ -81,6 +84,7 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         breakdown_by_rank=_by_rank(leaves),
         ranks=_ranks(events, rank_steps),
         comm_calls=_comm_by_op(events, calls=True),
+        counters=counters.per_step(events, calls, counted_steps, flops, calls_source),
     )
 
 

@@ -148,7 +148,8 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     layout = Layout(tp=int(mesh.get("tp", 1)), pp=pp, vpp=v, dp_replicate=dp_replicate, dp_shard=dp_shard,
                     cp=int(mesh.get("cp", 1)), ep=int(mesh.get("ep", 1)), micro_batch=global_batch // (dp * m),
                     microbatches=m, schedule=schedule.get("name") or "1f1b", recompute=train.get("recompute", "none"),
-                    sequence_parallel=int(mesh.get("tp", 1)) > 1, split=split)
+                    sequence_parallel=int(mesh.get("tp", 1)) > 1 and train.get("sequence_parallel", True) is not False,
+                    split=split)
     hw = manifest.get("hardware") or {}
     summary = report.get("summary") or {}
     acc = hardware.lookup(hw.get("device_name")) if hw.get("device_name") not in (None, "x86_64", "cpu") else None

@@ -43,8 +43,11 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
                 raise UserInputError(f"layout tp={dims.tp}: the model's {n} {what} do not split over tp "
                                      f"(tp must divide n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, "
                                      f"vocab_size={m.vocab_size}{'' if m.n_experts else f', ffn_dim={m.ffn_dim}'})")
+        if not cfg.sequence_parallel and m.n_experts:
+            raise UserInputError(f"layout tp={dims.tp} with sequence_parallel=false: the MoE layers run on each tp "
+                                 "rank's sequence shard, which only sequence parallelism gives; keep it on")
         local_seq = cfg.seq_len // dims.cp
-        if local_seq % dims.tp:
+        if cfg.sequence_parallel and local_seq % dims.tp:
             raise UserInputError(f"layout tp={dims.tp}: sequence parallelism splits each rank's {local_seq} tokens "
                                  "over tp, which must divide them")
     if dims.cp > 1 and cfg.seq_len % (2 * dims.cp):

@@ -6,6 +6,13 @@ sequence between blocks); the LM head is column-parallel and the loss is
 computed on vocab-sharded logits (``loss_parallel``), so the full logits are
 never gathered.
 
+With ``sequence_parallel=False`` (Megatron without ``--sequence-parallel``)
+the activations between blocks are replicated over tp: each row-parallel
+output is all-reduced (forward) and each column-parallel input's gradient too
+(backward), in place of the all-gather / reduce-scatter pairs, and every tp
+rank repeats the norms.  Same bus traffic, half the calls, tp times the
+norm work and activation memory.
+
 MoE layers are not split over tp (expert parallelism shards experts): each tp
 rank runs the router and experts on its own sequence shard -- the tokens
 sequence parallelism already gives it -- so no tp rank repeats another's
@@ -22,12 +29,14 @@ from .buckets import all_reduce_flat
 from .parallel_dims import ParallelDims
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
+def apply_tp(model: nn.Module, dims: ParallelDims, sequence_parallel: bool = True) -> nn.Module:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
 
     mesh = dims.mesh["tp"]
+    if not sequence_parallel:
+        return _apply_tp_replicated(model, mesh)
     top = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -58,6 +67,26 @@ def apply_tp(model: nn.Module, dims: ParallelDims) -> nn.Module:
                 "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             })
         parallelize_module(block, mesh, plan)
+    return model
+
+
+def _apply_tp_replicated(model: nn.Module, mesh) -> nn.Module:
+    """Tensor parallelism without sequence parallelism: activations replicated between blocks."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()})
     return model
 
 

@@ -118,7 +118,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         extra_groups["moe_aux"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("moe_aux").get_group()
     for m in modules:
         if dims.tp > 1:
-            tensor_parallel.apply_tp(m, dims)
+            tensor_parallel.apply_tp(m, dims, cfg.sequence_parallel)
         if dims.cp > 1:
             context_parallel.apply_cp(m, mesh["cp"].get_group(), dims.cp, coords["cp"], cfg.seq_len)
         m.balance_group = extra_groups.get("moe_aux")

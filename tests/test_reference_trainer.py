@@ -139,6 +139,7 @@ DENSE = [
     ("fsdp2_recompute_selective", 2, "dp_shard=2", {"overrides": {"recompute": "selective"}}),
     ("hsdp", 4, "dp_replicate=2,dp_shard=2", {}),
     ("tp2_sp", 2, "tp=2", {}),
+    ("tp2_no_sp", 2, "tp=2", {"overrides": {"sequence_parallel": False}}),
     ("cp2", 2, "cp=2", {}),
     ("cp2_tp2", 4, "cp=2,tp=2", {}),
     ("3d_8ranks", 8, "dp_shard=2,tp=2,pp=2", {}),
@@ -315,6 +316,7 @@ REFUSED = [
     ("split_without_pp", "tiny_dense", 2, "dp_shard=2", {"stage_layers": (2, 2)}, "no pp"),
     ("prefetch_without_fsdp", "tiny_dense", 2, "dp_shard=2", {"dp_mode": "ddp", "prefetch": True}, "no FSDP"),
     ("buckets_without_ddp", "tiny_dense", 2, "dp_shard=2", {"ddp_buckets": True}, "no DDP"),
+    ("moe_tp_without_sp", "tiny_moe", 2, "tp=2", {"overrides": {"sequence_parallel": False}}, "sequence shard"),
     ("async_tp_without_compile", "tiny_dense", 2, "tp=2", {"async_tp": True}, "compile=true"),
 ]
 

@@ -1,0 +1,50 @@
+"""Per-step counters that do not depend on timing: what a deterministic CI gate compares.
+
+A step's model FLOPs, its communication calls and bytes per (dim, op), and
+its kernels (GPU) or operators (CPU) by kind are fixed by the program, not by
+how fast the machine ran it: two runs of one commit give the same numbers, and
+a change that doubles tensor-parallel traffic doubles ``bytes_per_step`` of
+``tp`` exactly.  ``mfuscope ci check`` fails on such changes with no noise to
+allow for (docs/ci.md).
+
+Every figure is a job total (all loaded ranks) per step, over the steps the
+counts cover; the median over steps, so one step cut short by the end of a
+trace window does not move it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from mfuscope.event_table import EventTable
+
+#: Event kinds counted per step: the work a step launches (not annotations or runtime calls,
+#: whose number follows the profiler's settings).
+COUNTED_KINDS = ("kernel", "comm", "memcpy", "memset", "cpu_op")
+
+
+def per_step(events: EventTable, calls: pd.DataFrame, steps: list[int], flops: dict[str, Any],
+             calls_source: str) -> dict[str, Any]:
+    """``calls``: one row per communication call (rank, step, dim, op, bytes) of the ``steps``."""
+    calls = calls[calls["step"].isin(steps)]
+    comm = []
+    if len(calls):
+        c = calls.assign(bytes=calls["bytes"].fillna(0))
+        by_step = c.groupby(["dim", "op", "step"]).agg(calls=("rank", "size"), bytes=("bytes", "sum"))
+        for (dim, op), g in by_step.groupby(level=[0, 1]):
+            g = g.reindex(pd.MultiIndex.from_product([[dim], [op], steps]), fill_value=0)
+            comm.append({"dim": str(dim), "op": str(op), "calls_per_step": float(g["calls"].median()),
+                         "bytes_per_step": float(g["bytes"].median())})
+    df = events.to_pandas(["kind", "step"])
+    df = df[df["step"].isin(steps) & df["kind"].isin(COUNTED_KINDS)]
+    kinds = []
+    if len(df):
+        counts = df.groupby([df["kind"].astype(str), "step"]).size()
+        for kind, g in counts.groupby(level=0):
+            g = g.droplevel(0).reindex(steps, fill_value=0)
+            kinds.append({"kind": kind, "count_per_step": float(g.median())})
+    return {"steps": len(steps), "comm_source": calls_source,
+            "model_flops_per_step": flops.get("model_flops_per_step"),
+            "hardware_flops_per_step": flops.get("hardware_flops_per_step"),
+            "comm": comm, "events": kinds}
