@@ -1,6 +1,7 @@
 """Per-step counters that do not depend on timing: what a deterministic CI gate compares.
 
-A step's model FLOPs, its communication calls and bytes per (dim, op), and
+A step's model FLOPs, its communication calls and bytes per (dim, op) and
+bus bytes per dim, and
 its kernels (GPU) or operators (CPU) by kind are fixed by the program, not by
 how fast the machine ran it: two runs of one commit give the same numbers, and
 a change that doubles tensor-parallel traffic doubles ``bytes_per_step`` of
@@ -19,6 +20,8 @@ import pandas as pd
 
 from mfuscope.event_table import EventTable
 
+from .comm_stats import bus_factor
+
 #: Event kinds counted per step: the work a step launches (not annotations or runtime calls,
 #: whose number follows the profiler's settings).
 COUNTED_KINDS = ("kernel", "comm", "memcpy", "memset", "cpu_op")
@@ -28,9 +31,16 @@ def per_step(events: EventTable, calls: pd.DataFrame, steps: list[int], flops: d
              calls_source: str) -> dict[str, Any]:
     """``calls``: one row per communication call (rank, step, dim, op, bytes) of the ``steps``."""
     calls = calls[calls["step"].isin(steps)]
-    comm = []
+    comm, bus = [], []
     if len(calls):
         c = calls.assign(bytes=calls["bytes"].fillna(0))
+        # What each call puts on the wire (nccl-tests' bus bytes): an all-reduce moves twice an
+        # all-gather's bytes, so trading all-gathers for all-reduces shows here.
+        c["bus_bytes"] = c["bytes"] * [bus_factor(op, int(n)) for op, n in zip(c["op"], c["group_size"].fillna(1))]
+        per_dim = c.groupby(["dim", "step"])["bus_bytes"].sum()
+        for dim, g in per_dim.groupby(level=0):
+            g = g.droplevel(0).reindex(steps, fill_value=0)
+            bus.append({"dim": str(dim), "bus_bytes_per_step": float(g.median())})
         by_step = c.groupby(["dim", "op", "step"]).agg(calls=("rank", "size"), bytes=("bytes", "sum"))
         for (dim, op), g in by_step.groupby(level=[0, 1]):
             g = g.reindex(pd.MultiIndex.from_product([[dim], [op], steps]), fill_value=0)
@@ -47,4 +57,4 @@ def per_step(events: EventTable, calls: pd.DataFrame, steps: list[int], flops: d
     return {"steps": len(steps), "comm_source": calls_source,
             "model_flops_per_step": flops.get("model_flops_per_step"),
             "hardware_flops_per_step": flops.get("hardware_flops_per_step"),
-            "comm": comm, "events": kinds}
+            "comm": comm, "comm_bus": bus, "events": kinds}

@@ -199,6 +199,7 @@ class ProfileSession:
             "hardware": {"device_name": device, "device_count": self.world, "peak_flops": peak,
                          "peak_source": source},
             "software": {"python": platform.python_version(), "torch": torch.__version__,
+                         "triton": _installed_version("triton"),
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None},
             "model": _model_spec(self.model),
             "layout": _layout(self.mesh),
@@ -279,3 +280,11 @@ def _merge_groups(known: list[dict], seen: list[dict]) -> list[dict]:
         merged.setdefault(g["name"], {k: g[k] for k in ("name", "dim", "ranks")})
     return list(merged.values())
 
+
+def _installed_version(dist_name: str) -> str | None:
+    """A package's installed version without importing it (triton's import is slow, and CUDA-bound)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return None

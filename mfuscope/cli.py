@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "markdown", "json", "junit"), default="text")
     p.set_defaults(func=cmd_compare)
 
+    _add_ci(sub)
+
     p = sub.add_parser("predict", help="predict step time, MFU and memory of published or planned runs (cost model)",
                        description="Read rows with the columns of calibration.csv, predict each with the cost model, "
                                    "write them with predicted_* columns and print the error per source.")
@@ -187,6 +189,95 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="the training command, after --")
     p.set_defaults(func=cmd_profile)
     return parser
+
+
+def _fraction(text: str) -> float:
+    """``2%`` or ``0.02``."""
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction (0.02) or a percentage (2%)") from None
+
+
+def _add_ci(sub) -> None:
+    ci = sub.add_parser("ci", help="gate CI on MFU: record runs into a history, check a run against it, plot the trend",
+                        description="A run history per workload (JSON Lines), a deterministic gate on counters that "
+                                    "do not depend on timing, and a noise-aware gate on MFU and step time "
+                                    "(docs/ci.md).")
+    cisub = ci.add_subparsers(dest="ci_command", metavar="CI_COMMAND")
+    cisub.required = True
+    where = ("run", {"type": Path, "metavar": "RUN_OR_REPORT", "help": "a run directory (analyzed if needed) or a report.json"})
+    hist_opt = {"type": Path, "required": True, "metavar": "DIR", "help": "the history: one <workload>.jsonl per workload"}
+    workload = {"default": None, "help": "the workload's name (default: the run directory's name)"}
+
+    p = cisub.add_parser("record", help="append a run to the history",
+                         description="Append one record (commit, time, environment fingerprint, step samples, "
+                                     "counters) to DIR/<workload>.jsonl.")
+    p.add_argument(where[0], **where[1])
+    p.add_argument("--history", **hist_opt)
+    p.add_argument("--workload", **workload)
+    p.add_argument("--commit", default=None, help="default: $GITHUB_SHA, else git rev-parse HEAD")
+    p.add_argument("--branch", default=None, help="default: $GITHUB_HEAD_REF or $GITHUB_REF_NAME, else git's branch")
+    p.add_argument("--time", default=None, help="ISO 8601 (default: now)")
+    p.add_argument("--accept", action="store_true",
+                   help="this run starts a new baseline (an intended change); the gates compare from it on")
+    p.add_argument("--json", action="store_true", help="print the record")
+    p.set_defaults(func=cmd_ci_record)
+
+    p = cisub.add_parser("check", help="check a run against the history; exit 1 on a confirmed regression",
+                         description="Deterministic gate (FLOPs, communication calls and bytes, kernel counts, "
+                                     "predicted MFU) and statistical gate (MFU, step time) against the matching "
+                                     "records. Exit 0 pass, 1 regression, 2 bad input.")
+    p.add_argument(where[0], **where[1])
+    p.add_argument("--history", **hist_opt)
+    p.add_argument("--workload", **workload)
+    p.add_argument("--branch", default="main", help="baseline records from this branch (default: main; 'any' for all)")
+    p.add_argument("--max-mfu-drop", type=_fraction, default=0.02, metavar="FRACTION",
+                   help="the floor of the limit: a drop under it never fails (default 2%%)")
+    p.add_argument("--summary-md", type=Path, default=None,
+                   help="append the markdown summary here (default: $GITHUB_STEP_SUMMARY when set)")
+    p.add_argument("--junit", type=Path, default=None, help="write JUnit XML here")
+    p.add_argument("--html", type=Path, default=None, help="write a self-contained HTML report with trend plots")
+    p.add_argument("--confirm-runs", type=int, default=0, metavar="N",
+                   help="a suspicious run is rerun up to N times in the job; a regression if every rerun violates too")
+    p.add_argument("--rerun-command", default=None, metavar="CMD",
+                   help="with --confirm-runs, for runs not of the reference trainer: a command that writes a run "
+                        "directory at {out}")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    p.set_defaults(func=cmd_ci_check)
+
+    p = cisub.add_parser("trend", help="MFU, step time and counters over commits, as one HTML page",
+                         description="Plot every workload's records (per environment) with regressions and change "
+                                     "points marked.")
+    p.add_argument("--history", **hist_opt)
+    p.add_argument("--out", type=Path, required=True, help="the HTML file to write")
+    p.add_argument("--workload", default=None, help="only this workload")
+    p.add_argument("--branch", default="main", help="records of this branch (default: main; 'any' for all)")
+    p.add_argument("--max-mfu-drop", type=_fraction, default=0.02, metavar="FRACTION")
+    p.set_defaults(func=cmd_ci_trend)
+
+
+def _branch(name: str | None) -> str | None:
+    return None if name in (None, "any") else name
+
+
+def cmd_ci_record(args: argparse.Namespace) -> int:
+    from mfuscope.regression import commands
+    return commands.record(args.run, args.history, args.workload, args.commit, args.branch, args.time, args.accept,
+                           args.json)
+
+
+def cmd_ci_check(args: argparse.Namespace) -> int:
+    from mfuscope.regression import commands
+    if args.confirm_runs < 0:
+        raise UserInputError(f"--confirm-runs {args.confirm_runs}: give 0 or more reruns")
+    return commands.check(args.run, args.history, args.workload, _branch(args.branch), args.max_mfu_drop,
+                          args.summary_md, args.junit, args.html, args.confirm_runs, args.rerun_command, args.json)
+
+
+def cmd_ci_trend(args: argparse.Namespace) -> int:
+    from mfuscope.regression import commands
+    return commands.trend_page(args.history, args.out, args.workload, _branch(args.branch), args.max_mfu_drop)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -1,0 +1,176 @@
+"""What ``mfuscope ci record``, ``ci check`` and ``ci trend`` do; the CLI parses flags and calls
+these, each returning its exit code.  Files are written atomically (a temporary file, then a
+rename); the history is only ever appended to."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from mfuscope import atomic, run_dir
+from mfuscope.errors import UserInputError
+
+from . import check as check_mod
+from . import history as hist
+from . import outputs, prediction, trend
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def default_commit() -> str | None:
+    return os.environ.get("GITHUB_SHA") or _git("rev-parse", "HEAD")
+
+
+def default_branch() -> str | None:
+    # A pull request's own branch is GITHUB_HEAD_REF; a push's is GITHUB_REF_NAME.
+    return os.environ.get("GITHUB_HEAD_REF") or os.environ.get("GITHUB_REF_NAME") or _git(
+        "rev-parse", "--abbrev-ref", "HEAD")
+
+
+def load_run(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, Path]:
+    """(report, manifest or None, directory) of a run directory (analyzed now if it has no report, or
+    one from before the counters) or of a report.json."""
+    from mfuscope.report import read_report
+
+    if run_dir.is_run_dir(path):
+        report_path = path / run_dir.REPORT
+        report = read_report(report_path) if report_path.exists() else None
+        if report is None or "counters" not in report:
+            from mfuscope.analyzers.analysis import analyze
+            print(f"mfuscope ci: analyzing {path}", file=sys.stderr, flush=True)
+            report, _ = analyze(path, report_path, path / run_dir.VIEWS)
+        return report, run_dir.read_manifest(path), path
+    if path.is_file():
+        report = read_report(path)
+        manifest = run_dir.read_manifest(path.parent) if run_dir.is_run_dir(path.parent) else None
+        return report, manifest, path.parent
+    raise UserInputError("not a run directory or a report.json", path)
+
+
+def build_record(path: Path, workload: str | None, commit: str | None, branch: str | None,
+                 time: str | None) -> dict[str, Any]:
+    report, manifest, where = load_run(path)
+    name = hist.check_workload_name(workload or (where.name if run_dir.is_run_dir(where) else path.stem))
+    rec = hist.make_record(report, manifest, workload=name, commit=commit or default_commit(),
+                           branch=branch or default_branch(),
+                           time=time or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                           source=str(path))
+    pred = prediction.predicted(report, manifest, where)
+    if pred and rec["counters"] is not None:
+        rec["counters"] = {**rec["counters"], **pred}
+    if not rec["samples"]["step_time_s"]:
+        print(f"mfuscope ci: warning: {path} has no per-step times; only its counters can be gated",
+              file=sys.stderr)
+    return rec
+
+
+def record(path: Path, history: Path, workload: str | None, commit: str | None, branch: str | None,
+           time: str | None, accept: bool, as_json: bool) -> int:
+    rec = build_record(path, workload, commit, branch, time)
+    if accept:
+        rec["accepted"] = True
+    where = hist.append(history, rec)
+    if as_json:
+        print(json.dumps(rec, indent=2))
+    else:
+        m = rec["metrics"]
+        mfu = f"MFU {m['mfu']:.3%}" if m.get("mfu") is not None else "no MFU"
+        step = f"step {m['step_time_s'] * 1e3:.1f} ms" if m.get("step_time_s") else "no step time"
+        print(f"recorded {rec['workload']} @ {(rec['commit'] or 'unknown commit')[:12]} ({mfu}, {step}, "
+              f"{len(rec['samples']['step_time_s'])} step samples{', new baseline' if accept else ''}) -> {where}")
+    return 0
+
+
+def check(path: Path, history: Path, workload: str | None, branch: str | None, max_drop: float,
+          summary_md: Path | None, junit: Path | None, html: Path | None, confirm_runs: int,
+          rerun_command: str | None, as_json: bool) -> int:
+    if not 0 <= max_drop < 1:
+        raise UserInputError(f"--max-mfu-drop {max_drop}: give a fraction such as 0.02 or a percentage such as 2%")
+    if not history.is_dir():
+        raise UserInputError("no such history directory (make one with `mfuscope ci record RUN --history DIR`)",
+                             history)
+    current = build_record(path, workload, None, None, None)
+    h = hist.read(history, current["workload"])
+    for s in h.skipped:
+        print(f"mfuscope ci: warning: skipped {s}", file=sys.stderr)
+    rerun = _rerun_fn(path, current, rerun_command) if confirm_runs else None
+    result = check_mod.check(h, current, branch=branch, floor=max_drop, rerun=rerun, confirm_runs=confirm_runs)
+    md = outputs.markdown(result)
+    summary_md = summary_md or (Path(os.environ["GITHUB_STEP_SUMMARY"]) if os.environ.get("GITHUB_STEP_SUMMARY")
+                                else None)
+    if summary_md:
+        with open(summary_md, "a", encoding="utf-8") as f:  # GitHub's summary file is appended to
+            f.write(md + "\n")
+    if junit:
+        atomic.write_bytes(junit, outputs.junit(result).encode())
+    if html:
+        records = check_mod.baseline_records(h, current, branch) + [current]
+        atomic.write_bytes(html, trend.html(records, max_drop, f"{current['workload']}: history and this run",
+                                            md).encode())
+    print(json.dumps(result, indent=2, default=str) if as_json else md)
+    return result["exit_code"]
+
+
+def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None):
+    """Run the workload again into a fresh run directory beside ``path``; return its record."""
+    manifest = run_dir.read_manifest(path) if run_dir.is_run_dir(path) else None
+    if rerun_command is None and not (manifest and manifest.get("trainer")):
+        raise UserInputError("--confirm-runs reruns a reference-trainer run by itself; for another job give "
+                             "--rerun-command 'CMD {out}' (it must write a run directory at {out})", path)
+
+    def rerun(i: int) -> dict[str, Any]:
+        out = path.parent / f"{path.name}.rerun{i + 1}"
+        if rerun_command is not None:
+            cmd = [a.replace("{out}", str(out)) for a in shlex.split(rerun_command)]
+        else:
+            from mfuscope.optimizers.optimize import trainer_command, write_config
+            scratch = tempfile.mkdtemp(prefix="mfuscope-ci-")
+            cmd = trainer_command(manifest, write_config(manifest, Path(scratch) / "config.toml"), out, {})
+        print(f"mfuscope ci: confirming rerun {i + 1}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise UserInputError(f"the confirming rerun failed (exit {done.returncode}): {last}", out)
+        return build_record(out, current["workload"], current.get("commit"), current.get("branch"), None)
+    return rerun
+
+
+def trend_page(history: Path, out: Path, workload: str | None, branch: str | None, floor: float) -> int:
+    if not history.is_dir():
+        raise UserInputError("no such history directory", history)
+    names = [hist.check_workload_name(workload)] if workload else list(hist.workloads(history))
+    if not names:
+        raise UserInputError("no workload histories (*.jsonl) in this directory", history)
+    import plotly.io as pio
+
+    parts, first = [], True
+    for name in names:
+        h = hist.read(history, name)
+        if not h.records:
+            raise UserInputError(f"no records for workload {name!r}", h.path)
+        for fp_id in dict.fromkeys(r["fingerprint_id"] for r in h.records):
+            recs = [r for r in h.matching(fp_id, branch)]
+            if not recs:
+                continue
+            fig = trend.figure(recs, floor, f"{name} ({len(recs)} records, environment {fp_id})")
+            parts.append(pio.to_html(fig, include_plotlyjs=first, full_html=False))
+            first = False
+    if not parts:
+        raise UserInputError(f"no records on branch {branch!r}", history)
+    page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>mfuscope trend</title></head>"
+            "<body style='font-family:sans-serif'>" + "".join(parts) + "</body></html>")
+    atomic.write_bytes(out, page.encode())
+    print(f"trend of {len(names)} workload(s) written to {out}")
+    return 0

@@ -1,0 +1,68 @@
+"""Simulated histories made from a real report: how the gate's false-positive rate and detection
+power are measured (tests/test_ci_gate.py, benchmarks/bench_ci.py, docs/ci.md).
+
+Each simulated run is the real report with every step time multiplied by
+independent log-normal noise of the given coefficient of variation (a shared
+runner's step-to-step jitter), and, for a regression, by 1 / (1 - drop): the
+same work in more time, so MFU falls by ``drop`` exactly.  The counters stay
+as they are (they do not depend on timing).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+
+from . import statistical
+from .history import make_record
+from .statistical import WINDOW
+
+
+def noisy_record(report: dict[str, Any], manifest: dict[str, Any] | None, rng: np.random.Generator, cv: float,
+                 drop: float = 0.0, index: int = 0) -> dict[str, Any]:
+    rep = copy.copy(report)
+    sigma = float(np.sqrt(np.log1p(cv * cv)))  # log-normal with this coefficient of variation
+    steps = []
+    for row in report["per_step"]:
+        factor = float(np.exp(rng.normal(-sigma * sigma / 2, sigma))) / (1.0 - drop)
+        steps.append({**row, "step_time_s": row["step_time_s"] * factor,
+                      "mfu": None if row.get("mfu") is None else row["mfu"] / factor})
+    rep["per_step"] = steps
+    rep["provenance"] = {**report["provenance"], "created": f"simulated-{index}"}
+    return make_record(rep, manifest, workload="simulated", commit=f"sim{index:05d}", branch="main",
+                       time=f"2026-01-01T00:00:{index % 60:02d}Z", source="simulated")
+
+
+def false_positive_rate(report: dict[str, Any], manifest: dict[str, Any] | None, cv: float, checks: int,
+                        floor: float = 0.02, seed: int = 0) -> float:
+    """Share of ``checks`` noise-only checks (each against the records before it) that fail."""
+    rng = np.random.default_rng(seed)
+    records = [noisy_record(report, manifest, rng, cv, index=i) for i in range(WINDOW)]
+    fails = 0
+    for i in range(checks):
+        current = noisy_record(report, manifest, rng, cv, index=WINDOW + i)
+        fails += _statistical_fail(records, current, floor)
+        records.append(current)
+    return fails / checks
+
+
+def detection_power(report: dict[str, Any], manifest: dict[str, Any] | None, cv: float, drop: float, trials: int,
+                    within: int = 2, floor: float = 0.02, seed: int = 1) -> float:
+    """Share of ``trials`` where a sustained ``drop`` is confirmed within ``within`` records."""
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for t in range(trials):
+        records = [noisy_record(report, manifest, rng, cv, index=i) for i in range(WINDOW)]
+        for k in range(within):
+            current = noisy_record(report, manifest, rng, cv, drop, index=WINDOW + k)
+            if _statistical_fail(records, current, floor):
+                hits += 1
+                break
+            records.append(current)
+    return hits / trials
+
+
+def _statistical_fail(records: list[dict[str, Any]], current: dict[str, Any], floor: float) -> bool:
+    """The statistical gate's verdict (the deterministic one cannot fail here: counters are equal)."""
+    return any(statistical.gate(records, current, m, floor)["verdict"] == "regression" for m in statistical.METRICS)
