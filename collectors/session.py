@@ -197,7 +197,7 @@ class ProfileSession:
         fields = {
             "command": sys.argv, "hosts": [socket.gethostname()],
             "hardware": {"device_name": device, "device_count": self.world, "peak_flops": peak,
-                         "peak_source": source},
+                         "peak_source": source, "host_cpu": _host_cpu()},
             "software": {"python": platform.python_version(), "torch": torch.__version__,
                          "triton": _installed_version("triton"),
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None},
@@ -288,3 +288,15 @@ def _installed_version(dist_name: str) -> str | None:
         return version(dist_name)
     except PackageNotFoundError:
         return None
+
+
+def _host_cpu() -> str | None:
+    """The host's CPU model: CI runners of one label mix models, and CPU step times differ by them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None

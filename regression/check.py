@@ -58,7 +58,7 @@ def check(history: History, current: dict[str, Any], *, branch: str | None, floo
         for r in pending:
             statistical.judge_rerun(base, r, record, floor)
         pending = [r for r in pending if r["reruns"][-1]["violated"]]
-    for r in pending:
+    for r in pending if done else []:
         if len(r["reruns"]) == confirm_runs:
             r.update(verdict="regression", confirmed_by=f"{confirm_runs} in-job rerun(s) violated too")
     result["statistical"] = rows

@@ -8,7 +8,8 @@ history of 10,000 runs is 20 MB, and a diff of the file shows the new run on
 one line: it can live in a git branch (``perf-history``) or a CI cache.
 
 Only records with the same fingerprint are compared: the device, world
-size, mesh layout, torch and triton versions and the hardware.  The model and
+size, mesh layout, torch and triton versions and the hardware (for a CPU run,
+the host's CPU model).  The model and
 train settings are not in it -- they are the code under test, and a change
 to them is what the deterministic gate reports.
 """
@@ -38,6 +39,8 @@ def fingerprint(report: dict[str, Any], manifest: dict[str, Any] | None) -> dict
     return {
         "device": hw.get("device_name") or s.get("device"),
         "device_count": hw.get("device_count"),
+        # CPU runs: the host's model (runners of one label mix them); GPU runs: their device says it
+        "host_cpu": hw.get("host_cpu") if peak_measured else None,
         "world_size": m.get("world_size") or s.get("world_size"),
         "layout": {k: v for k, v in (m.get("layout") or {}).items() if v not in (None, 1)},
         "torch": sw.get("torch"),

@@ -1,0 +1,402 @@
+"""``mfuscope ci``: the history, both gates, the outputs, and the GitHub workflow's steps run here.
+
+Real runs: the workflow's own `run:` steps train the tiny config (2 gloo ranks, tp=2) for two
+pushes to main (the second a docs-only commit), against a local origin with the perf-history
+branch; a sequence-parallel-off run is then checked against that history.  The statistical
+gate's false-positive rate and power are measured on histories simulated from the first run's
+real report (regression/simulate.py: log-normal step noise of a known CV, a known MFU drop).
+Expected values come from the arithmetic: the tensor-parallel calls and bytes a step makes by
+hand count, nccl-tests' bus factors, a permutation test for Mann-Whitney's p-value.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from mfuscope.regression import check as check_mod
+from mfuscope.regression import deterministic, simulate, statistical
+from mfuscope.regression import statistics as st
+from mfuscope.regression.history import History, append, make_record, read
+
+from .helpers import REPO
+
+WORKFLOW = REPO / ".github" / "workflows" / "mfu-regression.yml"
+BIN = Path(sys.executable).parent
+CLI = [sys.executable, "-m", "mfuscope"]
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _permutation_p(x, y, rng, n=20000):
+    """One-sided P(U <= observed) by shuffling the pooled samples (independent of the formula)."""
+    both = np.concatenate([x, y])
+    def u(a, b):
+        return (a[:, None] < b[None, :]).sum() + 0.5 * (a[:, None] == b[None, :]).sum()
+    # U counts pairs where x is *larger*: small U = x smaller
+    obs = u(y, x)
+    hits = 0
+    for _ in range(n):
+        rng.shuffle(both)
+        hits += u(both[len(x):], both[:len(x)]) <= obs
+    return hits / n
+
+
+@pytest.mark.parametrize("shift, ties", [(0.6, False), (0.0, False), (0.4, True)])
+def test_mann_whitney_matches_a_permutation_test(shift, ties):
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(0, 1, 15), rng.normal(shift, 1, 25)
+    if ties:
+        x, y = np.round(x, 0), np.round(y, 0)
+    p_perm = _permutation_p(x, y, rng)
+    # the normal approximation is accurate to about 0.01 at these sizes; the Monte Carlo estimate
+    # has a standard error of sqrt(p(1-p)/20000) <= 0.0035
+    assert abs(st.mann_whitney_less(x, y) - p_perm) < 0.02
+
+
+def test_pelt_finds_known_shifts_and_no_shift_in_noise():
+    rng = np.random.default_rng(11)
+    x = np.r_[rng.normal(1.0, 0.01, 40), rng.normal(0.94, 0.01, 30), rng.normal(1.02, 0.01, 30)]
+    assert st.change_points(x) == [40, 70]
+    quiet = sum(len(st.change_points(rng.normal(1.0, 0.01, 100))) for _ in range(50))
+    assert quiet <= 3  # penalty 3 log n: a noise-only series of 100 rarely shows one
+
+
+def test_trimmed_mean_and_robust_sigma_ignore_an_outlier():
+    assert st.trimmed_mean([1, 2, 3, 4, 5, 6, 7, 8, 9, 1000]) == pytest.approx(5.5)
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 2.0, 20000)
+    x[:50] = 1e6
+    # MAD's standard error at n=20000 is about 0.8% of sigma
+    assert st.robust_sigma(x) == pytest.approx(2.0, rel=0.04)
+
+
+# ----------------------------------------------------------------------------- the workflow, run here
+
+
+def _steps():
+    doc = yaml.safe_load(WORKFLOW.read_text())
+    job = doc["jobs"]["mfu"]
+    return job["env"], job["steps"]
+
+
+def _run_workflow(work: Path, event: str, sha: str, summary: Path) -> dict[str, int]:
+    """The workflow's `run:` steps in order, as GitHub runs them (bash -e, the job's env).
+    `uses:` steps are GitHub's own actions (checkout, setup-python, upload-artifact) and the
+    install step is what this test's environment already did; the `if:` of the record step is
+    evaluated for ``event``."""
+    env_vars, steps = _steps()
+    env = {**os.environ, **env_vars, "GITHUB_STEP_SUMMARY": str(summary), "GITHUB_SHA": sha,
+           "GITHUB_EVENT_NAME": event, "GITHUB_REF_NAME": "main" if event == "push" else "7/merge",
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("GITHUB_HEAD_REF", None)
+    if event == "pull_request":
+        env["GITHUB_HEAD_REF"] = "feature"
+    codes = {}
+    for step in steps:
+        if "run" not in step or step["name"].startswith("Install"):
+            continue
+        cond = step.get("if", "")
+        if "github.event_name == 'push'" in cond and event != "push":
+            continue
+        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step["run"]], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=600)
+        codes[step["name"]] = proc.returncode
+        if proc.returncode != 0 and not step["name"].startswith("Check"):
+            raise AssertionError(f"step {step['name']!r} failed: {proc.stderr[-3000:]}")
+    return codes
+
+
+def _fresh_checkout(work: Path) -> None:
+    """A new job starts from a clean checkout: no history worktree, no run, no outputs."""
+    subprocess.run(["git", "worktree", "remove", "--force", "perf-history"], cwd=work, capture_output=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=work, check=True)
+    subprocess.run(["git", "branch", "-D", "perf-history"], cwd=work, capture_output=True)
+    for p in ("runs", "mfu-junit.xml", "mfu-report.html"):
+        shutil.rmtree(work / p, ignore_errors=True) if (work / p).is_dir() else (work / p).unlink(missing_ok=True)
+
+
+def _git(work: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=work, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory):
+    """Two pushes to main through the workflow: commit A, then a docs-only commit B."""
+    root = tmp_path_factory.mktemp("ci")
+    origin, work = root / "origin.git", root / "work"
+    subprocess.run(["git", "init", "--quiet", "--bare", str(origin)], check=True)
+    subprocess.run(["git", "init", "--quiet", "-b", "main", str(work)], check=True)
+    _git(work, "config", "user.email", "dev@example.com")
+    _git(work, "config", "user.name", "dev")
+    (work / "README.md").write_text("project\n")
+    _git(work, "add", "README.md")
+    _git(work, "commit", "--quiet", "-m", "A")
+    _git(work, "remote", "add", "origin", str(origin))
+    _git(work, "push", "--quiet", "origin", "main")
+    out = {"root": root, "work": work, "origin": origin, "summaries": [], "codes": [], "shas": []}
+    for i, message in enumerate(("A", "docs: typo")):
+        if i:
+            (work / "README.md").write_text("project, documented\n")
+            _git(work, "commit", "--quiet", "-am", message)
+        sha = _git(work, "rev-parse", "HEAD")
+        _fresh_checkout(work)
+        summary = root / f"summary-{i}.md"
+        out["codes"].append(_run_workflow(work, "push", sha, summary))
+        out["summaries"].append(summary.read_text())
+        out["shas"].append(sha)
+        out[f"junit{i}"] = (work / "mfu-junit.xml").read_text()
+        out[f"html{i}"] = (work / "mfu-report.html").stat().st_size
+        shutil.copytree(work / "runs" / "ci-tiny-tp2", root / f"run{i}")
+    return out
+
+
+def _history_lines(origin: Path) -> list[dict]:
+    text = subprocess.run(["git", "--git-dir", str(origin), "show", "perf-history:tiny-tp2.jsonl"],
+                          check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_workflow_records_pushes_to_the_history_branch(pushed):
+    records = _history_lines(pushed["origin"])
+    assert [r["commit"] for r in records] == pushed["shas"]
+    assert all(r["branch"] == "main" and r["workload"] == "tiny-tp2" for r in records)
+    assert len({r["fingerprint_id"] for r in records}) == 1
+    # 21 steps, the first left out as warm-up: 20 samples a record
+    assert all(len(r["samples"]["step_time_s"]) == 20 for r in records)
+    first = pushed["summaries"][0]
+    assert "insufficient data" in first and "no baseline record" in first
+
+
+def test_a_docs_only_commit_passes_with_every_counter_unchanged(pushed):
+    codes = pushed["codes"][1]
+    assert codes["Check against main's history"] == 0
+    summary = pushed["summaries"][1]
+    assert "0 of" in summary and "changed" in summary and "❌" not in summary
+    suite = ET.fromstring(pushed["junit1"])
+    assert suite.get("failures") == "0"
+    names = {c.get("name") for c in suite.iter("testcase")}
+    assert {"mfu", "step_time_s", "deterministic"} <= names
+    # the statistical gate has one matching record: it says so and is skipped
+    skipped = [c.get("name") for c in suite.iter("testcase") if c.find("skipped") is not None]
+    assert set(skipped) == {"mfu", "step_time_s"}
+
+
+def test_the_html_report_is_self_contained(pushed):
+    page = (pushed["work"] / "mfu-report.html").read_text()
+    # plotly.js inline: no script is fetched from anywhere
+    assert "plotly" in page.lower() and not re.search(r"<script[^>]*\bsrc=", page)
+    assert pushed["html1"] > 1_000_000  # plotly.js inline
+
+
+def test_counters_are_what_the_layout_makes(pushed):
+    """Hand count for tp=2 with sequence parallelism, 4 layers, batch 8 x 32 tokens x dim 64, fp32:
+    per rank and step, an all-gather before attention and before the MLP in each layer's forward
+    and backward (the reduce-scatters' gradients), one for the LM head's input and one for the
+    embedding's gradient: 4 x 4 + 2 = 18; the same number of reduce-scatters; each moves the
+    full activation, 8 x 32 x 64 x 4 bytes."""
+    rec = _history_lines(pushed["origin"])[0]
+    comm = {(c["dim"], c["op"]): c for c in rec["counters"]["comm"]}
+    full = 8 * 32 * 64 * 4
+    for op in ("all_gather", "reduce_scatter"):
+        assert comm[("tp", op)]["calls_per_step"] == 2 * 18
+        assert comm[("tp", op)]["bytes_per_step"] == 2 * 18 * full
+    ar = comm[("tp", "all_reduce")]["bytes_per_step"]
+    bus = {c["dim"]: c["bus_bytes_per_step"] for c in rec["counters"]["comm_bus"]}
+    # nccl-tests' bus factors on a group of 2: (n-1)/n = 1/2 for gathers and scatters, 2(n-1)/n = 1
+    assert bus["tp"] == pytest.approx(2 * 2 * 18 * full * 0.5 + ar * 1.0)
+
+
+def test_sequence_parallel_off_fails_the_deterministic_gate(pushed, tmp_path):
+    """Without sequence parallelism every row-parallel output and column-parallel input gradient
+    is all-reduced: the bytes on the wire grow by two thirds (an all-reduce moves twice an
+    all-gather's bytes), and the gate fails naming tp."""
+    run = tmp_path / "no-sp"
+    subprocess.run(CLI + ["train", "--config", "tiny_dense", "--nproc", "2", "--layout", "tp=2", "--steps", "6",
+                          "--window", "1:3", "--set", "sequence_parallel=false", "--out", str(run)],
+                   check=True, capture_output=True, timeout=600)
+    hist = pushed["root"] / "hist-copy"
+    hist.mkdir()
+    for r in _history_lines(pushed["origin"]):
+        append(hist, r)
+    junit = tmp_path / "j.xml"
+    proc = subprocess.run(CLI + ["ci", "check", str(run), "--history", str(hist), "--workload", "tiny-tp2",
+                                 "--junit", str(junit), "--json"], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    result = json.loads(proc.stdout)
+    failed = {r["metric"]: r for r in result["deterministic"]["rows"] if r["verdict"] == "fail"}
+    assert "comm/tp/bus_bytes_per_step" in failed and "comm/tp/all_reduce/bytes_per_step" in failed
+    assert failed["comm/tp/bus_bytes_per_step"]["change"] > 0.3
+    assert result["status"] == "regression"
+    failures = [c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]
+    assert "comm/tp/bus_bytes_per_step" in failures
+
+
+# ----------------------------------------------------------------------------- false positives and power
+
+
+@pytest.fixture(scope="module")
+def real(pushed):
+    run = pushed["root"] / "run0"
+    return json.loads((run / "report.json").read_text()), json.loads((run / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("cv", [0.01, 0.03, 0.08])
+def test_noise_alone_fails_under_half_a_percent_of_checks(real, cv):
+    rate = simulate.false_positive_rate(*real, cv=cv, checks=1000)
+    print(f"false-positive rate at CV {cv:.0%}: {rate:.2%} of 1000 checks")
+    assert rate < 0.005
+
+
+@pytest.mark.parametrize("cv, drop", [(0.03, 0.05), (0.08, 0.10)])
+def test_a_sustained_drop_is_confirmed_within_two_records(real, cv, drop):
+    power = simulate.detection_power(*real, cv=cv, drop=drop, trials=400)
+    print(f"a {drop:.0%} MFU drop at CV {cv:.0%}: confirmed within 2 records in {power:.1%} of 400 trials")
+    # 95% required; 400 trials estimate it to +-1.1% (one standard error)
+    assert power >= 0.95
+
+
+def test_one_violation_is_suspicious_and_a_second_confirms(real):
+    rng = np.random.default_rng(5)
+    records = [simulate.noisy_record(*real, rng, 0.01, index=i) for i in range(10)]
+    slow = simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=10)
+    first = check_mod.check(History(Path("h"), records, []), slow, branch="main", floor=0.02)
+    assert first["status"] == "suspicious" and first["exit_code"] == 0
+    slow2 = simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=11)
+    second = check_mod.check(History(Path("h"), records + [slow], []), slow2, branch="main", floor=0.02)
+    assert second["status"] == "regression" and second["exit_code"] == 1
+    assert {r["verdict"] for r in second["statistical"]} == {"regression"}
+    # the change-point scan puts the shift at the first slow record
+    cps = second["change_points"]["mfu"]
+    assert [c["commit"] for c in cps] == [slow["commit"]] and cps[0]["worse"]
+
+
+def test_an_in_job_rerun_confirms_or_clears(real):
+    rng = np.random.default_rng(6)
+    records = [simulate.noisy_record(*real, rng, 0.01, index=i) for i in range(10)]
+    slow = simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=10)
+    h = History(Path("h"), records, [])
+    again = check_mod.check(h, slow, branch="main", floor=0.02, confirm_runs=2,
+                            rerun=lambda i: simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=20 + i))
+    assert again["status"] == "regression"
+    assert all(len(r["reruns"]) == 2 for r in again["statistical"])
+    fluke = check_mod.check(h, slow, branch="main", floor=0.02, confirm_runs=2,
+                            rerun=lambda i: simulate.noisy_record(*real, rng, 0.01, index=30 + i))
+    assert fluke["status"] == "suspicious" and fluke["exit_code"] == 0
+    assert all(len(r["reruns"]) == 1 for r in fluke["statistical"])  # the first clean rerun settles it
+
+
+def test_accept_starts_a_new_baseline(real):
+    rng = np.random.default_rng(8)
+    old = [simulate.noisy_record(*real, rng, 0.01, index=i) for i in range(10)]
+    new = [simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=10 + i) for i in range(6)]
+    new[0]["accepted"] = True
+    cur = simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=30)
+    result = check_mod.check(History(Path("h"), old + new, []), cur, branch="main", floor=0.02)
+    assert result["matching_records"] == 6 and result["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------- history and bad input
+
+
+def test_records_of_another_environment_are_never_compared(real, tmp_path):
+    report, manifest = real
+    rng = np.random.default_rng(9)
+    other = json.loads(json.dumps(manifest))
+    other["layout"]["tp"], other["layout"]["dp_shard"] = 1, 2
+    for i in range(8):
+        append(tmp_path, simulate.noisy_record(report, other, rng, 0.01, index=i))
+    cur = simulate.noisy_record(report, manifest, rng, 0.01, drop=0.5, index=99)
+    result = check_mod.check(read(tmp_path, "simulated"), cur, branch="main", floor=0.02)
+    assert result["matching_records"] == 0 and result["status"] == "insufficient data"
+    assert any(d.startswith("layout:") for d in result["fingerprint_differs"])
+
+
+def test_doubling_tp_bytes_fails_and_halving_them_passes(real):
+    report, manifest = real
+    rng = np.random.default_rng(10)
+    base = simulate.noisy_record(report, manifest, rng, 0.01)
+
+    def scaled(factor):
+        rec = json.loads(json.dumps(base))
+        for c in rec["counters"]["comm"] + rec["counters"]["comm_bus"]:
+            for key in ("bytes_per_step", "bus_bytes_per_step"):
+                if key in c and c["dim"] == "tp":
+                    c[key] *= factor
+        return rec
+
+    worse = {r["metric"]: r["verdict"] for r in deterministic.check(base, scaled(2.0), 0.02)}
+    better = {r["metric"]: r["verdict"] for r in deterministic.check(base, scaled(0.5), 0.02)}
+    assert worse["comm/tp/bus_bytes_per_step"] == "fail"
+    assert better["comm/tp/bus_bytes_per_step"] == "improved" and "fail" not in better.values()
+
+
+def test_a_torn_last_line_is_skipped_and_a_bad_line_is_an_error(real, tmp_path):
+    rng = np.random.default_rng(12)
+    for i in range(3):
+        append(tmp_path, simulate.noisy_record(*real, rng, 0.01, index=i))
+    path = tmp_path / "simulated.jsonl"
+    with path.open("a") as f:
+        f.write('{"schema": 1, "workl')  # a job killed mid-append
+    h = read(tmp_path, "simulated")
+    assert len(h.records) == 3 and len(h.skipped) == 1 and "simulated.jsonl:4" in h.skipped[0]
+    append(tmp_path, simulate.noisy_record(*real, rng, 0.01, index=3))  # goes on its own line
+    lines = path.read_text().splitlines()
+    assert len(lines) == 5 and json.loads(lines[-1])["commit"] == "sim00003"
+    # now the torn line is in the middle: an error naming the file and line, exit 2, no traceback
+    run = tmp_path / "report.json"
+    run.write_text(json.dumps(real[0]))
+    proc = subprocess.run(CLI + ["ci", "check", str(run), "--history", str(tmp_path), "--workload", "simulated"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "simulated.jsonl" in proc.stderr and "line 4" in proc.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-mfu-drop", "150%"], "--max-mfu-drop"),
+    (["--confirm-runs", "-1"], "--confirm-runs"),
+    (["--workload", "../x"], "workload name"),
+])
+def test_bad_check_flags_are_refused_in_one_line(real, tmp_path, args, words):
+    run = tmp_path / "report.json"
+    run.write_text(json.dumps(real[0]))
+    proc = subprocess.run(CLI + ["ci", "check", str(run), "--history", str(tmp_path)] + args,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_record_needs_a_run_or_report(tmp_path):
+    proc = subprocess.run(CLI + ["ci", "record", str(tmp_path / "nope"), "--history", str(tmp_path / "h")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "nope" in proc.stderr and not (tmp_path / "h").exists()
+
+
+def test_trend_marks_regressions_and_change_points(real, tmp_path):
+    from mfuscope.regression import trend
+
+    rng = np.random.default_rng(13)
+    for i in range(12):
+        append(tmp_path, simulate.noisy_record(*real, rng, 0.01, index=i))
+    for i in range(12, 20):
+        append(tmp_path, simulate.noisy_record(*real, rng, 0.01, drop=0.08, index=i))
+    records = read(tmp_path, "simulated").records
+    verdicts = [p["verdict"] for p in trend.series(records, 0.02)]
+    assert verdicts[:5] == ["insufficient data"] * 5 and set(verdicts[5:12]) == {"ok"}
+    assert verdicts[12:14] == ["suspicious", "regression"]
+    assert [c["index"] for c in statistical.change_points(records, None, "mfu", 0.02)] == [12]
+    out = tmp_path / "trend.html"
+    proc = subprocess.run(CLI + ["ci", "trend", "--history", str(tmp_path), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    page = out.read_text()
+    assert "sim00012" in page and not re.search(r"<script[^>]*\bsrc=", page)
