@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_dashboard.py
 	$(PY) benchmarks/bench_plan.py
 	$(PY) benchmarks/bench_kernels.py
+	$(PY) benchmarks/bench_ci.py
 
 clean:
 	rm -rf $(VENV) artifacts build dist *.egg-info

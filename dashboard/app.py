@@ -20,7 +20,7 @@ from dash import Input, Output, State, dcc, html, no_update
 from mfuscope.analyzers import timeline as timeline_views
 from mfuscope.errors import UserInputError
 
-from . import figures, pages, style
+from . import figures, pages, style, trend_page
 from .store import Store
 
 log = logging.getLogger("mfuscope.dashboard")
@@ -31,8 +31,10 @@ RUN_PAGES = [("", "Overview"), ("timeline", "Timeline"), ("pipeline", "Pipeline"
 TIMELINE_BARS = 24_000
 
 
-def create_app(runs_dir: str | Path) -> dash.Dash:
+def create_app(runs_dir: str | Path, history: str | Path | None = None) -> dash.Dash:
+    """``history``: a CI history directory (``mfuscope ci record``) for the Trend page."""
     store = Store(Path(runs_dir))
+    history = Path(history) if history else None
     app = dash.Dash(__name__, title="mfuscope", update_title=None, suppress_callback_exceptions=True)
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + style.CSS + "</style>")
     app.layout = html.Div([
@@ -41,8 +43,9 @@ def create_app(runs_dir: str | Path) -> dash.Dash:
         html.Div(id="page", className="page"),
         dcc.Interval(id="tick", interval=400, disabled=True),
     ])
-    _routes(app, store)
+    _routes(app, store, history)
     _interactions(app, store)
+    _trend_interactions(app)
     return app
 
 
@@ -60,12 +63,13 @@ def _topbar(run_id: str | None, current: str) -> list[Any]:
                                   className="active" if current == slug else "", id=f"nav-{slug or 'overview'}"))
     links.append(dcc.Link("Compare", href="/compare", className="active" if current == "compare" else ""))
     links.append(dcc.Link("Planner", href="/plan", className="active" if current == "plan" else "", id="nav-plan"))
+    links.append(dcc.Link("Trend", href="/trend", className="active" if current == "trend" else "", id="nav-trend"))
     if run_id:
         links.append(html.Span(f"run: {run_id}", className="run"))
     return links
 
 
-def _routes(app: dash.Dash, store: Store) -> None:
+def _routes(app: dash.Dash, store: Store, history: Path | None) -> None:
     @app.callback(Output("topbar", "children"), Output("page", "children"), Output("tick", "disabled"),
                   Input("url", "pathname"), Input("url", "search"), Input("tick", "n_intervals"))
     def render(pathname, search, _tick):
@@ -83,6 +87,11 @@ def _routes(app: dash.Dash, store: Store) -> None:
                 return _topbar(None, "compare"), pages.compare_page(store, analyzed, a, b, query.get("fix")), True
             if parts[0] == "plan":
                 return _topbar(None, "plan"), pages.planner_page(query), True
+            if parts == ["trend"]:
+                return _topbar(None, "trend"), trend_page.page(history, query), True
+            if parts == ["trend", "record"]:
+                ids = {r.id for r in store.runs()}
+                return _topbar(None, "trend"), trend_page.record_page(history, query, ids), True
             if parts[0] == "run" and len(parts) >= 2:
                 return _run_page(store, parts[1], parts[2] if len(parts) > 2 else "", query)
             return _topbar(None, ""), pages.error_panel(f"no page at {pathname}"), True
@@ -251,7 +260,25 @@ def longest_waits(seg: pd.DataFrame, n: int = 5) -> pd.DataFrame:
     return waiting.assign(dur=waiting["end_ns"] - waiting["start_ns"]).nlargest(n, "dur")
 
 
-def serve(runs_dir: str | Path, host: str = "127.0.0.1", port: int = 8050, debug: bool = False) -> None:
-    app = create_app(runs_dir)
+def _trend_interactions(app: dash.Dash) -> None:
+    @app.callback(Output("url", "href", allow_duplicate=True), Input("trend-workload", "value"),
+                  State("url", "search"), prevent_initial_call=True)
+    def pick_workload(workload, search):
+        _, query = _parse(None, search)
+        return no_update if query.get("workload") == workload else "/trend?" + urlencode({"workload": workload})
+
+    @app.callback(Output("url", "href", allow_duplicate=True), Input("trend-graph", "clickData"),
+                  State("trend-workload", "value"), prevent_initial_call=True)
+    def open_record(click, workload):
+        points = (click or {}).get("points") or []
+        data = points[0].get("customdata") if points else None
+        if not data:
+            return no_update
+        return trend_page.record_url(workload, int(data[0]))
+
+
+def serve(runs_dir: str | Path, host: str = "127.0.0.1", port: int = 8050, debug: bool = False,
+          history: str | Path | None = None) -> None:
+    app = create_app(runs_dir, history)
     print(f"mfuscope dashboard: {Path(runs_dir).resolve()} at http://{host}:{port}/  (Ctrl-C stops it)", flush=True)
     app.run(host=host, port=port, debug=debug)

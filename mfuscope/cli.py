@@ -169,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--debug", action="store_true", help="Dash debug mode (reloader, error overlay)")
+    p.add_argument("--history", type=Path, default=None, metavar="DIR",
+                   help="a CI history (mfuscope ci record) for the Trend page")
     p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("profile", help="run a training command with every rank profiled (no code change)",
@@ -341,7 +343,9 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         from mfuscope.dashboard.app import serve
     except ImportError as e:
         raise UserInputError(f"the dashboard needs its extra: pip install 'mfuscope[dashboard]' ({e})") from None
-    serve(args.runs_dir, host=args.host, port=args.port, debug=args.debug)
+    if args.history is not None and not args.history.is_dir():
+        raise UserInputError("no such history directory (mfuscope ci record --history DIR makes one)", args.history)
+    serve(args.runs_dir, host=args.host, port=args.port, debug=args.debug, history=args.history)
     return 0
 
 

@@ -3,7 +3,8 @@ power are measured (tests/test_ci_gate.py, benchmarks/bench_ci.py, docs/ci.md).
 
 Each simulated run is the real report with every step time multiplied by
 independent log-normal noise of the given coefficient of variation (a shared
-runner's step-to-step jitter), and, for a regression, by 1 / (1 - drop): the
+runner's step-to-step jitter), optionally by one run-wide factor (run-to-run
+noise), and, for a regression, by 1 / (1 - drop): the
 same work in more time, so MFU falls by ``drop`` exactly.  The counters stay
 as they are (they do not depend on timing).
 """
@@ -19,13 +20,20 @@ from .history import make_record
 from .statistical import WINDOW
 
 
+def _lognormal(rng: np.random.Generator, cv: float) -> float:
+    sigma = float(np.sqrt(np.log1p(cv * cv)))  # log-normal with this coefficient of variation, mean 1
+    return float(np.exp(rng.normal(-sigma * sigma / 2, sigma)))
+
+
 def noisy_record(report: dict[str, Any], manifest: dict[str, Any] | None, rng: np.random.Generator, cv: float,
-                 drop: float = 0.0, index: int = 0) -> dict[str, Any]:
+                 drop: float = 0.0, index: int = 0, run_cv: float = 0.0) -> dict[str, Any]:
+    """``cv``: step-to-step noise; ``run_cv``: one factor for the whole run (a slower runner of the
+    same model, a noisy neighbour for the job's length)."""
     rep = copy.copy(report)
-    sigma = float(np.sqrt(np.log1p(cv * cv)))  # log-normal with this coefficient of variation
+    run_factor = _lognormal(rng, run_cv) if run_cv else 1.0
     steps = []
     for row in report["per_step"]:
-        factor = float(np.exp(rng.normal(-sigma * sigma / 2, sigma))) / (1.0 - drop)
+        factor = _lognormal(rng, cv) * run_factor / (1.0 - drop)
         steps.append({**row, "step_time_s": row["step_time_s"] * factor,
                       "mfu": None if row.get("mfu") is None else row["mfu"] / factor})
     rep["per_step"] = steps

@@ -53,16 +53,22 @@ def figure(records: list[dict[str, Any]], floor: float, title: str):
         first = next((p["counters"][name] for p in pts if p["counters"].get(name)), None)
         if not first:
             continue
-        ys = [p["counters"].get(name, 0.0) / first for p in pts]
-        if max(ys) - min(ys) < 1e-9 and len(names) > 8:
+        ys = [None if p["counters"].get(name) is None else p["counters"][name] / first for p in pts]
+        known = [y for y in ys if y is not None]
+        if max(known) - min(known) < 1e-9 and len(names) > 8:
             continue  # an unchanged counter among many adds nothing but a line at 1
         fig.add_trace(go.Scatter(x=x, y=ys, mode="lines", name=name, text=labels,
                                  hovertemplate=f"{name}<br>%{{text}}: x%{{y:.3f}}<extra></extra>"), row=3, col=1)
+    shifts: dict[int, list[dict[str, Any]]] = {}
     for metric in ("mfu", "step_time_s"):
         for cp in statistical.change_points(records, None, metric, floor):
-            fig.add_vline(x=cp["index"] - 0.5, line={"dash": "dash", "color": "#e45756" if cp["worse"] else "#54a24b"})
-            fig.add_annotation(x=cp["index"], y=1.0, yref="paper", showarrow=False,
-                               text=f"{metric} {cp['shift']:+.1%} @ {(cp.get('commit') or '?')[:8]}")
+            shifts.setdefault(cp["index"], []).append({**cp, "metric": metric})
+    for index, cps in shifts.items():  # one line and one label per commit, however many metrics moved
+        worse = any(c["worse"] for c in cps)
+        fig.add_vline(x=index - 0.5, line={"dash": "dash", "color": "#e45756" if worse else "#54a24b"})
+        fig.add_annotation(x=index - 0.5, y=1.0, yref="paper", showarrow=False, xanchor="right",
+                           text=", ".join(f"{c['metric']} {c['shift']:+.1%}" for c in cps)
+                           + f" from {(cps[0].get('commit') or '?')[:8]}")
     for verdict, color in COLORS.items():  # the legend of the marker colours
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker={"color": color, "size": 8},
                                  name=verdict), row=1, col=1)

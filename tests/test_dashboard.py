@@ -98,11 +98,35 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(runs, tmp_path_factory):
+def history(runs, tmp_path_factory) -> Path:
+    """A CI history for the Trend page: ten runs simulated from the gpipe run's real report (1% step
+    noise), then the gpipe run itself and the run `optimize --apply` made of it, recorded by
+    `mfuscope ci record`."""
+    from mfuscope.regression.history import append
+    from mfuscope.regression.simulate import noisy_record
+
+    root = tmp_path_factory.mktemp("history")
+    gpipe = runs / "gpipe"
+    report, manifest = (json.loads((gpipe / f).read_text()) for f in ("report.json", "manifest.json"))
+    rng = np.random.default_rng(0)
+    for i in range(10):
+        append(root, {**noisy_record(report, manifest, rng, 0.01, index=i), "workload": "gpipe"})
+    optimized = sorted(p for p in runs.iterdir() if p.name.startswith("gpipe-opt-"))[0]
+    for commit, run in (("c0ffee1", gpipe), ("c0ffee2", optimized)):
+        proc = subprocess.run([sys.executable, "-m", "mfuscope", "ci", "record", str(run), "--history", str(root),
+                               "--workload", "gpipe", "--commit", commit, "--branch", "main"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(runs, history, tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "MFUSCOPE_CACHE_DIR": str(tmp_path_factory.mktemp("dash-cache"))}
     log = open(tmp_path_factory.mktemp("dash-log") / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "mfuscope", "dashboard", str(runs), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "mfuscope", "dashboard", str(runs), "--port", str(port),
+                             "--history", str(history)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
@@ -526,3 +550,22 @@ def test_an_analysis_older_than_its_traces_is_redone(tmp_path):
     later = run.report_path.stat().st_mtime + 10
     os.utime(trace, (later, later))
     assert not store.analyzed(run)
+
+
+def test_trend_page_opens_a_commit_against_its_baseline(tab, runs):
+    """The Trend page draws the history; clicking the newest point (the optimized run) opens that
+    commit checked against the records before it, which links to Compare of the two real runs."""
+    tab.open("/trend", "#trend-graph .scatterlayer .trace .points path")
+    assert "12 records" in tab.text()
+    tab.shot("trend")
+    tab.page.locator("#trend-graph .scatterlayer .trace").first.locator(".points path").last.click(force=True)
+    tab.page.wait_for_url("**/trend/record?workload=gpipe&index=11")
+    tab.page.wait_for_selector("#trend-stat .ag-row")
+    assert "c0ffee2" in tab.text() and "11 record(s) before it" in tab.text("#trend-status")
+    # more microbatches: twice the pipeline sends and receives a step, which the deterministic
+    # gate lists (an intended change is recorded with --accept)
+    tab.page.wait_for_selector("#trend-det .ag-row")
+    assert "comm/pp/" in tab.text("#trend-det")
+    tab.page.locator("#trend-compare-runs").click()
+    tab.page.wait_for_selector("#compare-summary-box .ag-row")
+    assert "base: gpipe" in tab.text("#compare-summary-box") and "gpipe-opt-" in tab.text("#compare-summary-box")
