@@ -17,14 +17,15 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 
-def _leaves(node: dict | None, out: dict | None = None) -> dict[str, float]:
+def leaves(node: dict | None, out: dict | None = None) -> dict[str, float]:
+    """A breakdown tree's leaves: name -> seconds."""
     out = {} if out is None else out
     if node is None:
         return out
     if not node.get("children"):
         out[node["name"]] = node["seconds"]
     for c in node.get("children") or []:
-        _leaves(c, out)
+        leaves(c, out)
     return out
 
 
@@ -33,10 +34,10 @@ def compare(base: dict, new: dict, fail_on_mfu_drop: float | None = None) -> dic
     rows = []
     for key in ("mfu", "hfu", "step_time_s", "tokens_per_s", "tflops_per_device"):
         rows.append({"metric": key, "base": b.get(key), "new": n.get(key), "change": _change(b.get(key), n.get(key))})
-    lb, ln = _leaves(base.get("breakdown")), _leaves(new.get("breakdown"))
-    leaves = [{"leaf": k, "base_s": lb.get(k, 0.0), "new_s": ln.get(k, 0.0), "delta_s": ln.get(k, 0.0) - lb.get(k, 0.0)}
-              for k in sorted(set(lb) | set(ln))]
-    leaves.sort(key=lambda r: -abs(r["delta_s"]))
+    lb, ln = leaves(base.get("breakdown")), leaves(new.get("breakdown"))
+    by_leaf = [{"leaf": k, "base_s": lb.get(k, 0.0), "new_s": ln.get(k, 0.0), "delta_s": ln.get(k, 0.0) - lb.get(k, 0.0)}
+               for k in sorted(set(lb) | set(ln))]
+    by_leaf.sort(key=lambda r: -abs(r["delta_s"]))
     gate = None
     if fail_on_mfu_drop is not None:
         if _defined(b.get("mfu")) and _defined(n.get("mfu")):
@@ -62,7 +63,7 @@ def compare(base: dict, new: dict, fail_on_mfu_drop: float | None = None) -> dic
              for k in list(fb) + [k for k in fn if k not in fb]]
     found.sort(key=lambda r: -abs(r["delta_s"]))
     return {"base": base["provenance"]["source"], "new": new["provenance"]["source"], "summary": rows,
-            "leaves": leaves, "findings": found, "gate": gate}
+            "leaves": by_leaf, "findings": found, "gate": gate}
 
 
 def _defined(v) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from mfuscope.analyzers.compare import leaves
 from mfuscope.errors import UserInputError
 
 RECORD_SCHEMA = 1
@@ -69,18 +70,8 @@ def make_record(report: dict[str, Any], manifest: dict[str, Any] | None, *, work
         "samples": {"step_time_s": [r["step_time_s"] for r in per_step if r.get("step_time_s") is not None],
                     "mfu": [r["mfu"] for r in per_step if r.get("mfu") is not None]},
         "counters": report.get("counters"),
-        "leaves": _leaves(report.get("breakdown")),
+        "leaves": leaves(report.get("breakdown")),
     }
-
-
-def _leaves(node: dict | None, out: dict | None = None) -> dict[str, float]:
-    out = {} if out is None else out
-    if node:
-        if not node.get("children"):
-            out[node["name"]] = node["seconds"]
-        for c in node.get("children") or []:
-            _leaves(c, out)
-    return out
 
 
 def workload_file(history: Path, workload: str) -> Path:

@@ -217,16 +217,23 @@ def test_counters_are_what_the_layout_makes(pushed):
     assert bus["tp"] == pytest.approx(2 * 2 * 18 * full * 0.5 + ar * 1.0)
 
 
-def test_sequence_parallel_off_fails_the_deterministic_gate(pushed, tmp_path):
-    """Without sequence parallelism every row-parallel output and column-parallel input gradient
-    is all-reduced: the bytes on the wire grow by two thirds (an all-reduce moves twice an
-    all-gather's bytes), and the gate fails naming tp."""
-    run = tmp_path / "no-sp"
+@pytest.fixture(scope="module")
+def no_sp(pushed) -> Path:
+    """The same workload with sequence parallelism off (a trainer change)."""
+    run = pushed["root"] / "no-sp"
     subprocess.run(CLI + ["train", "--config", "tiny_dense", "--nproc", "2", "--layout", "tp=2", "--steps", "6",
                           "--window", "1:3", "--set", "sequence_parallel=false", "--out", str(run)],
                    check=True, capture_output=True, timeout=600)
-    hist = pushed["root"] / "hist-copy"
-    hist.mkdir()
+    subprocess.run(CLI + ["analyze", str(run)], check=True, capture_output=True, timeout=600)
+    return run
+
+
+def test_sequence_parallel_off_fails_the_deterministic_gate(pushed, no_sp, tmp_path):
+    """Without sequence parallelism every row-parallel output and column-parallel input gradient
+    is all-reduced: the bytes on the wire grow by two thirds (an all-reduce moves twice an
+    all-gather's bytes), and the gate fails naming tp."""
+    run = no_sp
+    hist = tmp_path / "hist-copy"
     for r in _history_lines(pushed["origin"]):
         append(hist, r)
     junit = tmp_path / "j.xml"
@@ -400,3 +407,25 @@ def test_trend_marks_regressions_and_change_points(real, tmp_path):
     assert proc.returncode == 0, proc.stderr
     page = out.read_text()
     assert "sim00012" in page and not re.search(r"<script[^>]*\bsrc=", page)
+
+
+def test_confirm_runs_reruns_the_reference_trainer_run(no_sp, tmp_path):
+    """A history twice as fast as this run makes it violate; --confirm-runs 1 trains it again (from
+    its manifest) and the rerun, as slow, confirms the regression.  (Twice: a 5-step run's steps
+    on a shared CPU scatter by tens of percent, and the gate rightly wants its few samples all
+    clear of the baseline's.)"""
+    report, manifest = (json.loads((no_sp / f).read_text()) for f in ("report.json", "manifest.json"))
+    rng = np.random.default_rng(14)
+    for i in range(6):
+        append(tmp_path, {**simulate.noisy_record(report, manifest, rng, 0.01, drop=-1.0, index=i),
+                          "workload": "no-sp"})
+    proc = subprocess.run(CLI + ["ci", "check", str(no_sp), "--history", str(tmp_path), "--confirm-runs", "1",
+                                 "--json"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    rows = {r["metric"]: r for r in result["statistical"]}
+    assert rows["step_time_s"]["verdict"] == "regression"
+    assert "rerun" in rows["step_time_s"]["confirmed_by"] and len(rows["step_time_s"]["reruns"]) == 1
+    rerun = no_sp.parent / "no-sp.rerun1"
+    assert json.loads((rerun / "manifest.json").read_text())["train"]["sequence_parallel"] is False
+    assert "confirming rerun 1" in proc.stderr
