@@ -15,8 +15,13 @@ swiglu         ``w1``/``w2``/``w3`` (reference trainer: w2(silu  ``w2(swiglu(w1 
                ``down_proj`` with a SiLU ``act_fn`` (Hugging Face)
 rope           an attention with ``rope_fn`` and ``theta``       ``apply_rope``'s kernel, interleaved
                (the reference trainer's)                         pairs as the trainer's RoPE
+               an attention with ``q_proj`` whose module has     ``apply_rope``'s kernel, rotate-half
+               ``apply_rotary_pos_emb`` (Hugging Face Llama,     (that module's function is swapped:
+               Mistral, Qwen2/3, ...)                            every model of the family uses it)
 linear_ce      a model with ``head_loss`` and ``output`` (the    ``fused_linear_cross_entropy`` when
                reference trainer's, called with targets)          the model is given targets
+               a model with a bias-free ``lm_head`` and a        the same when called with ``labels``
+               ``loss_function`` (Hugging Face ``*ForCausalLM``)  (its output's ``logits`` is then None)
 =============  ================================================  ======================================
 
 Each swapped module gets an instance ``forward`` (or ``rope_fn``);
@@ -28,6 +33,7 @@ over the tensor-parallel ranks as DTensor would.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -52,7 +58,7 @@ class Applied:
     def modules(self) -> list[nn.Module]:
         return [m for m, _, _ in self.swaps]
 
-    def swap(self, m: nn.Module, name: str, value) -> None:
+    def swap(self, m, name: str, value) -> None:
         self.swaps.append((m, name, m.__dict__.get(name, _MISSING)))
         m.__dict__[name] = value
 
@@ -78,8 +84,15 @@ def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> 
             applied.swap(m, "forward", _fused_mlp(m, *_swiglu_parts(m)))
         elif "rope" in applied.ops and callable(m.__dict__.get("rope_fn")) and hasattr(m, "theta"):
             applied.swap(m, "rope_fn", _fused_rope)
+        elif "rope" in applied.ops and isinstance(getattr(m, "q_proj", None), nn.Module):
+            module = sys.modules.get(type(m).__module__)
+            if module is not None and callable(getattr(module, "apply_rotary_pos_emb", None)) \
+                    and module not in applied.modules:
+                applied.swap(module, "apply_rotary_pos_emb", _fused_hf_rope(module.apply_rotary_pos_emb))
         if "linear_ce" in applied.ops and "head_loss" in m.__dict__ and getattr(m, "output", None) is not None:
             applied.swap(m, "head_loss", fused_linear_cross_entropy)
+        elif "linear_ce" in applied.ops and _is_hf_causal_lm(m):
+            applied.swap(m, "forward", _fused_hf_head(m, m.forward))
     return applied
 
 
@@ -90,6 +103,65 @@ def _fused_rope(x, positions, theta):
 
     cos, sin = rope_angles(positions, x.shape[-1], theta)
     return torch.ops.mfuscope.rope(x.transpose(1, 2), cos, sin, True, 1.0).transpose(1, 2)
+
+
+def _fused_hf_rope(original):
+    """Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``: q, k (batch, heads,
+    seq, head_dim), cos/sin (1, seq, head_dim) of repeated halves.  Angles that differ per batch
+    row (packed sequences) or another layout go to the original."""
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
+        if kwargs or unsqueeze_dim != 1 or cos.dim() != 3 or cos.shape[0] != 1:
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        from .rope import apply_rope
+        return apply_rope(q, k, cos[0], sin[0])
+    return apply_rotary_pos_emb
+
+
+def _is_hf_causal_lm(m: nn.Module) -> bool:
+    head = getattr(m, "lm_head", None)
+    return (isinstance(head, nn.Linear) and head.bias is None and hasattr(type(m), "loss_function")
+            and getattr(getattr(m, "config", None), "vocab_size", None) == head.out_features)
+
+
+def _fused_hf_head(model: nn.Module, original):
+    """``*ForCausalLM.forward`` with ``labels``: its own forward runs with the head deferred (the
+    hidden states pass through ``lm_head``) and a loss that is the fused linear cross-entropy
+    over them, shifted as Hugging Face's causal-LM loss shifts the labels; the logits are never
+    made.  Without labels (generation, evaluation of logits) it is the original forward."""
+    import torch
+    import torch.nn.functional as F
+
+    head = model.lm_head
+
+    def loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
+        hidden = logits  # the deferred head passed the hidden states through
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        flat, target = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device)
+        if num_items_in_batch is None:
+            return fused_linear_cross_entropy(flat, head.weight, target, ignore_index, "mean")
+        total = fused_linear_cross_entropy(flat, head.weight, target, ignore_index, "sum")
+        return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch)
+                        else num_items_in_batch)
+
+    def forward(*args, **kwargs):
+        if kwargs.get("labels") is None:
+            return original(*args, **kwargs)
+        before = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name in ((head, "forward"),
+                                                                                  (model, "_loss_function"))]
+        head.__dict__["forward"] = lambda hidden: hidden
+        model.__dict__["_loss_function"] = loss
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            for obj, name, value in before:
+                if value is _MISSING:
+                    obj.__dict__.pop(name, None)
+                else:
+                    obj.__dict__[name] = value
+        out.logits = None
+        return out
+    return forward
 
 
 def _is_rms_norm(m: nn.Module) -> bool:
