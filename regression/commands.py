@@ -20,6 +20,9 @@ from . import check as check_mod
 from . import history as hist
 from . import outputs, prediction, trend
 
+#: Records the HTML report plots (each point is re-judged against the 20 before it).
+HTML_RECORDS = 1000
+
 
 def _git(*args: str) -> str | None:
     try:
@@ -116,9 +119,9 @@ def check(path: Path, history: Path, workload: str | None, branch: str | None, m
     if junit:
         atomic.write_bytes(junit, outputs.junit(result).encode())
     if html:
-        records = check_mod.baseline_records(h, current, branch) + [current]
-        atomic.write_bytes(html, trend.html(records, max_drop, f"{current['workload']}: history and this run",
-                                            md).encode())
+        records = check_mod.baseline_records(h, current, branch)[-HTML_RECORDS:] + [current]
+        atomic.write_bytes(html, trend.html(records, max_drop, f"{current['workload']}: the last "
+                                            f"{len(records) - 1} matching records and this run", md).encode())
     print(json.dumps(result, indent=2, default=str) if as_json else md)
     return result["exit_code"]
 

@@ -35,9 +35,12 @@ def _pct(v: Any, sign: bool = True) -> str:
 
 def headline(result: dict[str, Any]) -> str:
     status = result["status"]
+    failed = [r["metric"] for r in result["statistical"] if r["verdict"] == "regression"]
+    if any(r["verdict"] == "fail" for r in result["deterministic"]["rows"]):
+        failed.append("deterministic counters")
     what = {"ok": "no regression", "suspicious": "suspicious (one violation: passes; a second confirms)",
             "insufficient data": f"insufficient data ({result['matching_records']} matching record(s)): passes",
-            "regression": "REGRESSION"}[status]
+            "regression": f"REGRESSION ({', '.join(failed)})"}[status]
     return f"{VERDICT_ICON.get(status, '')} mfuscope ci check `{result['workload']}`: {what}"
 
 

@@ -6,7 +6,7 @@ For each metric, a run *violates* when both hold:
    limit ``baseline x (1 - max(floor, k x sigma / baseline))``, where the
    baseline is the median of the last ``WINDOW`` matching records' values and
    sigma their MAD-estimated spread: the floor (``--max-mfu-drop``, 2%) on a
-   quiet runner, k = 3 sigmas where runs vary more from one to the next;
+   quiet runner, k = 2.5 sigmas where runs vary more from one to the next;
 2. its step samples are worse than the window's pooled samples by a
    one-sided Mann-Whitney U test at ``ALPHA`` (a few slow steps in a short
    run do not make a violation).
@@ -21,9 +21,11 @@ the gate passes.
 
 Why these numbers (docs/ci.md has the measured false-positive rate and
 power behind them): a window of 20 records gives a baseline median whose own
-error is a quarter of one run's; k = 3 puts a single noise-only run past the
-limit about once in 700 checks, and the second consecutive violation
-brings a failure to well under 1 in 1,000; ALPHA = 0.01 keeps a run with
+error is a quarter of one run's; k = 2.5 puts a single noise-only run past the
+limit in about 0.6% of checks where the spread sets it (fewer where the floor
+does), and the second consecutive violation brings a failure to well under 1
+in 1,000 while a 10% drop at 8% step noise is still confirmed within two
+records (k = 3 missed 1 in 25 there); ALPHA = 0.01 keeps a run with
 a handful of steps from failing on its first outlier.
 """
 from __future__ import annotations
