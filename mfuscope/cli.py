@@ -235,11 +235,13 @@ def _add_ci(sub) -> None:
     p.add_argument("--workload", **workload)
     p.add_argument("--branch", default="main", help="baseline records from this branch (default: main; 'any' for all)")
     p.add_argument("--max-mfu-drop", type=_fraction, default=0.02, metavar="FRACTION",
-                   help="the floor of the limit: a drop under it never fails (default 2%%)")
-    p.add_argument("--summary-md", type=Path, default=None,
+                   help="the floor of the statistical limit (MFU and step time): a smaller drop never fails "
+                        "it (default 2%%); also the predicted-MFU counter's limit")
+    p.add_argument("--summary-md", type=Path, default=None, metavar="FILE",
                    help="append the markdown summary here (default: $GITHUB_STEP_SUMMARY when set)")
-    p.add_argument("--junit", type=Path, default=None, help="write JUnit XML here")
-    p.add_argument("--html", type=Path, default=None, help="write a self-contained HTML report with trend plots")
+    p.add_argument("--junit", type=Path, default=None, metavar="FILE", help="write JUnit XML here")
+    p.add_argument("--html", type=Path, default=None, metavar="FILE",
+                   help="write a self-contained HTML report with trend plots")
     p.add_argument("--confirm-runs", type=int, default=0, metavar="N",
                    help="a suspicious run is rerun up to N times in the job; a regression if every rerun violates too")
     p.add_argument("--rerun-command", default=None, metavar="CMD",
