@@ -17,7 +17,8 @@ Why these:
 - PELT (Killick, Fearnhead & Eckley 2012) finds the commits where the level
   of a series shifted, exactly and in linear time on average, with a
   mean-shift Gaussian cost whose noise is estimated robustly from first
-  differences (which a level shift barely touches).
+  differences (which a level shift barely touches); each change point is
+  then placed at the best split between its neighbours.
 """
 from __future__ import annotations
 
@@ -110,4 +111,21 @@ def change_points(x, penalty: float | None = None, min_size: int = 2) -> list[in
         t = int(last[t])
         if t > 0:
             out.append(t)
-    return sorted(out)
+    return _refine(sorted(out), s1, s2, n)
+
+
+def _refine(cps: list[int], s1: np.ndarray, s2: np.ndarray, n: int) -> list[int]:
+    """Each change point moved to the best split between its neighbours, one-point segments
+    allowed: PELT's minimum segment puts a shift at the newest record one record early (the last
+    segment needs two), which would name the commit before the one that made it."""
+    def cost(a, b):
+        return s2[b] - s2[a] - (s1[b] - s1[a]) ** 2 / (b - a)
+    out = list(cps)
+    for i, cp in enumerate(out):
+        lo, hi = (out[i - 1] if i else 0), (out[i + 1] if i + 1 < len(out) else n)
+        if hi - lo < 2:
+            continue
+        splits = np.arange(lo + 1, hi)
+        total = cost(lo, splits) + cost(splits, hi)
+        out[i] = int(splits[int(np.argmin(total))])
+    return out

@@ -348,7 +348,17 @@ def test_doubling_tp_bytes_fails_and_halving_them_passes(real):
     assert better["comm/tp/bus_bytes_per_step"] == "improved" and "fail" not in better.values()
 
 
-def test_a_torn_last_line_is_skipped_and_a_bad_line_is_an_error(real, tmp_path):
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """``mfuscope ARGS`` in this process (main() turns expected errors into one line and exit 2;
+    anything else would raise here): (exit code, stderr)."""
+    from mfuscope.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_a_torn_last_line_is_skipped_and_a_bad_line_is_an_error(real, tmp_path, capsys):
     rng = np.random.default_rng(12)
     for i in range(3):
         append(tmp_path, simulate.noisy_record(*real, rng, 0.01, index=i))
@@ -363,10 +373,8 @@ def test_a_torn_last_line_is_skipped_and_a_bad_line_is_an_error(real, tmp_path):
     # now the torn line is in the middle: an error naming the file and line, exit 2, no traceback
     run = tmp_path / "report.json"
     run.write_text(json.dumps(real[0]))
-    proc = subprocess.run(CLI + ["ci", "check", str(run), "--history", str(tmp_path), "--workload", "simulated"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "simulated.jsonl" in proc.stderr and "line 4" in proc.stderr
+    code, err = _cli(capsys, "ci", "check", str(run), "--history", str(tmp_path), "--workload", "simulated")
+    assert code == 2 and "simulated.jsonl" in err and "line 4" in err
 
 
 @pytest.mark.parametrize("args, words", [
@@ -374,21 +382,19 @@ def test_a_torn_last_line_is_skipped_and_a_bad_line_is_an_error(real, tmp_path):
     (["--confirm-runs", "-1"], "--confirm-runs"),
     (["--workload", "../x"], "workload name"),
 ])
-def test_bad_check_flags_are_refused_in_one_line(real, tmp_path, args, words):
+def test_bad_check_flags_are_refused_in_one_line(real, tmp_path, capsys, args, words):
     run = tmp_path / "report.json"
     run.write_text(json.dumps(real[0]))
-    proc = subprocess.run(CLI + ["ci", "check", str(run), "--history", str(tmp_path)] + args,
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+    code, err = _cli(capsys, "ci", "check", str(run), "--history", str(tmp_path), *args)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
 
 
-def test_record_needs_a_run_or_report(tmp_path):
-    proc = subprocess.run(CLI + ["ci", "record", str(tmp_path / "nope"), "--history", str(tmp_path / "h")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "nope" in proc.stderr and not (tmp_path / "h").exists()
+def test_record_needs_a_run_or_report(tmp_path, capsys):
+    code, err = _cli(capsys, "ci", "record", str(tmp_path / "nope"), "--history", str(tmp_path / "h"))
+    assert code == 2 and "nope" in err and not (tmp_path / "h").exists()
 
 
-def test_trend_marks_regressions_and_change_points(real, tmp_path):
+def test_trend_marks_regressions_and_change_points(real, tmp_path, capsys):
     from mfuscope.regression import trend
 
     rng = np.random.default_rng(13)
@@ -402,9 +408,8 @@ def test_trend_marks_regressions_and_change_points(real, tmp_path):
     assert verdicts[12:14] == ["suspicious", "regression"]
     assert [c["index"] for c in statistical.change_points(records, None, "mfu", 0.02)] == [12]
     out = tmp_path / "trend.html"
-    proc = subprocess.run(CLI + ["ci", "trend", "--history", str(tmp_path), "--out", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    code, err = _cli(capsys, "ci", "trend", "--history", str(tmp_path), "--out", str(out))
+    assert code == 0, err
     page = out.read_text()
     assert "sim00012" in page and not re.search(r"<script[^>]*\bsrc=", page)
 
