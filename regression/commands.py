@@ -51,6 +51,10 @@ def load_run(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, Path]:
         report_path = path / run_dir.REPORT
         report = read_report(report_path) if report_path.exists() else None
         if report is None or "counters" not in report:
+            if not (path / run_dir.TRACES).is_dir():
+                raise UserInputError("the run has no trace window to analyze; record CI runs with one "
+                                     "(mfuscope train --window 1:5, mfuscope profile --window 5:3): the gate's "
+                                     "counters come from the traced steps", path)
             from mfuscope.analyzers.analysis import analyze
             print(f"mfuscope ci: analyzing {path}", file=sys.stderr, flush=True)
             report, _ = analyze(path, report_path, path / run_dir.VIEWS)

@@ -389,9 +389,14 @@ def test_bad_check_flags_are_refused_in_one_line(real, tmp_path, capsys, args, w
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1
 
 
-def test_record_needs_a_run_or_report(tmp_path, capsys):
+def test_record_needs_a_run_or_report(pushed, tmp_path, capsys):
     code, err = _cli(capsys, "ci", "record", str(tmp_path / "nope"), "--history", str(tmp_path / "h"))
     assert code == 2 and "nope" in err and not (tmp_path / "h").exists()
+    bare = tmp_path / "no-window"  # a run directory without traces (trained without --window)
+    bare.mkdir()
+    shutil.copy(pushed["root"] / "run0" / "manifest.json", bare / "manifest.json")
+    code, err = _cli(capsys, "ci", "record", str(bare), "--history", str(tmp_path / "h"))
+    assert code == 2 and "trace window" in err and not (tmp_path / "h").exists()
 
 
 def test_trend_marks_regressions_and_change_points(real, tmp_path, capsys):
