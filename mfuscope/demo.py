@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  traces (open in Perfetto): {run}/traces/rank*.pt.trace.json.gz")
     if dlrm.exists():
         print(f"  corpus DLRM set (8 ranks): {dlrm} -> {os.readlink(dlrm)}")
-    print(f"  gate CI on it:             mfuscope ci record {run} --history perf-history, later "
-          f"mfuscope ci check NEW_RUN --history perf-history (docs/ci.md)")
+    print(f"  gate CI on it:             mfuscope ci record {run} --history perf-history --workload tiny-llama; "
+          "later: mfuscope ci check NEW_RUN --history perf-history --workload tiny-llama (docs/ci.md)")
     exe = Path(sys.executable).parent / "mfuscope"
     print(f"\n  dashboard:  {exe} dashboard {runs}   (or: make dashboard)")
     print("              then open http://127.0.0.1:8050/ in a browser")
