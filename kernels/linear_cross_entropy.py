@@ -9,6 +9,18 @@ hidden and weight gradients is taken right away.  The gradients are computed
 in the forward (as Liger's and Cut Cross-Entropy's are) and scaled by the
 incoming gradient in the backward, so nothing of the chunk outlives it.
 
+How many tokens a chunk takes is a trade of memory for GEMM speed
+(:func:`chunk_rows`).  A chunk's three GEMMs each read the whole (vocab x
+hidden) weight for ``rows x hidden x vocab`` multiply-adds: about ``rows``
+FLOP per weight byte in bf16.  On a GPU that must pass the tensor cores' ridge
+(H100: 989 TFLOP/s over 3.35 TB/s, about 300 FLOP a byte) or the weight's
+reads set the time -- at 8 rows a chunk the loss of 8k tokens would read a
+1 GB weight 3,000 times.  So on CUDA a chunk is at least ``GEMM_ROWS`` tokens
+(512: 256 MiB of float32 logits at a 128k vocabulary, still a fraction of
+eager's), and the weight gradient is accumulated by a bf16 GEMM with a float32
+output (``addmm(..., out_dtype=float32)``, tensor cores), not by a float32 GEMM.
+On CPU, where a GEMM is fast at a few rows, chunks hold ``CHUNK_BYTES``.
+
 Rows whose target is ``ignore_index`` contribute no loss and no gradient;
 ``mean`` divides by the rows that count (all ignored: loss 0, gradients 0, as
 ``F.cross_entropy`` gives NaN there instead).  Float32 throughout the kernel;
@@ -20,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dispatch import HAVE_TRITON, use_triton
+from ._dispatch import HAVE_TRITON, launch, use_triton
 
-#: Extra memory a chunk's logits may take (float32).
+#: Extra memory a chunk's logits may take (float32), where GEMMs are efficient at a few rows (CPU).
 CHUNK_BYTES = 4 * 2**20
+#: Tokens a chunk takes at least on a GPU, so its GEMMs run at tensor-core speed (module docstring).
+GEMM_ROWS = 512
 
 if HAVE_TRITON:
     import triton
@@ -70,8 +84,9 @@ def _ce_rows(logits: Tensor, target: Tensor, scale: float, ignore_index: int) ->
         loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         if logits.shape[0]:
             vocab = logits.shape[1]
-            _ce_rows_kernel[(logits.shape[0],)](logits, target, loss, float(scale), int(ignore_index), VOCAB=vocab,
-                                                BLOCK=min(triton.next_power_of_2(vocab), 4096))
+            block = min(triton.next_power_of_2(vocab), 4096)
+            launch(_ce_rows_kernel, (logits.shape[0],), logits, target, loss, float(scale), int(ignore_index),
+                   values=block, VOCAB=vocab, BLOCK=block)
         return loss
     keep = target != ignore_index
     lse = torch.logsumexp(logits, dim=-1)
@@ -83,6 +98,18 @@ def _ce_rows(logits: Tensor, target: Tensor, scale: float, ignore_index: int) ->
     return loss
 
 
+#: ``addmm(..., out_dtype=torch.float32)`` on CUDA half inputs (torch >= 2.8).
+_HALF_GEMM_TO_FLOAT = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Tokens per chunk: ``CHUNK_BYTES`` of float32 logits, and at least ``GEMM_ROWS`` on a GPU."""
+    rows = max(1, CHUNK_BYTES // (4 * vocab))
+    if device.type == "cuda":
+        rows = max(rows, GEMM_ROWS)
+    return max(1, min(rows, n_rows))
+
+
 @torch.library.custom_op("mfuscope::linear_cross_entropy", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str
              ) -> tuple[Tensor, Tensor, Tensor]:
@@ -92,7 +119,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, 
     n, vocab = h.shape[0], weight.shape[0]
     valid = int((t != ignore_index).sum())
     scale = 1.0 / valid if reduction == "mean" and valid else 1.0
-    chunk = max(1, CHUNK_BYTES // (4 * vocab))
+    chunk = chunk_rows(n, vocab, h.device)
     losses = torch.empty(n, dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -102,7 +129,10 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, 
         losses[start:start + chunk] = _ce_rows(logits, t[start:start + chunk].contiguous(), scale, ignore_index)
         g = logits.to(weight.dtype)
         dh[start:start + chunk] = g @ weight
-        dw.addmm_(g.t().float(), hc.float())
+        if _HALF_GEMM_TO_FLOAT and hc.is_cuda and hc.dtype in (torch.bfloat16, torch.float16):
+            torch.addmm(dw, g.t(), hc, out_dtype=torch.float32, out=dw)
+        else:
+            dw.addmm_(g.t().float(), hc.float())
     loss = losses.sum() * scale if reduction in ("mean", "sum") else losses
     return loss, dh.reshape(hidden.shape), dw.to(weight.dtype)
 

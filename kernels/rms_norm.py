@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dispatch import HAVE_TRITON, rows, use_triton
+from ._dispatch import HAVE_TRITON, launch, multiprocessors, rows, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -52,7 +52,6 @@ if HAVE_TRITON:
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)[None, :]
         col_ok = cols < n_cols
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, ROWS, TILE):
             rows = pid * ROWS + start + tl.arange(0, TILE)[:, None]
@@ -61,13 +60,15 @@ if HAVE_TRITON:
             dy = tl.load(dy_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
             x_hat = x * rstd
-            g = dy * w
+            dw += tl.sum(dy * x_hat, axis=0)
+            # The weight is loaded where it is used (from cache after the first row) rather than
+            # held across the loop: at 16k columns a thread has no registers to spare for it.
+            g = dy * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             c = tl.sum(g * x_hat, axis=1) / n_cols
             dx = rstd * (g - x_hat * c[:, None])
             if ADD:
                 dx += tl.load(dh_ptr + rows * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
             tl.store(dx_ptr + rows * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=ok)
-            dw += tl.sum(dy * x_hat, axis=0)
         tl.store(dw_partial_ptr + pid * n_cols + tl.arange(0, BLOCK), dw, mask=tl.arange(0, BLOCK) < n_cols)
 
 
@@ -86,7 +87,7 @@ def _rows_per_program(n_rows: int, n_cols: int, device: torch.device) -> tuple[i
     """(rows each backward program takes, rows it holds at once): enough programs to fill a GPU,
     few enough that their partial weight gradients (one float32 row each) stay small; powers of
     two, so the kernel (which takes them as constants) compiles for a handful of values only."""
-    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = 4 * multiprocessors(device)
     per = triton.next_power_of_2(max(triton.cdiv(n_rows, programs), 1))
     return per, min(per, tile_rows(n_cols, n_rows))
 
@@ -106,9 +107,10 @@ def norm_forward(x2: Tensor, residual2: Tensor | None, weight: Tensor, eps: floa
     if n_rows:
         tile = tile_rows(n_cols, n_rows)
         add = residual2 is not None
-        _rms_norm_forward_kernel[(triton.cdiv(n_rows, tile),)](
-            x2, residual2 if add else x2, h if add else y, weight.contiguous(), y, rstd, n_rows, n_cols, float(eps),
-            BLOCK=triton.next_power_of_2(n_cols), TILE=tile, ADD=add)
+        block = triton.next_power_of_2(n_cols)
+        launch(_rms_norm_forward_kernel, (triton.cdiv(n_rows, tile),),
+               x2, residual2 if add else x2, h if add else y, weight.contiguous(), y, rstd, n_rows, n_cols, float(eps),
+               values=tile * block, BLOCK=block, TILE=tile, ADD=add)
     return y, h, rstd
 
 
@@ -127,9 +129,10 @@ def norm_backward(dy2: Tensor, dh2: Tensor | None, x2: Tensor, weight: Tensor, r
     programs = triton.cdiv(n_rows, per)
     partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x2.device)
     if n_rows:
-        _rms_norm_backward_kernel[(programs,)](dy2, dh2 if dh2 is not None else dy2, x2, weight.contiguous(), rstd,
-                                               dx, partial, n_rows, n_cols, ROWS=per,
-                                               BLOCK=triton.next_power_of_2(n_cols), TILE=tile, ADD=dh2 is not None)
+        block = triton.next_power_of_2(n_cols)
+        launch(_rms_norm_backward_kernel, (programs,), dy2, dh2 if dh2 is not None else dy2, x2, weight.contiguous(),
+               rstd, dx, partial, n_rows, n_cols, values=tile * block, ROWS=per, BLOCK=block, TILE=tile,
+               ADD=dh2 is not None)
     return dx, partial.sum(0).to(weight.dtype)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dispatch import HAVE_TRITON, use_triton
+from ._dispatch import HAVE_TRITON, launch, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -76,6 +76,10 @@ def _half_angles(t: Tensor, head_dim: int) -> Tensor:
 
 @torch.library.custom_op("mfuscope::rope", mutates_args=())
 def _rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, sign: float) -> Tensor:
+    return rotate(x, cos, sin, interleaved, sign)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, sign: float) -> Tensor:
     """``x`` rotated by ``sign`` times the angles; contiguous (batch, heads, seq, head_dim)."""
     if not use_triton(x):
         return rope_reference(x, cos, sin * sign, interleaved).contiguous()
@@ -84,8 +88,8 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, sign: float) -
     if y.numel():
         block = triton.next_power_of_2(d // 2)
         seq_block = _seq_block(s, block)
-        _rope_kernel[(b * h, triton.cdiv(s, seq_block))](x, cos, sin, y, h, s, *x.stride(), float(sign), HALF=d // 2,
-                                                         BLOCK=block, SEQ_BLOCK=seq_block, INTERLEAVED=interleaved)
+        launch(_rope_kernel, (b * h, triton.cdiv(s, seq_block)), x, cos, sin, y, h, s, *x.stride(), float(sign),
+               values=seq_block * block, HALF=d // 2, BLOCK=block, SEQ_BLOCK=seq_block, INTERLEAVED=interleaved)
     return y
 
 

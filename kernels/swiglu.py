@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dispatch import HAVE_TRITON, use_triton
+from ._dispatch import HAVE_TRITON, launch, use_triton
 
 BLOCK = 1024
 
@@ -50,6 +50,11 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
 
 @torch.library.custom_op("mfuscope::swiglu_forward", mutates_args=())
 def _forward(gate: Tensor, up: Tensor) -> Tensor:
+    return forward(gate, up)
+
+
+def forward(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up``: the kernel, or the same in PyTorch."""
     if not use_triton(gate):
         g = gate.float()
         return (g * torch.sigmoid(g) * up.float()).to(torch.promote_types(gate.dtype, up.dtype))
@@ -57,7 +62,7 @@ def _forward(gate: Tensor, up: Tensor) -> Tensor:
     y = torch.empty(g.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=g.device)
     n = g.numel()
     if n:
-        _swiglu_forward_kernel[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK)
+        launch(_swiglu_forward_kernel, (triton.cdiv(n, BLOCK),), g, u, y, n, values=BLOCK, BLOCK=BLOCK)
     return y
 
 
@@ -68,6 +73,11 @@ def _(gate, up):
 
 @torch.library.custom_op("mfuscope::swiglu_backward", mutates_args=())
 def _backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    return backward(dy, gate, up)
+
+
+def backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(d gate, d up), the activation recomputed: the kernel, or the same in PyTorch."""
     if not use_triton(gate):
         g, u, d = gate.float(), up.float(), dy.float()
         s = torch.sigmoid(g)
@@ -76,7 +86,7 @@ def _backward(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
     if n:
-        _swiglu_backward_kernel[(triton.cdiv(n, BLOCK),)](d, g, u, dg, du, n, BLOCK=BLOCK)
+        launch(_swiglu_backward_kernel, (triton.cdiv(n, BLOCK),), d, g, u, dg, du, n, values=BLOCK, BLOCK=BLOCK)
     return dg, du
 
 

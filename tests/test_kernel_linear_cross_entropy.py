@@ -141,3 +141,21 @@ print((kib("VmHWM") - base) * 1024)
     logits = 1024 * 128256 * 4
     assert extra["eager"] >= 2 * logits, extra  # the logits and their gradient at least
     assert extra["fused"] * 10 <= extra["eager"], extra
+
+
+def test_gpu_chunks_are_wide_enough_for_tensor_core_gemms():
+    """A chunk's GEMMs do about ``rows`` FLOP per byte of the bf16 weight they read; on a GPU that
+    must pass the ridge point (bf16 peak / HBM bandwidth, from the hardware table) of the GPUs the
+    kernels target, or reading the weight once a chunk sets the time.  On CPU the chunk stays at
+    ``CHUNK_BYTES`` of float32 logits."""
+    from mfuscope import hardware
+    from mfuscope.kernels.linear_cross_entropy import CHUNK_BYTES, chunk_rows
+
+    vocab, tokens = 128256, 8192
+    gpu = chunk_rows(tokens, vocab, torch.device("cuda"))
+    for name in ("A100", "H100", "H200", "B200"):
+        acc = hardware.lookup(name)
+        assert gpu >= acc.peak_flops("bf16") / (acc.memory_tbps * 1e12), name
+    assert gpu * vocab * 4 <= tokens * vocab * 4 / 8  # still a fraction of the logits
+    assert chunk_rows(tokens, vocab, torch.device("cpu")) == CHUNK_BYTES // (4 * vocab)
+    assert chunk_rows(3, vocab, torch.device("cuda")) == 3  # never more rows than there are
