@@ -1,9 +1,10 @@
-"""Fused kernels against eager PyTorch and torch.compile (Liger-Kernel: not wired in yet).
+"""Fused kernels against eager PyTorch, torch.compile and Liger-Kernel.
 
 Each operator, forward + backward, at the shapes of 8B, 70B and 405B Llama
 models (hidden 4096 / 8192 / 16384, 8k tokens, vocabulary 128,256) in bf16:
 median time over CUDA events, achieved bandwidth against the device's HBM
-peak (from ``mfuscope.hardware``), peak memory.  Long-format rows
+peak (from ``mfuscope.hardware``), peak memory.  Liger-Kernel (the ``bench``
+extra) joins on a GPU when it is installed; its kernels need CUDA.  Long-format rows
 (provider, op, model, metric, value) are printed and written as JSON.
 
 On a machine without a GPU the script runs the Triton kernels through the
@@ -65,7 +66,29 @@ def _providers(op: str):
     out = {"eager": eager, "mfuscope": fused}
     if torch.cuda.is_available():
         out["torch.compile"] = torch.compile(eager)
+        liger = _liger(op)
+        if liger:
+            out["liger"] = liger
     return out
+
+
+def _liger(op: str):
+    """Liger-Kernel's functional op for ``op`` taking this benchmark's inputs, or None when Liger
+    is not installed.  Its RoPE takes Hugging Face's (seq, head_dim) angles, the halves repeated."""
+    try:
+        from liger_kernel.transformers import functional as lf
+    except ImportError:
+        return None
+    import torch
+
+    def rope(q, k, c, s):
+        a, b = lf.liger_rope(q, k, torch.cat([c, c], -1)[None], torch.cat([s, s], -1)[None])
+        return a + 0 * b.sum()
+    return {"rms_norm": lambda x, w: lf.liger_rms_norm(x, w, 1e-6, in_place=False),
+            "add_rms_norm": lambda x, r, w: lf.liger_fused_add_rms_norm(x, r, w, 1e-6, in_place=False)[0],
+            "swiglu": lf.liger_swiglu,
+            "rope": rope,
+            "linear_ce": lambda h, w, t: lf.liger_fused_linear_cross_entropy(h, w, t)}[op]
 
 
 #: Elements a fused forward + backward must read and write, in units of the first input's size
@@ -117,7 +140,7 @@ def main() -> int:
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         print("no GPU: the Triton kernels run through the interpreter on small shapes; these timings mean "
-              "nothing (run on a GPU for the real table)", file=sys.stderr)
+              "nothing (run on a GPU for the real table, where torch.compile and Liger-Kernel join)", file=sys.stderr)
     from mfuscope import hardware
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
