@@ -148,6 +148,9 @@ def _(hidden, weight, target, ignore_index, reduction):
 def _setup_context(ctx, inputs, output):
     ctx.reduction = inputs[4]
     ctx.save_for_backward(output[1], output[2])
+    # The gradient outputs are not differentiated: without this, autograd would hand the backward
+    # zero-filled incoming gradients for them, a weight-sized buffer each call.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dloss, _ddh, _ddw):

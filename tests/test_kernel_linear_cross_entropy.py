@@ -97,50 +97,31 @@ def test_the_row_kernel_stays_inside_its_tensors():
     assert loss[1] == 0 and not logits[1].any()  # the ignored row
 
 
-def test_extra_memory_is_a_chunk_not_the_logits():
-    """The extra memory the loss takes, beyond its inputs and the gradients it must produce: at a
-    128k vocabulary and 1024 tokens, eager float32 logits, their log-softmax and gradient are
-    3 x 512 MiB; the fused op's chunk is 4 MiB (plus its float32 weight-gradient buffer, 31 MiB here).
-    Measured as the peak resident memory (VmHWM, reset just before) of fresh processes, each
-    allocating the same inputs and gradient buffers and warming both paths up first."""
+def test_extra_memory_is_a_chunk_not_the_logits(tmp_path):
+    """The extra memory the loss takes beyond its inputs and the gradients it returns, measured by
+    ``benchmarks/bench_ce_memory.py`` (peak resident memory of fresh processes): at a 128k
+    vocabulary and 1024 tokens eager float32 logits, their log-softmax and gradient are 3 x 501 MiB;
+    the fused op's chunk is 4 MiB.  The issue asks for at least 10x less; the benchmark measures
+    its full size (4k tokens, hidden 4096), which takes minutes of matmuls on 2 cores."""
+    import json
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("peak resident memory is read from Linux's /proc (clear_refs, VmHWM)")
-
-    script = r'''
-import sys, torch, torch.nn.functional as F
-from mfuscope.kernels import fused_linear_cross_entropy
-def kib(key):
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
-torch.manual_seed(0)
-n, h, v = 1024, 64, 128256
-hidden = torch.randn(n, h, requires_grad=True); weight = (0.1 * torch.randn(v, h)).requires_grad_()
-target = torch.randint(0, v, (n,))
-hidden.grad, weight.grad = torch.zeros_like(hidden), torch.zeros_like(weight)  # the gradients' own memory
-w0, h0 = torch.randn(16, h, requires_grad=True), torch.randn(8, h, requires_grad=True)  # warm both paths up
-fused_linear_cross_entropy(h0, w0, torch.randint(0, 16, (8,))).backward()
-F.cross_entropy(h0 @ w0.t(), torch.randint(0, 16, (8,))).backward()
-open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
-base = kib("VmRSS")
-if sys.argv[1] == "eager":
-    loss = F.cross_entropy(hidden @ weight.t(), target)
-else:
-    loss = fused_linear_cross_entropy(hidden, weight, target)
-loss.backward()
-print((kib("VmHWM") - base) * 1024)
-'''
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the PyTorch path: speed
-    extra = {}
-    for how in ("eager", "fused"):
-        done = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        extra[how] = int(done.stdout.split()[-1])
-    logits = 1024 * 128256 * 4
-    assert extra["eager"] >= 2 * logits, extra  # the logits and their gradient at least
-    assert extra["fused"] * 10 <= extra["eager"], extra
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ce_memory.py"
+    out = tmp_path / "memory.json"
+    done = subprocess.run([sys.executable, str(script), "--tokens", "1024", "--hidden", "64", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    eager, fused = result["eager"]["extra_bytes"], result["fused"]["extra_bytes"]
+    assert eager >= 2 * result["logits_bytes"]  # the measurement sees eager's logits and their gradient
+    assert fused * 10 <= eager, result
+    # Both in float32: the log-sum-exp over the vocabulary reassociated, sqrt(n) x 4 eps32 relative.
+    assert abs(result["eager"]["loss"] - result["fused"]["loss"]) <= 4 * 128256 ** 0.5 * 2**-23 * result["eager"]["loss"]
 
 
 def test_gpu_chunks_are_wide_enough_for_tensor_core_gemms():
