@@ -20,6 +20,7 @@ overlap_dp_grads         FSDP gathers exposed, not prefetched;             expli
                          DDP's all-reduce exposed in one or two buckets    a bucket a layer
 overlap_tp_comm          TP collectives exposed (GPU runs)                 async TP under torch.compile
 fuse_elementwise         norm/elementwise >= 10% of the step, eager        fused kernels; torch.compile per block
+cuda_graphs              host-bound >= 5% of a GPU step, no FSDP           blocks compiled as CUDA graphs
 keep_weights_gathered    FSDP without a pipeline, gathers exposed          last block / every block kept gathered
 better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
 =======================  ================================================  ==========================
@@ -201,6 +202,24 @@ def fuse_elementwise(run: MeasuredRun) -> list[Change]:
                     "--no-masked-softmax-fusion); --apply-rope-fusion", "pytorch": "torch.compile(block) per block"})]
 
 
+def cuda_graphs(run: MeasuredRun) -> list[Change]:
+    """The device waits on the host's launches (``host_bound`` at least 5% of the step on a GPU):
+    compiled with ``mode="reduce-overhead"``, each block's kernels replay as one CUDA graph.  Not
+    under FSDP, which gathers each block's weights into new buffers every step (a graph would be
+    recorded again each time)."""
+    lay, training = run.layout, run.training
+    if training.cuda_graphs or run.system.key == "CPU" or lay.dp_shard > 1:
+        return []
+    if _measured_share(run, "host_bound") < 0.05:
+        return []
+    return [Change("cuda_graphs", "compile each block and replay it as a CUDA graph (mode=reduce-overhead)", lay,
+                   replace(training, compiled=True, cuda_graphs=True), {"set.compile": "true", "set.cuda_graphs": "true"},
+                   {"torchtitan": "(no switch) torch.compile(block, mode='reduce-overhead') in its apply_compile",
+                    "megatron": "--enable-cuda-graph (Transformer Engine's per-layer graphs)",
+                    "pytorch": "torch.compile(block, mode='reduce-overhead'); "
+                               "torch.compiler.cudagraph_mark_step_begin() before each step"})]
+
+
 def keep_weights_gathered(run: MeasuredRun) -> list[Change]:
     """FSDP reshards after forward and gathers every block again for backward: keep the last
     block gathered (its backward comes next; torchtitan's default), or every block, memory
@@ -288,6 +307,7 @@ CATALOGUE: dict[str, Callable[..., list[Change]]] = {
     "overlap_dp_grads": overlap_dp_grads,
     "overlap_tp_comm": overlap_tp_comm,
     "fuse_elementwise": fuse_elementwise,
+    "cuda_graphs": cuda_graphs,
     "keep_weights_gathered": keep_weights_gathered,
     "better_layout": better_layout,
 }

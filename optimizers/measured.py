@@ -169,7 +169,8 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
                         overlap_reduce_scatter=None if on_gpu else False,
                         reshard_after_forward=trainer.get("reshard_after_forward"),
                         grad_bucket_bytes=float(bucket_mb) * 2**20 if bucket_mb else None,
-                        keep_last_gathered=bool(trainer.get("keep_last_gathered")))
+                        keep_last_gathered=bool(trainer.get("keep_last_gathered")),
+                        cuda_graphs=bool(train.get("cuda_graphs")))
     ranks = int(manifest.get("world_size") or 1)
     if acc is not None:
         sys = system(acc.key)

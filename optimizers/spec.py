@@ -184,7 +184,8 @@ class Training:
     GPU's separate stream.  ``grad_bucket_bytes``: DDP's (or the distributed optimizer's) gradient
     bucket; None is DDP's 25 MiB.  The last bucket is reduced after the backward ends, whatever the
     overlap.  ``keep_last_gathered``: FSDP does not reshard the last block after forward (its
-    backward is next), so backward gathers one block fewer."""
+    backward is next), so backward gathers one block fewer.  ``cuda_graphs``: each compiled block
+    replays as one CUDA graph launch, so the host's per-kernel launch time leaves the step."""
 
     seq_len: int
     dtype: str = "bf16"
@@ -201,6 +202,7 @@ class Training:
     overlap_reduce_scatter: bool | None = None
     grad_bucket_bytes: float | None = None
     keep_last_gathered: bool = False
+    cuda_graphs: bool = False
 
     @property
     def activation_bytes(self) -> int:

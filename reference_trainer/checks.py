@@ -70,6 +70,16 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
     if async_tp and (dims.tp == 1 or not cfg.compile):
         raise UserInputError("--async-tp overlaps tensor-parallel collectives with their GEMMs inside "
                              f"torch.compile: it needs tp > 1 (layout tp={dims.tp}) and --set compile=true")
+    if cfg.cuda_graphs:
+        if not cfg.compile:
+            raise UserInputError("cuda_graphs replays each block compiled by torch.compile as a CUDA graph: "
+                                 "add --set compile=true")
+        if not torch.cuda.is_available():
+            raise UserInputError("cuda_graphs captures CUDA graphs; this machine has no CUDA GPU")
+        if dims.dp > 1 and dp_mode == "fsdp":
+            raise UserInputError("cuda_graphs with FSDP: FSDP gathers each block's parameters into new buffers "
+                                 "every step, so a graph would be recorded again each step; use --dp-mode ddp "
+                                 "or drop cuda_graphs")
     if async_tp and not torch.cuda.is_available():
         raise UserInputError("--async-tp runs on CUDA symmetric memory; this machine has no CUDA GPU")
     if stage_layers is not None and dims.pp == 1:

@@ -57,6 +57,7 @@ class TrainConfig:
     dtype: str = "fp32"        # fp32 | bf16 (bf16 on GPU)
     recompute: str = "none"    # none | selective | full
     compile: bool = False
+    cuda_graphs: bool = False  # with compile: each block compiled mode="reduce-overhead", replayed as a CUDA graph
     sequence_parallel: bool = True  # with tp: norms and residuals sharded on the sequence (Megatron's --sequence-parallel)
     data: str = "text"         # text (the small corpus shipped in-tree: learnable) | synthetic (uniform tokens)
 

@@ -147,9 +147,11 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         # MoE layers read their rows per expert to the host (split sizes): traced into the graph as
         # data-dependent sizes instead of breaking it at every element.
         torch._dynamo.config.capture_scalar_outputs = True
+        # cuda_graphs: inductor's CUDA graph trees replay each block's kernels with one launch.
+        mode = "reduce-overhead" if cfg.cuda_graphs else None
         for m in modules:
             for name, block in list(m.layers.items()):
-                m.layers[name] = torch.compile(block)
+                m.layers[name] = torch.compile(block, mode=mode)
     param_dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
     if dims.dp > 1:
         if opts.dp_mode == "ddp":
@@ -209,6 +211,8 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             inputs, targets = inputs.to(device), targets.to(device)
             _sync(device)  # step times are the device's: the host only enqueues work on a GPU
             start = time.time_ns()
+            if cfg.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last step's graph outputs are free
             with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context(), autocast():
                 injector.begin_step(step)
                 opt.zero_grad(set_to_none=True)

@@ -52,6 +52,52 @@ def test_fuse_elementwise_applies_past_a_tenth_of_the_step():
     assert kernels.training.compiled and compiled.training.compiled
 
 
+def test_cuda_graphs_are_proposed_for_a_host_bound_gpu_run_without_fsdp():
+    lay = Layout(dp_replicate=2, micro_batch=4)
+    leaves = {"compute/gemm": 0.8, "host_bound": 0.2}
+    (change,) = fixes.cuda_graphs(_run(lay, leaves, on_gpu=True))
+    assert change.trainer == {"set.compile": "true", "set.cuda_graphs": "true"}
+    assert change.training.cuda_graphs and change.training.compiled
+    assert fixes.cuda_graphs(_run(lay, leaves)) == []  # a CPU run has no CUDA graphs to capture
+    assert fixes.cuda_graphs(_run(Layout(dp_shard=2, micro_batch=4), leaves, on_gpu=True)) == []  # FSDP
+    assert fixes.cuda_graphs(_run(lay, {"compute/gemm": 0.97, "host_bound": 0.03}, on_gpu=True)) == []
+
+
+def test_cuda_graphs_take_the_host_time_out_of_the_predicted_step():
+    """The host's time per microbatch pass (calibrated on a run) is booked once per forward and
+    once per backward of each microbatch: 2 m x overhead a step, which graphs remove."""
+    from mfuscope.optimizers.model import predict
+    from mfuscope.optimizers.system import Profile
+
+    lay, overhead = Layout(micro_batch=2, microbatches=4), 0.003
+    training = Training(seq_len=512, dtype="bf16")
+    profile = Profile(microbatch_overhead_s=overhead)
+    eager = predict(MODEL, lay, training, system("H100"), profile)
+    graphs = predict(MODEL, lay, replace(training, cuda_graphs=True), system("H100"), profile)
+    assert eager.step_s - graphs.step_s == pytest.approx(2 * lay.microbatches * overhead, rel=1e-9)
+
+
+def test_the_trainer_refuses_cuda_graphs_it_cannot_capture():
+    from mfuscope.errors import UserInputError
+    from mfuscope.reference_trainer.checks import check_run
+    from mfuscope.reference_trainer.config import load_config
+    from mfuscope.reference_trainer.parallel_dims import ParallelDims
+
+    dims = ParallelDims.parse("dp_replicate=2", 2)
+    args = {"schedule": "1f1b", "dp_mode": "ddp", "reshard": None, "stage_layers": None, "prefetch": False,
+            "ddp_buckets": False, "bucket_mb": None, "async_tp": False}
+    with pytest.raises(UserInputError, match="compile=true"):
+        check_run(load_config("tiny_dense", cuda_graphs=True), dims, **args)
+    import torch
+    graphs = load_config("tiny_dense", cuda_graphs=True, compile=True)
+    if torch.cuda.is_available():
+        with pytest.raises(UserInputError, match="FSDP"):
+            check_run(graphs, ParallelDims.parse("dp_shard=2", 2), **{**args, "dp_mode": "fsdp"})
+    else:
+        with pytest.raises(UserInputError, match="no CUDA GPU"):
+            check_run(graphs, dims, **args)
+
+
 def test_ddp_buckets_are_proposed_only_when_everything_waits_for_the_end():
     lay = Layout(dp_replicate=2, micro_batch=4)
     leaves = {"compute/gemm": 0.9, "comm/dp/all_reduce": 0.1}
@@ -86,7 +132,7 @@ def test_every_fix_names_the_flags_of_three_frameworks(fix):
                  {"compute/norm_elementwise": 0.3, "bubble": 0.3}, stage_compute=(0.7, 0.1)),
             _run(Layout(dp_shard=2, micro_batch=4, recompute="full"), {"comm/dp/all_gather": 0.2},
                  training=Training(seq_len=32, dtype="fp32", overlap_param_gather=False)),
-            _run(Layout(tp=2, micro_batch=8), {"comm/tp/all_gather": 0.2}, on_gpu=True)]
+            _run(Layout(tp=2, micro_batch=8), {"comm/tp/all_gather": 0.2, "host_bound": 0.2}, on_gpu=True)]
     changes = [c for r in runs for c in (fixes.CATALOGUE[fix](r, None) if fix == "better_layout"
                                          else fixes.CATALOGUE[fix](r))]
     assert changes, fix
