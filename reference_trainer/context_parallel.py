@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 def chunk_ids(cp: int, cp_rank: int) -> tuple[int, int]:
@@ -70,6 +69,10 @@ def _global_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
 
 def make_attention(group, cp: int, seq_len: int, cp_rank: int):
     """An ``attention_fn`` for :class:`Attention` that attends over the whole sequence."""
+    # Imported here, not at the top: torch.nn.attention.bias imports TorchDynamo (1.7 s a process),
+    # which only context-parallel runs need.
+    from torch.nn.attention.bias import causal_lower_right
+
     size = seq_len // (2 * cp)
     mine = chunk_ids(cp, cp_rank)
 
