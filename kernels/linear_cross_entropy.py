@@ -15,11 +15,15 @@ hidden) weight for ``rows x hidden x vocab`` multiply-adds: about ``rows``
 FLOP per weight byte in bf16.  On a GPU that must pass the tensor cores' ridge
 (H100: 989 TFLOP/s over 3.35 TB/s, about 300 FLOP a byte) or the weight's
 reads set the time -- at 8 rows a chunk the loss of 8k tokens would read a
-1 GB weight 3,000 times.  So on CUDA a chunk is at least ``GEMM_ROWS`` tokens
-(512: 256 MiB of float32 logits at a 128k vocabulary, still a fraction of
-eager's), and the weight gradient is accumulated by a bf16 GEMM with a float32
-output (``addmm(..., out_dtype=float32)``, tensor cores), not by a float32 GEMM.
-On CPU, where a GEMM is fast at a few rows, chunks hold ``CHUNK_BYTES``.
+1 GB weight 3,000 times.  So on CUDA a chunk is at least 512 tokens
+(``MIN_ROWS``; 256 MiB of float32 logits at a 128k vocabulary, still a
+fraction of eager's), and the weight gradient is accumulated by a bf16 GEMM
+with a float32 output (``addmm(..., out_dtype=float32)``, tensor cores), not
+by a float32 GEMM.  A CPU's ridge is a few FLOP a byte, but its GEMMs still
+slow at a few rows: the loss of 256 tokens at hidden 4096 and a 128k
+vocabulary took 34 s in chunks of 8 rows, 8.4 s in chunks of 64 (eager: 8.0 s),
+so a CPU chunk is at least 64 tokens (31 MiB).  Small vocabularies fill
+``CHUNK_BYTES`` with more rows.
 
 Rows whose target is ``ignore_index`` contribute no loss and no gradient;
 ``mean`` divides by the rows that count (all ignored: loss 0, gradients 0, as
@@ -34,10 +38,11 @@ from torch import Tensor
 
 from ._dispatch import HAVE_TRITON, launch, use_triton
 
-#: Extra memory a chunk's logits may take (float32), where GEMMs are efficient at a few rows (CPU).
+#: Extra memory a chunk's float32 logits may take where the vocabulary leaves room for more rows.
 CHUNK_BYTES = 4 * 2**20
-#: Tokens a chunk takes at least on a GPU, so its GEMMs run at tensor-core speed (module docstring).
-GEMM_ROWS = 512
+#: Tokens a chunk takes at least, by device type, so its GEMMs are not bound by reading the weight
+#: (module docstring).
+MIN_ROWS = {"cuda": 512, "cpu": 64}
 
 if HAVE_TRITON:
     import triton
@@ -103,10 +108,8 @@ _HALF_GEMM_TO_FLOAT = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 def chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
-    """Tokens per chunk: ``CHUNK_BYTES`` of float32 logits, and at least ``GEMM_ROWS`` on a GPU."""
-    rows = max(1, CHUNK_BYTES // (4 * vocab))
-    if device.type == "cuda":
-        rows = max(rows, GEMM_ROWS)
+    """Tokens per chunk: ``CHUNK_BYTES`` of float32 logits, and at least the device's ``MIN_ROWS``."""
+    rows = max(CHUNK_BYTES // (4 * vocab), MIN_ROWS.get(device.type, 1))
     return max(1, min(rows, n_rows))
 
 
