@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -40,24 +41,26 @@ class Launch:
     num_warps: int
 
 
-_recording: dict[str, Any] | None = None  # {"launches": [...], "multiprocessors": n} inside recording()
+#: {"launches": [...], "multiprocessors": n} inside recording() (in that thread or task only).
+_recording: ContextVar[dict[str, Any] | None] = ContextVar("mfuscope_kernel_recording", default=None)
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when ``tensors`` (all on one device) should run the Triton kernel."""
     if not HAVE_TRITON:
         return False
-    if _recording is not None:
+    if _recording.get() is not None:
         return True
     device = tensors[0].device.type
     return device == "cuda" or (device == "cpu" and INTERPRET)
 
 
 def multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (the recorded target's; 4 for the interpreter), which
-    sizes grids that should fill the GPU."""
-    if _recording is not None:
-        return _recording["multiprocessors"]
+    """Streaming multiprocessors of ``device``, which size grids that should fill the GPU: the
+    recorded target's inside :func:`recording`, 1 for the interpreter on CPU."""
+    recorded = _recording.get()
+    if recorded is not None:
+        return recorded["multiprocessors"]
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
@@ -72,8 +75,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, values: int, **conste
     """Launch ``kernel`` on ``grid`` with warps for ``values`` elements a tensor per program; inside
     :func:`recording` only note the launch."""
     warps = num_warps(values)
-    if _recording is not None:
-        _recording["launches"].append(Launch(kernel, tuple(grid), args, constexprs, warps))
+    recorded = _recording.get()
+    if recorded is not None:
+        recorded["launches"].append(Launch(kernel, tuple(grid), args, constexprs, warps))
         return
     kernel[grid](*args, num_warps=warps, **constexprs)
 
@@ -82,15 +86,14 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, values: int, **conste
 def recording(multiprocessors: int) -> Iterator[list[Launch]]:
     """Inside, ops take the Triton path on any tensors (``meta`` ones cost nothing) and their
     launches are listed instead of run, as on a GPU with ``multiprocessors`` SMs."""
-    global _recording
     if not HAVE_TRITON:
         raise RuntimeError("recording kernel launches needs triton (pip install 'mfuscope[torch]')")
     launches: list[Launch] = []
-    previous, _recording = _recording, {"launches": launches, "multiprocessors": multiprocessors}
+    token = _recording.set({"launches": launches, "multiprocessors": multiprocessors})
     try:
         yield launches
     finally:
-        _recording = previous
+        _recording.reset(token)
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:

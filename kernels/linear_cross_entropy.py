@@ -16,10 +16,11 @@ FLOP per weight byte in bf16.  On a GPU that must pass the tensor cores' ridge
 (H100: 989 TFLOP/s over 3.35 TB/s, about 300 FLOP a byte) or the weight's
 reads set the time -- at 8 rows a chunk the loss of 8k tokens would read a
 1 GB weight 3,000 times.  So on CUDA a chunk is at least 512 tokens
-(``MIN_ROWS``; 256 MiB of float32 logits at a 128k vocabulary, still a
-fraction of eager's), and the weight gradient is accumulated by a bf16 GEMM
-with a float32 output (``addmm(..., out_dtype=float32)``, tensor cores), not
-by a float32 GEMM.  A CPU's ridge is a few FLOP a byte, but its GEMMs still
+(``MIN_ROWS``; 256 MiB of float32 logits at a 128k vocabulary, about 500 MiB
+with the bf16 GEMM output and gradient beside them, still a fraction of
+eager's), and the weight gradient is accumulated by a bf16 GEMM with a
+float32 output (``addmm(..., out_dtype=float32)``, tensor cores), not by a
+float32 GEMM.  A CPU's ridge is a few FLOP a byte, but its GEMMs still
 slow at a few rows: the loss of 256 tokens at hidden 4096 and a 128k
 vocabulary took 34 s in chunks of 8 rows, 8.4 s in chunks of 64 (eager: 8.0 s),
 so a CPU chunk is at least 64 tokens (31 MiB).  Small vocabularies fill
@@ -103,8 +104,9 @@ def _ce_rows(logits: Tensor, target: Tensor, scale: float, ignore_index: int) ->
     return loss
 
 
-#: ``addmm(..., out_dtype=torch.float32)`` on CUDA half inputs (torch >= 2.8).
-_HALF_GEMM_TO_FLOAT = hasattr(torch.ops.aten.addmm, "dtype_out")
+#: ``addmm(dw_fp32, g, h, out_dtype=torch.float32)`` on CUDA half inputs: the overload came in torch 2.8,
+#: but took a float32 ``self`` only from 2.10 (pytorch/pytorch#154086).
+_HALF_GEMM_TO_FLOAT = torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
 
 
 def chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
@@ -132,7 +134,8 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, 
         losses[start:start + chunk] = _ce_rows(logits, t[start:start + chunk].contiguous(), scale, ignore_index)
         g = logits.to(weight.dtype)
         dh[start:start + chunk] = g @ weight
-        if _HALF_GEMM_TO_FLOAT and hc.is_cuda and hc.dtype in (torch.bfloat16, torch.float16):
+        half = hc.dtype in (torch.bfloat16, torch.float16) and g.dtype == hc.dtype  # not under autocast's mixes
+        if _HALF_GEMM_TO_FLOAT and hc.is_cuda and half:
             torch.addmm(dw, g.t(), hc, out_dtype=torch.float32, out=dw)
         else:
             dw.addmm_(g.t().float(), hc.float())
@@ -157,6 +160,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dloss, _ddh, _ddw):
+    if dloss is None:  # only the gradient outputs were differentiated: they carry no gradient back
+        return None, None, None, None, None
     dh, dw = ctx.saved_tensors  # reduction mean or sum (none is refused with gradients)
     # Scaled in place: they are this op's own buffers, used once (a copy would add a weight's worth).
     return dh.mul_(dloss.to(dh.dtype)), dw.mul_(dloss.to(dw.dtype)), None, None, None

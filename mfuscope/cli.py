@@ -509,6 +509,8 @@ def _check_overwrite(out: Path, force: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from mfuscope.lean_imports import jsonschema_without_iri
+    jsonschema_without_iri()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -27,6 +27,8 @@ def _banner(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mfuscope.lean_imports import jsonschema_without_iri
+    jsonschema_without_iri()
     p = argparse.ArgumentParser(description="Train, profile and analyze the reference trainer end to end.")
     p.add_argument("--out", type=Path, default=Path("artifacts/demo"))
     p.add_argument("--nproc", type=int, default=8)

@@ -1,28 +1,13 @@
-"""JSON Schema validation of mfuscope's JSON contracts, with file-naming errors.
-
-jsonschema imports ``rfc3987_syntax`` at import time when it is installed (to check the
-``iri`` format), and that compiles a grammar: 1.4 s of CPU in every process that imports
-mfuscope's run directory -- every rank of every run.  No schema here uses a format (the
-validators check none), so jsonschema is imported with that module held out; a process that
-imported jsonschema before mfuscope keeps its own.
-"""
+"""JSON Schema validation of mfuscope's JSON contracts, with file-naming errors."""
 from __future__ import annotations
 
 import functools
 import json
-import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-if "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules:
-    sys.modules["rfc3987_syntax"] = None  # type: ignore[assignment]  (an import of it raises ImportError)
-    try:
-        import jsonschema
-    finally:
-        del sys.modules["rfc3987_syntax"]
-else:
-    import jsonschema
+import jsonschema
 
 from mfuscope.errors import UserInputError
 

@@ -206,9 +206,11 @@ def cuda_graphs(run: MeasuredRun) -> list[Change]:
     """The device waits on the host's launches (``host_bound`` at least 5% of the step on a GPU):
     compiled with ``mode="reduce-overhead"``, each block's kernels replay as one CUDA graph.  Not
     under FSDP, which gathers each block's weights into new buffers every step (a graph would be
-    recorded again each time)."""
+    recorded again each time), nor for MoE blocks, whose per-expert split sizes are read to the
+    host (inductor runs such graphs eagerly)."""
     lay, training = run.layout, run.training
-    if training.cuda_graphs or run.system.key == "CPU" or lay.dp_shard > 1:
+    fsdp = lay.dp * lay.cp > 1 and run.dp_mode != "ddp"
+    if training.cuda_graphs or run.system.key == "CPU" or fsdp or run.model.n_experts:
         return []
     if _measured_share(run, "host_bound") < 0.05:
         return []

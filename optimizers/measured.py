@@ -45,6 +45,7 @@ class MeasuredRun:
     bubble_fraction: float | None
     stage_compute_s: tuple[float, ...] = ()           # compute seconds a step per pipeline rank, measured
     mfu: float | None = None
+    dp_mode: str = "fsdp"                             # how the trainer shards data ranks: fsdp | ddp
 
     def predict(self, profile: Profile | None, layout: Layout | None = None,
                 training: Training | None = None) -> Prediction:
@@ -192,7 +193,7 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout, model), pacing, leaves,
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
                        tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute,
-                       summary.get("mfu"))
+                       summary.get("mfu"), trainer.get("dp_mode") or "fsdp")
 
 
 #: Pipeline ranks whose compute differs by more than this ratio are uneven stages.

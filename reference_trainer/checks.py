@@ -76,10 +76,13 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
                                  "add --set compile=true")
         if not torch.cuda.is_available():
             raise UserInputError("cuda_graphs captures CUDA graphs; this machine has no CUDA GPU")
-        if dims.dp > 1 and dp_mode == "fsdp":
+        if dims.dp * dims.cp > 1 and dp_mode == "fsdp":
             raise UserInputError("cuda_graphs with FSDP: FSDP gathers each block's parameters into new buffers "
                                  "every step, so a graph would be recorded again each step; use --dp-mode ddp "
                                  "or drop cuda_graphs")
+        if m.n_experts:
+            raise UserInputError("cuda_graphs with MoE blocks: their per-expert split sizes are read to the host, "
+                                 "which a CUDA graph cannot capture")
     if async_tp and not torch.cuda.is_available():
         raise UserInputError("--async-tp runs on CUDA symmetric memory; this machine has no CUDA GPU")
     if stage_layers is not None and dims.pp == 1:

@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # a rank launched by torchrun: mfuscope's own process, imports kept lean
+    from mfuscope.lean_imports import jsonschema_without_iri
+    jsonschema_without_iri()
+
 import torch
 import torch.distributed as dist
 

@@ -17,10 +17,10 @@ MODEL = ModelSpec(n_layers=8, dim=64, n_heads=4, ffn_dim=128, vocab_size=256)
 
 
 def _run(layout: Layout, leaves: dict[str, float], step_s: float = 1.0, stage_compute=(), on_gpu=False,
-         training: Training | None = None) -> MeasuredRun:
+         training: Training | None = None, dp_mode: str = "fsdp") -> MeasuredRun:
     sys_ = system("H100") if on_gpu else cpu_system(1e11, layout.gpus)
     return MeasuredRun(Path("run"), MODEL, layout, training or Training(seq_len=32, dtype="fp32"), sys_, None, None,
-                       leaves, step_s, None, None, tuple(stage_compute))
+                       leaves, step_s, None, None, tuple(stage_compute), dp_mode=dp_mode)
 
 
 def test_rebalance_moves_layers_off_the_busiest_stage():
@@ -55,12 +55,18 @@ def test_fuse_elementwise_applies_past_a_tenth_of_the_step():
 def test_cuda_graphs_are_proposed_for_a_host_bound_gpu_run_without_fsdp():
     lay = Layout(dp_replicate=2, micro_batch=4)
     leaves = {"compute/gemm": 0.8, "host_bound": 0.2}
-    (change,) = fixes.cuda_graphs(_run(lay, leaves, on_gpu=True))
+    (change,) = fixes.cuda_graphs(_run(lay, leaves, on_gpu=True, dp_mode="ddp"))
     assert change.trainer == {"set.compile": "true", "set.cuda_graphs": "true"}
     assert change.training.cuda_graphs and change.training.compiled
-    assert fixes.cuda_graphs(_run(lay, leaves)) == []  # a CPU run has no CUDA graphs to capture
-    assert fixes.cuda_graphs(_run(Layout(dp_shard=2, micro_batch=4), leaves, on_gpu=True)) == []  # FSDP
-    assert fixes.cuda_graphs(_run(lay, {"compute/gemm": 0.97, "host_bound": 0.03}, on_gpu=True)) == []
+    (alone,) = fixes.cuda_graphs(_run(Layout(micro_batch=4), leaves, on_gpu=True))  # one GPU: no data ranks
+    assert alone.training.cuda_graphs
+    assert fixes.cuda_graphs(_run(lay, leaves, dp_mode="ddp")) == []  # a CPU run has no CUDA graphs to capture
+    # The trainer shards data ranks with FSDP unless told --dp-mode ddp, replicas (HSDP) included.
+    assert fixes.cuda_graphs(_run(lay, leaves, on_gpu=True)) == []
+    assert fixes.cuda_graphs(_run(Layout(dp_shard=2, micro_batch=4), leaves, on_gpu=True)) == []
+    assert fixes.cuda_graphs(_run(lay, {"compute/gemm": 0.97, "host_bound": 0.03}, on_gpu=True, dp_mode="ddp")) == []
+    moe = replace(_run(lay, leaves, on_gpu=True, dp_mode="ddp"), model=replace(MODEL, n_experts=4, top_k=2))
+    assert fixes.cuda_graphs(moe) == []  # per-expert split sizes go to the host
 
 
 def test_cuda_graphs_take_the_host_time_out_of_the_predicted_step():
