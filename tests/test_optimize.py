@@ -171,3 +171,37 @@ def test_a_foreign_trace_gets_findings_and_flags_only(tmp_path):
 def test_optimize_refuses_to_apply_to_a_trace_directory(tmp_path):
     done = _mfuscope("optimize", str(tmp_path), "--apply")
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_fuse_elementwise_runs_the_fused_kernels_and_torch_compile_for_real(tmp_path):
+    """One eager rank of tiny_dense: norm and elementwise work is a large part of its step, so
+    ``fuse_elementwise`` proposes mfuscope's kernels and torch.compile.  Applied, each runs as a
+    new run whose own trace shows the change (the kernels' custom ops; inductor's compiled
+    regions), and whichever way its measurement falls, the output says so: a slower change is
+    reported as slower and dropped, a faster one is kept."""
+    import gzip
+
+    base = tmp_path / "eager"
+    trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "1", "--steps", "3", "--profile",
+                        "--out", str(base))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    done = _mfuscope("optimize", str(base), "--apply", "--fixes", "fuse_elementwise", "--rounds", "1", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    rows = {json.dumps(f["change"], sort_keys=True): f for f in summary["fixes"]}
+    evidence = {'{"kernels": "fused"}': '"name": "mfuscope::rms_norm_forward"',
+                '{"set.compile": "true"}': '"name": "Torch-Compiled Region'}
+    assert set(rows) == set(evidence), rows.keys()
+    for change, marker in evidence.items():
+        row = rows[change]
+        run = Path(row["run"])
+        assert row["measured_step_s"] is not None and run.is_dir() and run.parent == tmp_path
+        trace = gzip.decompress((run / "traces" / "rank0.pt.trace.json.gz").read_bytes()).decode()
+        assert marker in trace, change
+        base_trace = gzip.decompress((base / "traces" / "rank0.pt.trace.json.gz").read_bytes()).decode()
+        assert marker not in base_trace  # the base ran eager
+        if row["measured_step_s"] > summary["base_step_s"]:
+            assert "slower" in row["note"] and "fuse_elementwise" not in summary["final"]["fixes"], row
+        missed = abs(row["predicted_step_s"] / row["measured_step_s"] - 1) > 0.25
+        assert ("missed" in row["note"]) == missed, row
+    assert summary["final"]["measured_step_s"] <= summary["base_step_s"]  # the better run is kept
