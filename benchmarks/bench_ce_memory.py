@@ -16,7 +16,6 @@ At the default size each way does about 13 TFLOP of matmuls: minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -76,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     out["ratio"] = out["eager"]["extra_bytes"] / max(out["fused"]["extra_bytes"], 1)
     print(f"fused takes {out['ratio']:.1f}x less extra memory")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        from mfuscope.atomic import write_json
+        write_json(args.json, out)
     return 0
 
 
