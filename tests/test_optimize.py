@@ -26,8 +26,9 @@ START = ["--nproc", "2", "--layout", "pp=2", "--schedule", "gpipe", "--microbatc
          "--steps", "3", "--profile", "--paced", "fwd_ms=10,bwd_ms=20,per=sample,scope=layer"]
 
 
-def _mfuscope(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "mfuscope", *args], capture_output=True, text=True, timeout=timeout)
+def _mfuscope(*args, timeout=900, env=None):
+    return subprocess.run([sys.executable, "-m", "mfuscope", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(tmp_path):
@@ -178,14 +179,19 @@ def test_fuse_elementwise_runs_the_fused_kernels_and_torch_compile_for_real(tmp_
     ``fuse_elementwise`` proposes mfuscope's kernels and torch.compile.  Applied, each runs as a
     new run whose own trace shows the change (the kernels' custom ops; inductor's compiled
     regions), and whichever way its measurement falls, the output says so: a slower change is
-    reported as slower and dropped, a faster one is kept."""
+    reported as slower and dropped, a faster one is kept.  The runs take the kernels' PyTorch path
+    on CPU, as a user's would (this suite's TRITON_INTERPRET, which runs them through Triton's
+    interpreter, is dropped)."""
     import gzip
+    import os
 
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     base = tmp_path / "eager"
     trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "1", "--steps", "3", "--profile",
-                        "--out", str(base))
+                        "--out", str(base), env=env)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    done = _mfuscope("optimize", str(base), "--apply", "--fixes", "fuse_elementwise", "--rounds", "1", "--json")
+    done = _mfuscope("optimize", str(base), "--apply", "--fixes", "fuse_elementwise", "--rounds", "1", "--json",
+                     env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     rows = {json.dumps(f["change"], sort_keys=True): f for f in summary["fixes"]}
@@ -200,8 +206,9 @@ def test_fuse_elementwise_runs_the_fused_kernels_and_torch_compile_for_real(tmp_
         assert marker in trace, change
         base_trace = gzip.decompress((base / "traces" / "rank0.pt.trace.json.gz").read_bytes()).decode()
         assert marker not in base_trace  # the base ran eager
-        if row["measured_step_s"] > summary["base_step_s"]:
-            assert "slower" in row["note"] and "fuse_elementwise" not in summary["final"]["fixes"], row
+        if row["measured_step_s"] > summary["base_step_s"]:  # reported, and its run not the one kept
+            assert "slower" in row["note"] and summary["final"]["run"] != row["run"], row
         missed = abs(row["predicted_step_s"] / row["measured_step_s"] - 1) > 0.25
         assert ("missed" in row["note"]) == missed, row
-    assert summary["final"]["measured_step_s"] <= summary["base_step_s"]  # the better run is kept
+    fastest = min([summary["base_step_s"]] + [f["measured_step_s"] for f in rows.values()])
+    assert summary["final"]["measured_step_s"] == pytest.approx(fastest)  # the best run is kept
