@@ -142,6 +142,12 @@ def _profile(tmp_path, *args, steps=4, extra=(), timeout=300, **popen):
 def test_no_code_wrap_profiles_a_plain_torchrun_script(tmp_path):
     assert "import mfuscope" not in PLAIN_DDP.read_text() and "from mfuscope" not in PLAIN_DDP.read_text()
     proc = _profile(tmp_path, "--window", "1:2", "--tokens-per-step", "32", "--with-stack")
+    if proc.returncode != 0 and "(SIGSEGV)" in proc.stderr:
+        # torch's Python tracer (with_stack) now and then crashes a rank as the profiler stops: an
+        # upstream crash (1 run in about a dozen here), not this code's.  Once more, then every check.
+        import shutil
+        shutil.rmtree(tmp_path / "run")
+        proc = _profile(tmp_path, "--window", "1:2", "--tokens-per-step", "32", "--with-stack")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "run"
     manifest = run_dir.read_manifest(out)
