@@ -2,14 +2,19 @@
 ``fused_linear_cross_entropy``, on CPU, at the issue's size by default (4,096 tokens, hidden
 4,096, vocabulary 128,256, float32).
 
+Three ways: ``eager``; ``fused``, the op on CPU tensors as a user gets it (its PyTorch path,
+chunks of tokens); ``triton``, the op's logits-free Triton kernels (the GPU path) run by Triton's
+interpreter -- its arithmetic is slow, so ``--ways eager,triton`` at a small size, e.g.
+``--tokens 256 --hidden 64 --vocab 32003`` (about 15 s).
+
 Each way runs in a fresh process that allocates the inputs, warms both paths up on a tiny
 problem, resets the kernel's resident-memory peak (``/proc/self/clear_refs``), then runs
 forward and backward.  Extra memory = peak resident memory (VmHWM) - resident memory before -
 the gradients the call returns (hidden's and weight's, which any implementation must
-produce).  The fused op runs its PyTorch path: the accounting is the algorithm's, and the
-interpreter would only make it slower.
+produce).
 
-    python benchmarks/bench_ce_memory.py [--tokens 4096 --hidden 4096 --vocab 128256] [--json out.json]
+    python benchmarks/bench_ce_memory.py [--tokens 4096 --hidden 4096 --vocab 128256]
+        [--ways eager,fused,triton] [--json out.json]
 
 At the default size each way does about 13 TFLOP of matmuls: minutes on 2 cores.
 """
@@ -43,9 +48,14 @@ print(kib("VmHWM") * 1024 - base - grads, grads, float(loss))
 '''
 
 
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def measure(how: str, tokens: int, hidden: int, vocab: int, timeout: float = 3600) -> dict:
     """``{"extra_bytes", "gradient_bytes", "loss"}`` of one way, from a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if how == "triton":
+        env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, "-c", _SCRIPT, how, str(tokens), str(hidden), str(vocab)],
                           capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode:
@@ -59,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--ways", default="eager,fused", help="eager, fused and/or triton, comma-separated "
+                    "(default eager,fused: triton through the interpreter takes minutes at the default size)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
+    ways = args.ways.split(",")
+    if "eager" not in ways or any(w not in ("eager", "fused", "triton") for w in ways):
+        print(f"bench_ce_memory: --ways {args.ways}: eager and any of fused, triton", file=sys.stderr)
+        return 2
     if not os.path.exists("/proc/self/clear_refs"):
         print("bench_ce_memory: peak resident memory is read from Linux's /proc (clear_refs, VmHWM)", file=sys.stderr)
         return 2
@@ -68,12 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.tokens} tokens, hidden {args.hidden}, vocabulary {args.vocab}: float32 logits "
           f"{logits / 2**20:,.0f} MiB", file=sys.stderr)
     out = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "logits_bytes": logits}
-    for how in ("eager", "fused"):
+    for how in ways:
         out[how] = measure(how, args.tokens, args.hidden, args.vocab)
         print(f"{how:6s} extra {out[how]['extra_bytes'] / 2**20:10,.1f} MiB   loss {out[how]['loss']:.6f}",
               file=sys.stderr, flush=True)
-    out["ratio"] = out["eager"]["extra_bytes"] / max(out["fused"]["extra_bytes"], 1)
-    print(f"fused takes {out['ratio']:.1f}x less extra memory")
+    for how in ways[1:]:
+        # Resident memory grows a page at a time: below one page the ratio is a bound.
+        extra = out[how]["extra_bytes"]
+        out[f"ratio_{how}"] = out["eager"]["extra_bytes"] / max(extra, PAGE)
+        print(f"{how} takes {'at least ' if extra < PAGE else ''}{out[f'ratio_{how}']:,.1f}x less extra memory "
+              "than eager")
     if args.json:
         from mfuscope.atomic import write_json
         write_json(args.json, out)

@@ -89,7 +89,7 @@ class Result:
 def record(shape: Shape, multiprocessors: int):
     """The launches the ops make at ``shape`` on a GPU of ``multiprocessors`` SMs (bf16 activations)."""
     from ._dispatch import recording
-    from .linear_cross_entropy import _ce_rows
+    from .linear_cross_entropy import _triton_loss_and_grads
     from .rms_norm import norm_backward, norm_forward
     from .rope import rotate
     from .swiglu import backward as swiglu_backward, forward as swiglu_forward
@@ -112,8 +112,8 @@ def record(shape: Shape, multiprocessors: int):
             q = torch.empty(1, heads, t, shape.head_dim, dtype=bf16, **meta)
             for interleaved in (False, True):
                 rotate(q, cos, cos, interleaved, 1.0)
-        logits = torch.empty(64, shape.vocab, dtype=f32, **meta)
-        _ce_rows(logits, torch.empty(64, dtype=torch.int64, **meta), 1.0, -100)
+        head = torch.empty(shape.vocab, h, dtype=bf16, **meta)
+        _triton_loss_and_grads(x, head, torch.empty(t, dtype=torch.int64, **meta), 1.0, -100)
     return launches
 
 

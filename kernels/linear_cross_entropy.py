@@ -1,35 +1,39 @@
 """The LM head and the loss, fused: ``cross_entropy(hidden @ weight.T, target)`` without the logits.
 
 A 128k vocabulary makes the logits of 4k tokens 2 GiB in float32, and eager
-PyTorch keeps them and their gradient.  Here the tokens go through in chunks:
-each chunk's logits (``chunk x vocab`` float32, a few MiB) are computed, a
-Triton kernel turns each row into its loss and, in place, its gradient
-(``softmax - onehot``, scaled for the reduction), and the chunk's share of the
-hidden and weight gradients is taken right away.  The gradients are computed
-in the forward (as Liger's and Cut Cross-Entropy's are) and scaled by the
-incoming gradient in the backward, so nothing of the chunk outlives it.
+PyTorch keeps them and their gradient.  Two ways here never hold them:
 
-How many tokens a chunk takes is a trade of memory for GEMM speed
-(:func:`chunk_rows`).  A chunk's three GEMMs each read the whole (vocab x
-hidden) weight for ``rows x hidden x vocab`` multiply-adds: about ``rows``
-FLOP per weight byte in bf16.  On a GPU that must pass the tensor cores' ridge
-(H100: 989 TFLOP/s over 3.35 TB/s, about 300 FLOP a byte) or the weight's
-reads set the time -- at 8 rows a chunk the loss of 8k tokens would read a
-1 GB weight 3,000 times.  So on CUDA a chunk is at least 512 tokens
-(``MIN_ROWS``; 256 MiB of float32 logits at a 128k vocabulary, about 500 MiB
-with the bf16 GEMM output and gradient beside them, still a fraction of
-eager's), and the weight gradient is accumulated by a bf16 GEMM with a
-float32 output (``addmm(..., out_dtype=float32)``, tensor cores), not by a
-float32 GEMM.  A CPU's ridge is a few FLOP a byte, but its GEMMs still
-slow at a few rows: the loss of 256 tokens at hidden 4096 and a 128k
-vocabulary took 34 s in chunks of 8 rows, 8.4 s in chunks of 64 (eager: 8.0 s),
-so a CPU chunk is at least 64 tokens (31 MiB).  Small vocabularies fill
-``CHUNK_BYTES`` with more rows.
+**Triton (CUDA, or the interpreter under ``TRITON_INTERPRET=1``): no logits at
+all**, as Cut Cross-Entropy (Wijmans et al. 2024) computes them.
+``_lse_kernel`` walks each block of 64 rows through the vocabulary one 64 x 128
+tile of logits at a time, computed on chip by ``tl.dot`` and folded into an
+online max and sum of exp; it stores one float32 log-sum-exp a row and the
+loss.  ``_grad_kernel`` recomputes each tile, turns it into its gradient
+``(softmax - onehot) x scale`` and adds the tile's share of both input
+gradients, ``g @ W`` and ``g.T @ h``, into float32 accumulators with atomic adds
+(float32, never 16-bit).  Extra memory: 8 bytes a token, plus -- for 16-bit
+inputs, whose gradients are returned in their own dtype -- the float32
+accumulators: the hidden gradient's (4 bytes a hidden element) and the
+weight's in vocabulary slices of ``DW_SLICE_BYTES``, each cast into the
+gradient when done.  At 4k tokens, hidden 4096 and a 128k vocabulary that is
+32 KiB in float32 and about 96 MiB in bf16, against eager's 4 GiB and more.
+The price is FLOPs: the logits are computed three times (forward, and per tile
+for each gradient), 8 N V H in all against eager's 6 N V H.
 
-Rows whose target is ``ignore_index`` contribute no loss and no gradient;
-``mean`` divides by the rows that count (all ignored: loss 0, gradients 0, as
-``F.cross_entropy`` gives NaN there instead).  Float32 throughout the kernel;
-the matmuls run in the inputs' dtype with float32 accumulation.
+**PyTorch on CPU (the reference path): chunks of tokens.**  Each chunk's logits
+(``chunk x vocab`` float32) are computed, turned into the rows' loss and, in
+place, their gradient, and the chunk's share of the hidden and weight
+gradients is taken right away.  A CPU's GEMMs slow at a few rows: the loss of
+256 tokens at hidden 4096 and a 128k vocabulary took 34 s in chunks of 8 rows,
+8.4 s in chunks of 64 (eager: 8.0 s), so a chunk is at least 64 tokens (31 MiB
+of logits, ``MIN_ROWS``); small vocabularies fill ``CHUNK_BYTES`` with more.
+
+Both take the gradients in the forward (as Liger and Cut Cross-Entropy do) and
+scale them by the incoming gradient in the backward.  Rows whose target is
+``ignore_index`` contribute no loss and no gradient; ``mean`` divides by the
+rows that count (all ignored: loss 0, gradients 0, where ``F.cross_entropy``
+gives NaN).  Float32 accumulation throughout; on a GPU the tiles' products run
+in the inputs' dtype (bf16 tensor cores), in the interpreter in float32.
 """
 from __future__ import annotations
 
@@ -37,45 +41,113 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dispatch import HAVE_TRITON, launch, use_triton
+from ._dispatch import HAVE_TRITON, INTERPRET, launch, multiprocessors, use_triton
 
-#: Extra memory a chunk's float32 logits may take where the vocabulary leaves room for more rows.
+#: The Triton path's tiles: rows x vocabulary words of logits a program holds, and the hidden
+#: width its products step through.
+BLOCK_M, BLOCK_V, BLOCK_K = 64, 128, 64
+#: The float32 weight-gradient accumulator for 16-bit weights is this large at most: the vocabulary
+#: is reduced a slice of words at a time.
+DW_SLICE_BYTES = 32 * 2**20
+#: The CPU path: extra memory a chunk's float32 logits may take where the vocabulary leaves room
+#: for more rows than ``MIN_ROWS``, the fewest rows its GEMMs run well at (module docstring).
 CHUNK_BYTES = 4 * 2**20
-#: Tokens a chunk takes at least, by device type, so its GEMMs are not bound by reading the weight
-#: (module docstring).
-MIN_ROWS = {"cuda": 512, "cpu": 64}
+MIN_ROWS = 64
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _ce_rows_kernel(logits_ptr, target_ptr, loss_ptr, scale, ignore_index, VOCAB: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        # One row: online max and sum of exp over the vocabulary, then the loss and, in place, the
-        # gradient (softmax - onehot) * scale.
-        row = tl.program_id(0)
-        ptr = logits_ptr + row * VOCAB
-        target = tl.load(target_ptr + row)
-        m = -float("inf")
-        d = 0.0
-        for start in range(0, VOCAB, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(ptr + cols, mask=cols < VOCAB, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+    def _lse_kernel(h_ptr, w_ptr, target_ptr, m_ptr, d_ptr, picked_ptr, n_rows, VOCAB: tl.constexpr,
+                    HIDDEN: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+        # BLOCK_M rows over SPLIT_BLOCKS tiles of the vocabulary (this program's split): each
+        # (BLOCK_M x BLOCK_V) tile of logits computed on chip and folded into an online max m and
+        # sum of exp d; the target's logit picked on the way.  Only m, d and the pick are stored,
+        # a float each per row and split; the host combines the splits into the log-sum-exp.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_at = rows.to(tl.int64) * HIDDEN  # 64-bit: 128k words x 16k wide passes 2^31
+        row_ok = rows < n_rows
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+        m = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+        d = tl.zeros((BLOCK_M,), tl.float32)
+        picked = tl.zeros((BLOCK_M,), tl.float32)
+        for i in range(0, SPLIT_BLOCKS):
+            cols = (tl.program_id(1) * SPLIT_BLOCKS + i) * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_ok = cols < VOCAB
+            col_at = cols.to(tl.int64) * HIDDEN
+            acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < HIDDEN
+                a = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                b = tl.load(w_ptr + col_at[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                            other=0.0)
+                if UPCAST:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+            logits = tl.where(col_ok[None, :], acc, -float("inf"))
+            m_new = tl.maximum(m, tl.max(logits, axis=1))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
             m = m_new
-        lse = m + tl.log(d)
-        keep = target != ignore_index
-        x_target = tl.load(ptr + target, mask=keep, other=0.0).to(tl.float32)
-        tl.store(loss_ptr + row, tl.where(keep, lse - x_target, 0.0))
-        row_scale = tl.where(keep, scale, 0.0)
-        for start in range(0, VOCAB, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = cols < VOCAB
-            x = tl.load(ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-            tl.store(ptr + cols, g * row_scale, mask=ok)
+            picked += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
+        out = tl.program_id(1) * n_rows + rows
+        tl.store(m_ptr + out, m, mask=row_ok)
+        tl.store(d_ptr + out, d, mask=row_ok)
+        tl.store(picked_ptr + out, picked, mask=row_ok)
+
+    @triton.jit
+    def _grad_kernel(h_ptr, w_ptr, target_ptr, lse_ptr, dh_ptr, dw_ptr, n_rows, v_start, v_end, ignore_index, scale,
+                     HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
+        # One (BLOCK_M rows x BLOCK_V words) tile of the logits, recomputed on chip, turned into its
+        # gradient g = (softmax - onehot) x scale; then its share of both input gradients, added
+        # into float32 accumulators: dh[rows] += g @ W[words], dW[words] += g.T @ h[rows].  dw_ptr
+        # points at the accumulator of words v_start .. v_end.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_at = rows.to(tl.int64) * HIDDEN  # 64-bit: 128k words x 16k wide passes 2^31
+        cols = v_start + tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok = rows < n_rows
+        col_ok = cols < v_end
+        col_at = cols.to(tl.int64) * HIDDEN
+        target = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
+            a = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + col_at[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        keep = row_ok & (target != ignore_index)
+        g = tl.exp(acc - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        g = tl.where(keep[:, None] & col_ok[None, :], g * scale, 0.0)
+        if not UPCAST:
+            g = g.to(h_ptr.dtype.element_ty)  # the tensor cores' format, as the forward's GEMM
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
+            w_tile = tl.load(w_ptr + col_at[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+            h_tile = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+            if UPCAST:
+                dh = tl.dot(g, w_tile.to(tl.float32), input_precision="ieee")
+                dw = tl.dot(tl.trans(g), h_tile.to(tl.float32), input_precision="ieee")
+            else:
+                dh = tl.dot(g, w_tile)
+                dw = tl.dot(tl.trans(g), h_tile)
+            tl.atomic_add(dh_ptr + row_at[:, None] + ks[None, :], dh, mask=row_ok[:, None] & k_ok[None, :])
+            tl.atomic_add(dw_ptr + (col_at - v_start * HIDDEN)[:, None] + ks[None, :], dw,
+                          mask=col_ok[:, None] & k_ok[None, :])
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
@@ -84,16 +156,45 @@ def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tenso
     return F.cross_entropy(hidden.float() @ weight.float().t(), target, ignore_index=ignore_index, reduction=reduction)
 
 
-def _ce_rows(logits: Tensor, target: Tensor, scale: float, ignore_index: int) -> Tensor:
-    """Each row's loss; ``logits`` (float32, contiguous) overwritten with the rows' gradients."""
-    if use_triton(logits):
-        loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        if logits.shape[0]:
-            vocab = logits.shape[1]
-            block = min(triton.next_power_of_2(vocab), 4096)
-            launch(_ce_rows_kernel, (logits.shape[0],), logits, target, loss, float(scale), int(ignore_index),
-                   values=block, VOCAB=vocab, BLOCK=block)
-        return loss
+def _triton_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore_index: int
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's loss, d loss / d h and d loss / d w (``scale`` folded in) by the two kernels;
+    ``h`` (N, H), ``w`` (V, H) contiguous, ``t`` (N,)."""
+    n, hidden = h.shape
+    vocab = w.shape[0]
+    f32 = torch.float32
+    upcast = INTERPRET or h.dtype == f32 or h.dtype != w.dtype
+    dh = torch.zeros(n, hidden, dtype=f32, device=h.device)
+    dw = torch.zeros(w.shape, dtype=f32, device=w.device) if w.dtype == f32 else torch.empty_like(w)
+    if n == 0:
+        return torch.zeros(0, dtype=f32, device=h.device), dh.to(h.dtype), dw.zero_()
+    blocks = dict(BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, UPCAST=upcast)
+    tile = BLOCK_M * BLOCK_V // 2  # 8 warps: 32 float32 values of the logits tile a thread
+    row_blocks, word_blocks = triton.cdiv(n, BLOCK_M), triton.cdiv(vocab, BLOCK_V)
+    # 8k tokens are 128 blocks of rows, fewer than an H100's 132 SMs: the vocabulary is split too,
+    # into enough parts for two programs an SM.
+    splits = min(word_blocks, triton.cdiv(2 * multiprocessors(h.device), row_blocks))
+    per_split = triton.cdiv(word_blocks, splits)
+    splits = triton.cdiv(word_blocks, per_split)
+    m, d, picked = (torch.empty(splits, n, dtype=f32, device=h.device) for _ in range(3))
+    launch(_lse_kernel, (row_blocks, splits), h, w, t, m, d, picked, n, values=tile, VOCAB=vocab, HIDDEN=hidden,
+           SPLIT_BLOCKS=per_split, **blocks)
+    top = m.max(dim=0).values
+    lse = top + (d * torch.exp(m - top)).sum(dim=0).log()
+    losses = torch.where(t != ignore_index, lse - picked.sum(dim=0), 0.0)
+    step = vocab if w.dtype == f32 else max(BLOCK_V, DW_SLICE_BYTES // (4 * hidden) // BLOCK_V * BLOCK_V)
+    for v0 in range(0, vocab, step):
+        v1 = min(vocab, v0 + step)
+        acc = dw[v0:v1] if w.dtype == f32 else torch.zeros(v1 - v0, hidden, dtype=f32, device=w.device)
+        launch(_grad_kernel, (row_blocks, triton.cdiv(v1 - v0, BLOCK_V)), h, w, t, lse, dh, acc, n, v0, v1,
+               int(ignore_index), float(scale), values=tile, HIDDEN=hidden, **blocks)
+        if w.dtype != f32:
+            dw[v0:v1].copy_(acc)
+    return losses, dh.to(h.dtype), dw
+
+
+def _rows_loss_and_grad(logits: Tensor, target: Tensor, scale: float, ignore_index: int) -> Tensor:
+    """Each row's loss; ``logits`` (float32) overwritten with the rows' gradients."""
     keep = target != ignore_index
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, target.clamp(min=0)[:, None])[:, 0]
@@ -104,15 +205,27 @@ def _ce_rows(logits: Tensor, target: Tensor, scale: float, ignore_index: int) ->
     return loss
 
 
-#: ``addmm(dw_fp32, g, h, out_dtype=torch.float32)`` on CUDA half inputs: the overload came in torch 2.8,
-#: but took a float32 ``self`` only from 2.10 (pytorch/pytorch#154086).
-_HALF_GEMM_TO_FLOAT = torch.torch_version.TorchVersion(torch.__version__) >= "2.10"
+def chunk_rows(n_rows: int, vocab: int) -> int:
+    """Tokens per chunk of the CPU path: ``CHUNK_BYTES`` of float32 logits, at least ``MIN_ROWS``."""
+    return max(1, min(max(CHUNK_BYTES // (4 * vocab), MIN_ROWS), n_rows))
 
 
-def chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
-    """Tokens per chunk: ``CHUNK_BYTES`` of float32 logits, and at least the device's ``MIN_ROWS``."""
-    rows = max(CHUNK_BYTES // (4 * vocab), MIN_ROWS.get(device.type, 1))
-    return max(1, min(rows, n_rows))
+def _chunked_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore_index: int
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """What :func:`_triton_loss_and_grads` returns, by PyTorch a chunk of tokens at a time."""
+    n = h.shape[0]
+    chunk = chunk_rows(n, w.shape[0])
+    losses = torch.empty(n, dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    for start in range(0, n, chunk):
+        hc = h[start:start + chunk]
+        logits = (hc @ w.t()).float()
+        losses[start:start + chunk] = _rows_loss_and_grad(logits, t[start:start + chunk], scale, ignore_index)
+        g = logits.to(w.dtype)
+        dh[start:start + chunk] = g @ w
+        dw.addmm_(g.t().float(), hc.float())
+    return losses, dh, dw.to(w.dtype)
 
 
 @torch.library.custom_op("mfuscope::linear_cross_entropy", mutates_args=())
@@ -121,26 +234,12 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, 
     """(loss, d loss / d hidden, d loss / d weight)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
-    n, vocab = h.shape[0], weight.shape[0]
     valid = int((t != ignore_index).sum())
     scale = 1.0 / valid if reduction == "mean" and valid else 1.0
-    chunk = chunk_rows(n, vocab, h.device)
-    losses = torch.empty(n, dtype=torch.float32, device=h.device)
-    dh = torch.empty_like(h)
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    for start in range(0, n, chunk):
-        hc = h[start:start + chunk]
-        logits = (hc @ weight.t()).float().contiguous()
-        losses[start:start + chunk] = _ce_rows(logits, t[start:start + chunk].contiguous(), scale, ignore_index)
-        g = logits.to(weight.dtype)
-        dh[start:start + chunk] = g @ weight
-        half = hc.dtype in (torch.bfloat16, torch.float16) and g.dtype == hc.dtype  # not under autocast's mixes
-        if _HALF_GEMM_TO_FLOAT and hc.is_cuda and half:
-            torch.addmm(dw, g.t(), hc, out_dtype=torch.float32, out=dw)
-        else:
-            dw.addmm_(g.t().float(), hc.float())
+    how = _triton_loss_and_grads if use_triton(h) else _chunked_loss_and_grads
+    losses, dh, dw = how(h.contiguous(), weight.contiguous(), t.contiguous(), scale, ignore_index)
     loss = losses.sum() * scale if reduction in ("mean", "sum") else losses
-    return loss, dh.reshape(hidden.shape), dw.to(weight.dtype)
+    return loss, dh.reshape(hidden.shape), dw
 
 
 @_forward.register_fake
