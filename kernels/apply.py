@@ -1,4 +1,4 @@
-"""Swap a model's norms and SwiGLU feed-forwards for the fused kernels, in place, undoably.
+"""Swap a model's norms, SwiGLU feed-forwards, RoPE, LM head and MoE routing for the fused kernels, in place, undoably.
 
 Modules are recognized by what they are, not imported by class, so this works
 on the reference trainer's model and on Hugging Face Llama-family models
@@ -22,6 +22,10 @@ linear_ce      a model with ``head_loss`` and ``output`` (the    ``fused_linear_
                reference trainer's, called with targets)          the model is given targets
                a model with a bias-free ``lm_head`` and a        the same when called with ``labels``
                ``loss_function`` (Hugging Face ``*ForCausalLM``)  (its output's ``logits`` is then None)
+moe_permute    a module with ``permute`` and ``unpermute``        ``moe_permute`` / ``moe_unpermute``
+               and ``n_experts`` (the reference trainer's MoE;   (its dispatch, local or all-to-all,
+               Hugging Face's MoE blocks loop over experts       is kept)
+               with masks instead, and are left alone)
 =============  ================================================  ======================================
 
 Each swapped module gets an instance ``forward`` (or ``rope_fn``);
@@ -39,11 +43,12 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .linear_cross_entropy import fused_linear_cross_entropy
+from .moe_routing import moe_permute, moe_unpermute
 from .rms_norm import rms_norm
 from .rope import rope_angles
 from .swiglu import swiglu
 
-OPS = ("rms_norm", "swiglu", "rope", "linear_ce")
+OPS = ("rms_norm", "swiglu", "rope", "linear_ce", "moe_permute")
 _MISSING = object()
 
 
@@ -89,6 +94,10 @@ def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> 
             if module is not None and callable(getattr(module, "apply_rotary_pos_emb", None)) \
                     and module not in applied.modules:
                 applied.swap(module, "apply_rotary_pos_emb", _fused_hf_rope(module.apply_rotary_pos_emb))
+        if "moe_permute" in applied.ops and callable(m.__dict__.get("permute")) \
+                and callable(m.__dict__.get("unpermute")) and hasattr(m, "n_experts"):
+            applied.swap(m, "permute", moe_permute)
+            applied.swap(m, "unpermute", moe_unpermute)
         if "linear_ce" in applied.ops and "head_loss" in m.__dict__ and getattr(m, "output", None) is not None:
             applied.swap(m, "head_loss", fused_linear_cross_entropy)
         elif "linear_ce" in applied.ops and _is_hf_causal_lm(m):

@@ -60,6 +60,9 @@ class Shape:
 #: Llama 3 (Meta's model cards): the benchmark's shapes.
 SHAPES = {"8b": Shape(4096, 14336, 32, 8), "70b": Shape(8192, 28672, 64, 8), "405b": Shape(16384, 53248, 128, 8)}
 
+#: Experts a token is routed to in the MoE permute's launches (DeepSeek-V3's 8; Mixtral's 2 unrolls less).
+TOP_K = 8
+
 #: Compute capability -> (GPU it stands for, its streaming multiprocessors).
 ARCHES = {80: ("A100", 108), 90: ("H100/H200", 132), 100: ("B200", 148)}
 
@@ -90,6 +93,7 @@ def record(shape: Shape, multiprocessors: int):
     """The launches the ops make at ``shape`` on a GPU of ``multiprocessors`` SMs (bf16 activations)."""
     from ._dispatch import recording
     from .linear_cross_entropy import _triton_loss_and_grads
+    from .moe_routing import permute, unpermute, unpermute_backward
     from .rms_norm import norm_backward, norm_forward
     from .rope import rotate
     from .swiglu import backward as swiglu_backward, forward as swiglu_forward
@@ -114,6 +118,11 @@ def record(shape: Shape, multiprocessors: int):
                 rotate(q, cos, cos, interleaved, 1.0)
         head = torch.empty(shape.vocab, h, dtype=bf16, **meta)
         _triton_loss_and_grads(x, head, torch.empty(t, dtype=torch.int64, **meta), 1.0, -100)
+        positions = torch.empty(t, TOP_K, dtype=torch.int64, **meta)  # MoE routing, top-8 at the model's width
+        rows, weight = torch.empty(t * TOP_K, h, dtype=bf16, **meta), torch.empty(t, TOP_K, dtype=bf16, **meta)
+        permute(x, positions)
+        unpermute(rows, positions, weight)
+        unpermute_backward(x, rows, positions, weight)
     return launches
 
 

@@ -132,20 +132,27 @@ if HAVE_TRITON:
         g = tl.where(keep[:, None] & col_ok[None, :], g * scale, 0.0)
         if not UPCAST:
             g = g.to(h_ptr.dtype.element_ty)  # the tensor cores' format, as the forward's GEMM
+        # Two passes over the hidden width, one a gradient: fewer values live at once (Triton 3.9
+        # spilled on sm_80 with both products in one loop).
         for k0 in range(0, HIDDEN, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < HIDDEN
             w_tile = tl.load(w_ptr + col_at[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                              other=0.0)
+            if UPCAST:
+                dh = tl.dot(g, w_tile.to(tl.float32), input_precision="ieee")
+            else:
+                dh = tl.dot(g, w_tile)
+            tl.atomic_add(dh_ptr + row_at[:, None] + ks[None, :], dh, mask=row_ok[:, None] & k_ok[None, :])
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
             h_tile = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0)
             if UPCAST:
-                dh = tl.dot(g, w_tile.to(tl.float32), input_precision="ieee")
                 dw = tl.dot(tl.trans(g), h_tile.to(tl.float32), input_precision="ieee")
             else:
-                dh = tl.dot(g, w_tile)
                 dw = tl.dot(tl.trans(g), h_tile)
-            tl.atomic_add(dh_ptr + row_at[:, None] + ks[None, :], dh, mask=row_ok[:, None] & k_ok[None, :])
             tl.atomic_add(dw_ptr + (col_at - v_start * HIDDEN)[:, None] + ks[None, :], dw,
                           mask=col_ok[:, None] & k_ok[None, :])
 

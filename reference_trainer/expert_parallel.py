@@ -1,7 +1,7 @@
 """Expert parallelism, written here: experts sharded over an ``ep`` group, tokens moved by all-to-all.
 
-Each rank keeps ``n_experts / ep`` experts.  Routed rows are sorted by
-expert, sent to the rank that owns the expert (``all_to_all_single``,
+Each rank keeps ``n_experts / ep`` experts.  Routed rows, grouped by
+expert (``MoE.permute``), are sent to the rank that owns the expert (``all_to_all_single``,
 autograd-aware, so the backward pass sends gradients the same way back), run
 there, and sent home.  The ranks first swap their rows-per-expert counts: one
 copy of them to the host per layer gives both the all-to-all split sizes and
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .model import expert_counts, unsort
+from .model import expert_counts
 from .parallel_dims import DIMS, ParallelDims
 
 
@@ -94,7 +94,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int, local: int) -> torch.Tensor:
-    order = torch.argsort(expert, stable=True)
+    """``rows`` grouped by ``expert`` (the MoE permuted them) out to their experts' ranks and back,
+    in the same order."""
     # Rows per expert, expert-major, so chunk r of ``send`` is what goes to rank r; ``recv`` holds
     # (source rank x local expert) counts, the layout of the rows that arrive.
     send = expert_counts(expert, ep * local)
@@ -102,12 +103,11 @@ def ep_dispatch(moe, rows: torch.Tensor, expert: torch.Tensor, *, group, ep: int
     dist.all_to_all_single(recv, send, group=group)
     send_counts, recv_counts = torch.stack([send, recv]).view(2, ep, local).tolist()  # the one host copy
     send_split, recv_split = [sum(c) for c in send_counts], [sum(c) for c in recv_counts]
-    received = _AllToAll.apply(rows.index_select(0, order), send_split, recv_split, group)
+    received = _AllToAll.apply(rows, send_split, recv_split, group)
     recv_expert = torch.arange(local, device=expert.device).repeat(ep).repeat_interleave(
         recv, output_size=sum(recv_split))  # output_size: no host read of the repeats
     out = moe.experts(received, recv_expert, counts=[sum(c) for c in zip(*recv_counts)])
-    back = _AllToAll.apply(out, recv_split, send_split, group)
-    return unsort(back, order)
+    return _AllToAll.apply(out, recv_split, send_split, group)
 
 
 def expert_mesh(edp_group, device_type: str):

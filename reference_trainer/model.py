@@ -26,6 +26,8 @@ Hooks the parallel dimensions use, and nothing else does:
   the tokens this rank holds.  A plain attribute, not a buffer: DDP broadcasts
   buffers from rank 0, which would give every context rank rank 0's positions;
 - ``MoE.dispatch`` -- expert parallel swaps in all-to-all dispatch/combine;
+- ``MoE.permute`` and ``MoE.unpermute`` -- the routed rows out in expert order and back, weighted
+  (:func:`permute`, :func:`unpermute`); ``mfuscope.kernels`` swaps in its fused ones;
 - ``MoE.experts`` -- the expert weights in a module of their own, which expert parallel cuts to
   this rank's slice and FSDP shards over the ranks holding the same slice;
 - ``Transformer.balance_group`` -- the group whose token counts the
@@ -195,6 +197,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d, e, bias=False)
         self.experts = Experts(e, d, h)
         self.dispatch = local_dispatch  # expert parallel swaps in all-to-all dispatch
+        self.permute, self.unpermute = permute, unpermute  # mfuscope.kernels swaps in fused ones
         self.routing: list | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,18 +206,40 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(tokens).float(), dim=-1)
         weight, expert = probs.topk(self.top_k, dim=-1)
         weight = (weight / weight.sum(-1, keepdim=True)).type_as(x)
-        # Each (token, choice) becomes one row routed to one expert.
-        flat_expert = expert.reshape(-1)
-        rows = tokens.repeat_interleave(self.top_k, dim=0)
-        routed = self.dispatch(self, rows, flat_expert)
-        out = (routed.view(-1, self.top_k, d) * weight.unsqueeze(-1)).sum(1)
+        # Each (token, choice) becomes one row routed to one expert; the rows go out grouped by
+        # expert (row positions[t, j] is choice j of token t) and come back in that order.
+        order, positions = route(expert)
+        rows = self.permute(tokens, positions)
+        routed = self.dispatch(self, rows, expert.reshape(-1)[order])
+        out = self.unpermute(routed, positions, weight)
         if self.routing is not None:
-            self.routing.append((expert_counts(flat_expert, self.n_experts), probs.mean(0)))
+            self.routing.append((expert_counts(expert.reshape(-1), self.n_experts), probs.mean(0)))
         return out.view(b, s, d)
 
 
+def route(expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, positions) for ``expert`` (tokens, k): ``order`` sorts the flattened (token, choice)
+    rows by expert, stably (an expert's rows keep their token order); ``positions`` (tokens, k) is
+    where each row lands, its inverse."""
+    order = torch.argsort(expert.reshape(-1), stable=True)
+    slots = torch.arange(order.numel(), device=expert.device)
+    return order, torch.empty_like(order).scatter_(0, order, slots).view(expert.shape)
+
+
+def permute(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each token copied to its k rows, in expert order: ``rows[positions[t, j]] = tokens[t]``."""
+    rows = tokens.repeat_interleave(positions.shape[1], dim=0)
+    return torch.empty_like(rows).index_copy(0, positions.reshape(-1), rows)
+
+
+def unpermute(routed: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each token the sum of its k expert outputs times its router weights."""
+    t, k = positions.shape
+    return (routed.index_select(0, positions.reshape(-1)).view(t, k, -1) * weight.unsqueeze(-1)).sum(1)
+
+
 def local_dispatch(moe: MoE, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    """No expert parallelism: every expert is here."""
+    """No expert parallelism: every expert is here.  ``rows`` come grouped by ``expert``."""
     return moe.experts(rows, expert)
 
 

@@ -52,7 +52,7 @@ class RunOptions:
     prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
     keep_last_gathered: bool = False  # FSDP2: the last block is not resharded after forward
     async_tp: bool = False         # micro-pipelined TP (CUDA, torch.compile, symmetric memory)
-    kernels: str = "eager"         # fused: mfuscope.kernels (RMSNorm, SwiGLU, RoPE, LM head + loss)
+    kernels: str = "eager"         # fused: mfuscope.kernels (RMSNorm, SwiGLU, RoPE, LM head + loss, MoE routing)
     ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
     grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
     steps: int | None = None
@@ -138,8 +138,9 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
         local_experts = expert_parallel.expert_parameters(modules)
     if opts.kernels == "fused":
         from mfuscope.kernels import apply as fuse
+        from mfuscope.kernels.apply import OPS
         for m in modules:
-            fuse(m, ops=("rms_norm", "swiglu", "rope", "linear_ce"))
+            fuse(m, ops=OPS)
     injector.attach_modules(modules, ids)
     if paced:
         apply_paced(modules, paced)

@@ -58,6 +58,32 @@ def test_the_trainers_model_runs_the_kernels_and_trains_alike():
     assert torch.equal(_grads(model, tokens)[0], eager_out)
 
 
+def test_the_trainers_moe_routes_through_the_permute_kernels_and_trains_alike():
+    from mfuscope.kernels.apply import OPS
+    from mfuscope.reference_trainer import model as trainer_model
+    from mfuscope.reference_trainer.config import load_config
+    from mfuscope.reference_trainer.pipeline_parallel import build_stage
+
+    cfg = load_config("tiny_moe")
+    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, "cpu")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    eager_out, eager_grads = _grads(model, tokens)
+    applied = kernels.apply(model, ops=("moe_permute",))
+    moes = [m for m in model.modules() if isinstance(m, trainer_model.MoE)]
+    assert len(moes) == cfg.model.n_layers and set(applied.ops) == {"moe_permute"}
+    assert all(m.permute is kernels.moe_permute and m.unpermute is kernels.moe_unpermute for m in moes)
+    fused_out, fused_grads = _grads(model, tokens)
+    # The kernels sum a token's k weighted expert outputs in float32, eager in the rows' dtype (here
+    # float32 too): the sums reassociate over k terms per layer.
+    assert_close(fused_out, eager_out, tolerance(torch.float32, cfg.model.dim * cfg.model.n_layers), "logits")
+    reduced = tokens.numel() * cfg.model.ffn_dim * cfg.model.n_layers
+    for name, g in eager_grads.items():
+        assert_close(fused_grads[name], g, tolerance(torch.float32, reduced), name)
+    applied.undo()
+    assert all(m.permute is trainer_model.permute for m in moes)
+    assert OPS[-1] == "moe_permute"  # the trainer's --kernels fused applies every op
+
+
 class LlamaRMSNorm(nn.Module):  # the shape of Hugging Face's, without transformers installed
     def __init__(self, d):
         super().__init__()

@@ -155,7 +155,9 @@ PIPELINED = [(f"{sched}_{dim}", world, f"pp=2,{extra}", {"schedule": sched})
 # ep2: every data rank in the one expert group (experts outside FSDP); ep2_edp2 and hsdp_ep2: two
 # ranks hold each half of the experts and FSDP shards it over them (over the replicas too in HSDP).
 MOE = [("ep2", 2, "dp_shard=2,ep=2", {}), ("ep2_edp2", 4, "dp_shard=4,ep=2", {}),
-       ("hsdp_ep2", 4, "dp_replicate=2,dp_shard=2,ep=2", {}), ("tp2", 2, "tp=2", {})] + [
+       ("hsdp_ep2", 4, "dp_replicate=2,dp_shard=2,ep=2", {}), ("tp2", 2, "tp=2", {}),
+       # mfuscope's MoE permute and unpermute kernels (with the others) around the all-to-all
+       ("fused_kernels_ep2", 2, "dp_shard=2,ep=2", {"kernels": "fused"})] + [
     (f"{sched}_ep2", 4, "pp=2,dp_shard=2,ep=2", {"schedule": sched}) for sched in SCHEDULES]
 
 
