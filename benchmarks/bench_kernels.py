@@ -1,7 +1,8 @@
 """Fused kernels against eager PyTorch, torch.compile and Liger-Kernel.
 
 Each operator, forward + backward, at the shapes of 8B, 70B and 405B Llama
-models (hidden 4096 / 8192 / 16384, 8k tokens, vocabulary 128,256) in bf16:
+models (hidden 4096 / 8192 / 16384, 8k tokens, vocabulary 128,256; the MoE
+permute and unpermute routing each token to 8 of 64 experts) in bf16:
 median time over CUDA events, achieved bandwidth against the device's HBM
 peak (from ``mfuscope.hardware``), peak memory.  Liger-Kernel (the ``bench``
 extra) joins on a GPU when it is installed; its kernels need CUDA.  Long-format rows
@@ -24,6 +25,8 @@ import time
 
 MODELS = {"8b": 4096, "70b": 8192, "405b": 16384}
 TOKENS, VOCAB = 8192, 128256
+#: The MoE permute's routing: each token to 8 of 64 experts (DeepSeek-V3's top-8).
+TOP_K, EXPERTS = 8, 64
 
 
 def _inputs(op: str, hidden: int, tokens: int, vocab: int, device, dtype):
@@ -44,6 +47,11 @@ def _inputs(op: str, hidden: int, tokens: int, vocab: int, device, dtype):
         from mfuscope.kernels.rope import rope_angles
         cos, sin = rope_angles(torch.arange(tokens // 2, device=device), d, 500000.0)
         return r(2, heads, tokens // 2, d), r(2, max(heads // 8, 1), tokens // 2, d), cos, sin
+    if op == "moe_permute":
+        from mfuscope.kernels import moe_positions
+        expert = torch.rand(tokens, EXPERTS, device=device, generator=g).topk(TOP_K, dim=-1).indices
+        weight = torch.rand(tokens, TOP_K, device=device, generator=g).to(dtype).requires_grad_()
+        return r(tokens, hidden), moe_positions(expert), weight
     target = torch.randint(0, vocab, (tokens,), device=device, generator=g)
     return r(tokens, hidden), (0.02 * torch.randn(vocab, hidden, device=device, dtype=dtype)).requires_grad_(), target
 
@@ -58,11 +66,13 @@ def _providers(op: str):
              "add_rms_norm": lambda x, r, w: kernels.add_rms_norm_reference(x, r, w)[0],
              "swiglu": lambda g, u: F.silu(g) * u,
              "rope": lambda q, k, c, s: kernels.rope_reference(q, c, s) + 0 * kernels.rope_reference(k, c, s).sum(),
-             "linear_ce": lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t)}[op]
+             "linear_ce": lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t),
+             "moe_permute": lambda x, p, w: kernels.moe_unpermute_reference(kernels.moe_permute_reference(x, p), p, w)}[op]
     fused = {"rms_norm": kernels.rms_norm, "add_rms_norm": lambda x, r, w: kernels.add_rms_norm(x, r, w)[0],
              "swiglu": kernels.swiglu,
              "rope": lambda q, k, c, s: (lambda a, b: a + 0 * b.sum())(*kernels.apply_rope(q, k, c, s)),
-             "linear_ce": kernels.fused_linear_cross_entropy}[op]
+             "linear_ce": kernels.fused_linear_cross_entropy,
+             "moe_permute": lambda x, p, w: kernels.moe_unpermute(kernels.moe_permute(x, p), p, w)}[op]
     out = {"eager": eager, "mfuscope": fused}
     if torch.cuda.is_available():
         out["torch.compile"] = torch.compile(eager)
@@ -79,6 +89,8 @@ def _liger(op: str):
         from liger_kernel.transformers import functional as lf
     except ImportError:
         return None
+    if op == "moe_permute":  # Liger has no MoE permute
+        return None
     import torch
 
     def rope(q, k, c, s):
@@ -93,7 +105,9 @@ def _liger(op: str):
 
 #: Elements a fused forward + backward must read and write, in units of the first input's size
 #: (rope: q and k together): the roofline's traffic.  linear_ce is compute-bound: no bandwidth.
-TRAFFIC = {"rms_norm": 5, "add_rms_norm": 8, "swiglu": 8, "rope": 4}
+#: moe_permute (permute then unpermute, k slots a token): forward 1 + k and k + 1, backward
+#: 1 + 2k (dy and the rows in, their gradients out) and k + 1.
+TRAFFIC = {"rms_norm": 5, "add_rms_norm": 8, "swiglu": 8, "rope": 4, "moe_permute": 5 * TOP_K + 4}
 
 
 def _bytes_moved(op: str, inputs) -> int | None:
@@ -151,7 +165,7 @@ def main() -> int:
     models = MODELS if cuda else {"tiny": 256}
     tokens, vocab, rounds = (TOKENS, VOCAB, args.rounds) if cuda else (64, 1000, 2)
     rows = []
-    for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_ce"):
+    for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_ce", "moe_permute"):
         for model, hidden in models.items():
             for provider, fn in _providers(op).items():
                 inputs = _inputs(op, hidden, tokens, vocab, device, dtype)
