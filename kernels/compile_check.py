@@ -117,7 +117,9 @@ def record(shape: Shape, multiprocessors: int):
             for interleaved in (False, True):
                 rotate(q, cos, cos, interleaved, 1.0)
         head = torch.empty(shape.vocab, h, dtype=bf16, **meta)
-        _triton_loss_and_grads(x, head, torch.empty(t, dtype=torch.int64, **meta), 1.0, -100)
+        target = torch.empty(t, dtype=torch.int64, **meta)
+        _triton_loss_and_grads(x, head, target, 1.0, -100)
+        _triton_loss_and_grads(x.float(), head.float(), target, 1.0, -100)  # float32 training's tiles
         positions = torch.empty(t, TOP_K, dtype=torch.int64, **meta)  # MoE routing, top-8 at the model's width
         rows, weight = torch.empty(t * TOP_K, h, dtype=bf16, **meta), torch.empty(t, TOP_K, dtype=bf16, **meta)
         permute(x, positions)

@@ -43,9 +43,12 @@ from torch import Tensor
 
 from ._dispatch import HAVE_TRITON, INTERPRET, launch, multiprocessors, use_triton
 
-#: The Triton path's tiles: rows x vocabulary words of logits a program holds, and the hidden
-#: width its products step through.
-BLOCK_M, BLOCK_V, BLOCK_K = 64, 128, 64
+#: The Triton path's tiles: (rows, vocabulary words) of logits a program holds and the hidden width
+#: its products step through.  16-bit inputs run on the tensor cores; float32 ones (exact float32
+#: products, not TF32) take smaller tiles, which the compiler otherwise spills (7 KB a thread at
+#: 64 x 128 on sm_90).  Both at 8 warps.
+TILES = {"half": (64, 128, 64), "float": (64, 64, 32)}
+WARPS_VALUES = 8 * 512  # ``_dispatch.launch`` sizes warps by values a program holds: this gives 8
 #: The float32 weight-gradient accumulator for 16-bit weights is this large at most: the vocabulary
 #: is reduced a slice of words at a time.
 DW_SLICE_BYTES = 32 * 2**20
@@ -175,26 +178,26 @@ def _triton_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore
     dw = torch.zeros(w.shape, dtype=f32, device=w.device) if w.dtype == f32 else torch.empty_like(w)
     if n == 0:
         return torch.zeros(0, dtype=f32, device=h.device), dh.to(h.dtype), dw.zero_()
-    blocks = dict(BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, UPCAST=upcast)
-    tile = BLOCK_M * BLOCK_V // 2  # 8 warps: 32 float32 values of the logits tile a thread
-    row_blocks, word_blocks = triton.cdiv(n, BLOCK_M), triton.cdiv(vocab, BLOCK_V)
+    block_m, block_v, block_k = TILES["float" if f32 in (h.dtype, w.dtype) else "half"]
+    blocks = dict(BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_K=block_k, UPCAST=upcast)
+    row_blocks, word_blocks = triton.cdiv(n, block_m), triton.cdiv(vocab, block_v)
     # 8k tokens are 128 blocks of rows, fewer than an H100's 132 SMs: the vocabulary is split too,
     # into enough parts for two programs an SM.
     splits = min(word_blocks, triton.cdiv(2 * multiprocessors(h.device), row_blocks))
     per_split = triton.cdiv(word_blocks, splits)
     splits = triton.cdiv(word_blocks, per_split)
     m, d, picked = (torch.empty(splits, n, dtype=f32, device=h.device) for _ in range(3))
-    launch(_lse_kernel, (row_blocks, splits), h, w, t, m, d, picked, n, values=tile, VOCAB=vocab, HIDDEN=hidden,
-           SPLIT_BLOCKS=per_split, **blocks)
+    launch(_lse_kernel, (row_blocks, splits), h, w, t, m, d, picked, n, values=WARPS_VALUES, VOCAB=vocab,
+           HIDDEN=hidden, SPLIT_BLOCKS=per_split, **blocks)
     top = m.max(dim=0).values
     lse = top + (d * torch.exp(m - top)).sum(dim=0).log()
     losses = torch.where(t != ignore_index, lse - picked.sum(dim=0), 0.0)
-    step = vocab if w.dtype == f32 else max(BLOCK_V, DW_SLICE_BYTES // (4 * hidden) // BLOCK_V * BLOCK_V)
+    step = vocab if w.dtype == f32 else max(block_v, DW_SLICE_BYTES // (4 * hidden) // block_v * block_v)
     for v0 in range(0, vocab, step):
         v1 = min(vocab, v0 + step)
         acc = dw[v0:v1] if w.dtype == f32 else torch.zeros(v1 - v0, hidden, dtype=f32, device=w.device)
-        launch(_grad_kernel, (row_blocks, triton.cdiv(v1 - v0, BLOCK_V)), h, w, t, lse, dh, acc, n, v0, v1,
-               int(ignore_index), float(scale), values=tile, HIDDEN=hidden, **blocks)
+        launch(_grad_kernel, (row_blocks, triton.cdiv(v1 - v0, block_v)), h, w, t, lse, dh, acc, n, v0, v1,
+               int(ignore_index), float(scale), values=WARPS_VALUES, HIDDEN=hidden, **blocks)
         if w.dtype != f32:
             dw[v0:v1].copy_(acc)
     return losses, dh.to(h.dtype), dw

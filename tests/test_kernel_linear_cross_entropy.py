@@ -56,7 +56,7 @@ def test_the_logits_free_kernels_match_the_reference(dtype, shape):
 def test_a_16_bit_weight_gradient_is_reduced_in_vocabulary_slices(monkeypatch):
     """For bf16 weights the float32 weight-gradient accumulator covers a slice of the vocabulary at a
     time; slices of one 128-word tile make 8 of them at vocabulary 1003, the last part-filled."""
-    monkeypatch.setattr(module, "DW_SLICE_BYTES", module.BLOCK_V * 4 * 24)
+    monkeypatch.setattr(module, "DW_SLICE_BYTES", module.TILES["half"][1] * 4 * 24)
     hidden, weight, target = _case(torch.bfloat16)
     fused_linear_cross_entropy(hidden, weight, target).backward()
     _, dh_true, dw_true = _truth(hidden, weight, target)
@@ -68,7 +68,7 @@ def test_a_16_bit_weight_gradient_is_reduced_in_vocabulary_slices(monkeypatch):
 def test_the_vocabulary_split_of_the_forward_combines_exactly(monkeypatch):
     """On a GPU the forward splits the vocabulary so that a few blocks of rows still fill the SMs;
     the splits' maxima and sums of exp are combined on the host.  The interpreter has one SM: as if it
-    had 4, 37 rows (one block) take 8 splits of one 128-word tile each."""
+    had 4, 37 rows (one block) take 8 splits of two float32 tiles of 64 words each."""
     monkeypatch.setattr(module, "multiprocessors", lambda device: 4)
     hidden, weight, target = _case(torch.float32, ignored=(3,))
     loss = fused_linear_cross_entropy(hidden, weight, target)
@@ -149,13 +149,13 @@ def test_misuse_is_refused():
 
 def test_the_kernels_stay_inside_their_tensors():
     """Every input inside a NaN guard (a read outside spreads NaN), every output inside a sentinel
-    guard (a write outside changes it); 3 rows, hidden 20 and vocabulary 70 leave every tile -- 64
-    rows, 128 words, 64 wide -- part-filled."""
+    guard (a write outside changes it); 3 rows, hidden 20 and vocabulary 70 leave every float32
+    tile -- 64 rows, 64 words, 32 wide -- part-filled."""
     from mfuscope.kernels.linear_cross_entropy import _grad_kernel, _lse_kernel
     from mfuscope.tests.kernel_checks import guarded, guards_intact
 
     n, hidden, vocab = 3, 20, 70
-    blocks = dict(BLOCK_M=module.BLOCK_M, BLOCK_V=module.BLOCK_V, BLOCK_K=module.BLOCK_K, UPCAST=True)
+    blocks = dict(zip(("BLOCK_M", "BLOCK_V", "BLOCK_K"), module.TILES["float"]), UPCAST=True)
     h, hb = guarded((n, hidden), torch.float32, torch.randn(n, hidden))
     w, wb = guarded((vocab, hidden), torch.float32, torch.randn(vocab, hidden))
     target = torch.tensor([5, -100, 69])
