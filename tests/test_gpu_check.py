@@ -52,6 +52,9 @@ def test_cpu_dry_run_covers_every_path_and_names_its_timing(tmp_path):
     assert len(doc["losses"]) == 5 and all(math.isfinite(x) for x in doc["losses"])
     assert doc["collectors"]["steps_rows"] == 5 and doc["collectors"]["steps_with_device_time"] == 0
     assert doc["collectors"]["window_events"] > 0
+    # The cost model's memory for the run, against torch.cuda.max_memory_allocated on a GPU (none here).
+    memory = doc["memory_check"]
+    assert memory["predicted_gib"] > 0 and memory["measured_gib"] is None and memory["within_15pct"] is None
 
     paths = {p["path"]: p for p in doc["paths"]}
     assert set(paths) == PATHS and len(doc["paths"]) == len(PATHS)
