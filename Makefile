@@ -11,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mfuscope-installed
 DEMO   ?= artifacts/demo
 
-.PHONY: all install demo dashboard test bench clean
+.PHONY: all install demo dashboard test bench gpu-checks clean
 
 all: test
 
@@ -40,6 +40,18 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_plan.py
 	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/bench_ci.py
+
+# On a machine with a GPU (its own python with CUDA torch, not this .venv's CPU build): every GPU
+# check in one go, each writing JSON under $(GPU_OUT); a failing one does not stop the others.
+GPU_PY  ?= python3
+GPU_OUT ?= artifacts/gpu
+gpu-checks:
+	$(GPU_PY) -m pip install --quiet -e .
+	mkdir -p $(GPU_OUT)
+	-$(GPU_PY) scripts/gpu_kernels_check.py --json $(GPU_OUT)/kernels_check.json > /dev/null
+	-$(GPU_PY) scripts/gpu_check.py --json $(GPU_OUT)/gpu_check.json > /dev/null
+	-$(GPU_PY) benchmarks/bench_kernels.py --rounds 10 --json $(GPU_OUT)/bench_kernels.json
+	@echo "GPU results in $(GPU_OUT)/"
 
 clean:
 	rm -rf $(VENV) artifacts build dist *.egg-info

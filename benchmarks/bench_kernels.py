@@ -17,7 +17,6 @@ nothing, and it says so.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -182,8 +181,8 @@ def main() -> int:
                 print(f"{op:<13} {model:<5} {provider:<14} {seconds * 1e3:9.3f} ms  {bw}  HBM {frac:>4}  "
                       f"peak {peak / 2**20:9.1f} MiB")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        from mfuscope.atomic import write_json
+        write_json(args.json, rows)
     return 0
 
 

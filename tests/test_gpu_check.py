@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -124,3 +125,19 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: error: ") and message in lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_gpu_kernel_check_dry_runs_on_cpu(tmp_path):
+    """``scripts/gpu_kernels_check.py --device cpu`` under the interpreter: every op in both dtypes is
+    checked against its reference and passes, and the JSON says so (on a GPU the same script checks
+    the bf16 tensor-core paths the interpreter cannot run)."""
+    script = REPO / "scripts" / "gpu_kernels_check.py"
+    out = tmp_path / "kernels.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = json.loads(out.read_text())["checks"]
+    ops = {"rms_norm", "add_rms_norm", "swiglu", "rope", "linear_ce", "moe_permute"}
+    assert {(c["op"], c["dtype"]) for c in checks} == {(op, d) for op in ops for d in ("bfloat16", "float32")}
+    assert all(c["passed"] and c["worst_rel_error"] <= c["tolerance"] for c in checks)
