@@ -101,7 +101,7 @@ def checks(device: str, small: bool) -> list[dict]:
 
     g = torch.Generator(device=device).manual_seed(0)
     torch.manual_seed(0)  # the incoming gradients
-    hidden, tokens, vocab, heads = (64, 96, 1003, 4) if small else (4096, 8192, 128256, 32)
+    hidden, tokens, vocab, heads = (64, 32, 1003, 4) if small else (4096, 8192, 128256, 32)
     out = []
     for dtype, h, n, v in ((torch.bfloat16, hidden, tokens, vocab), (torch.float32, 256, 128, 1003)):
         def r(*shape, scale=1.0):
