@@ -62,6 +62,23 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _logits_tile(h_ptr, w_ptr, row_at, col_at, row_ok, col_ok, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+        # A (BLOCK_M x BLOCK_V) tile of logits, h[rows] @ W[words].T, on chip in float32 (inlined
+        # into both kernels; row_at / col_at: the rows' and words' 64-bit offsets).
+        acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < HIDDEN
+            a = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptr + col_at[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
     def _lse_kernel(h_ptr, w_ptr, target_ptr, m_ptr, d_ptr, picked_ptr, n_rows, VOCAB: tl.constexpr,
                     HIDDEN: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
@@ -80,18 +97,8 @@ if HAVE_TRITON:
             cols = (tl.program_id(1) * SPLIT_BLOCKS + i) * BLOCK_V + tl.arange(0, BLOCK_V)
             col_ok = cols < VOCAB
             col_at = cols.to(tl.int64) * HIDDEN
-            acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < HIDDEN
-                a = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                b = tl.load(w_ptr + col_at[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                            other=0.0)
-                if UPCAST:
-                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
+            acc = _logits_tile(h_ptr, w_ptr, row_at, col_at, row_ok, col_ok, HIDDEN, BLOCK_M, BLOCK_V, BLOCK_K,
+                               UPCAST)
             logits = tl.where(col_ok[None, :], acc, -float("inf"))
             m_new = tl.maximum(m, tl.max(logits, axis=1))
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
@@ -118,18 +125,7 @@ if HAVE_TRITON:
         col_at = cols.to(tl.int64) * HIDDEN
         target = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < HIDDEN
-            a = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(w_ptr + col_at[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                        other=0.0)
-            if UPCAST:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = _logits_tile(h_ptr, w_ptr, row_at, col_at, row_ok, col_ok, HIDDEN, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST)
         keep = row_ok & (target != ignore_index)
         g = tl.exp(acc - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
         g = tl.where(keep[:, None] & col_ok[None, :], g * scale, 0.0)

@@ -29,12 +29,13 @@ def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
 
 
 def _jit_kernels() -> set[str]:
-    """Every ``@triton.jit`` function in the package's modules, found by reading their source."""
+    """Every ``@triton.jit`` kernel in the package's modules, found by reading their source: the
+    functions named ``*_kernel`` (the others are helpers the kernels inline)."""
     import re
     root = Path(__file__).resolve().parents[1] / "kernels"
     names = set()
     for path in root.glob("*.py"):
-        names |= set(re.findall(r"@triton\.jit\s+def (\w+)", path.read_text()))
+        names |= set(re.findall(r"@triton\.jit\s+def (\w+_kernel)\(", path.read_text()))
     return names
 
 
