@@ -5,18 +5,21 @@ PyTorch keeps them and their gradient.  Two ways here never hold them:
 
 **Triton (CUDA, or the interpreter under ``TRITON_INTERPRET=1``): no logits at
 all**, as Cut Cross-Entropy (Wijmans et al. 2024) computes them.
-``_lse_kernel`` walks each block of 64 rows through the vocabulary one 64 x 128
-tile of logits at a time, computed on chip by ``tl.dot`` and folded into an
-online max and sum of exp; it stores one float32 log-sum-exp a row and the
-loss.  ``_grad_kernel`` recomputes each tile, turns it into its gradient
-``(softmax - onehot) x scale`` and adds the tile's share of both input
-gradients, ``g @ W`` and ``g.T @ h``, into float32 accumulators with atomic adds
-(float32, never 16-bit).  Extra memory: 8 bytes a token, plus -- for 16-bit
-inputs, whose gradients are returned in their own dtype -- the float32
-accumulators: the hidden gradient's (4 bytes a hidden element) and the
-weight's in vocabulary slices of ``DW_SLICE_BYTES``, each cast into the
-gradient when done.  At 4k tokens, hidden 4096 and a 128k vocabulary that is
-32 KiB in float32 and about 96 MiB in bf16, against eager's 4 GiB and more.
+``_lse_kernel`` walks each block of 64 rows through (a split of) the vocabulary
+one 64 x 128 tile of logits at a time, computed on chip by ``tl.dot`` and
+folded into an online max and sum of exp; it stores those and the target's
+logit, three floats a row and split, which the host combines into the
+log-sum-exp and the loss.  ``_grad_kernel`` recomputes each tile, turns it into
+its gradient ``(softmax - onehot) x scale`` and adds the tile's share of both
+input gradients, ``g @ W`` and ``g.T @ h``, into float32 accumulators with
+atomic adds (float32, never 16-bit).  Extra memory: 8 + 12 x splits bytes a
+token (splits: enough for two programs an SM, 5 at 4k tokens on an H100: 272
+KiB), plus -- for 16-bit inputs, whose gradients are returned in their own
+dtype -- the float32 accumulators: the hidden gradient's (4 bytes a hidden
+element) and the weight's in vocabulary slices of ``DW_SLICE_BYTES``, each cast
+into the gradient when done.  At 4k tokens, hidden 4096 and a 128k vocabulary
+that is a few hundred KiB in float32 and about 96 MiB in bf16, against eager's
+4 GiB and more.
 The price is FLOPs: the logits are computed three times (forward, and per tile
 for each gradient), 8 N V H in all against eager's 6 N V H.
 
