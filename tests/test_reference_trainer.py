@@ -152,12 +152,12 @@ PIPELINED = [(f"{sched}_{dim}", world, f"pp=2,{extra}", {"schedule": sched})
              for sched in SCHEDULES
              for dim, world, extra in (("fsdp", 4, "dp_shard=2"), ("hsdp", 8, "dp_replicate=2,dp_shard=2"),
                                        ("cp", 4, "cp=2"), ("tp", 4, "tp=2"))]
-# ep2: every data rank in the one expert group (experts outside FSDP); ep2_edp2 and hsdp_ep2: two
-# ranks hold each half of the experts and FSDP shards it over them (over the replicas too in HSDP).
-MOE = [("ep2", 2, "dp_shard=2,ep=2", {}), ("ep2_edp2", 4, "dp_shard=4,ep=2", {}),
-       ("hsdp_ep2", 4, "dp_replicate=2,dp_shard=2,ep=2", {}), ("tp2", 2, "tp=2", {}),
-       # mfuscope's MoE permute and unpermute kernels (with the others) around the all-to-all
-       ("fused_kernels_ep2", 2, "dp_shard=2,ep=2", {"kernels": "fused"})] + [
+# ep2_fused_kernels: every data rank in the one expert group (experts outside FSDP), with mfuscope's
+# MoE permute and unpermute kernels (and the others) around the all-to-all -- the other
+# expert-parallel layouts run the trainer's own; ep2_edp2 and hsdp_ep2: two ranks hold each half of
+# the experts and FSDP shards it over them (over the replicas too in HSDP).
+MOE = [("ep2_fused_kernels", 2, "dp_shard=2,ep=2", {"kernels": "fused"}), ("ep2_edp2", 4, "dp_shard=4,ep=2", {}),
+       ("hsdp_ep2", 4, "dp_replicate=2,dp_shard=2,ep=2", {}), ("tp2", 2, "tp=2", {})] + [
     (f"{sched}_ep2", 4, "pp=2,dp_shard=2,ep=2", {"schedule": sched}) for sched in SCHEDULES]
 
 
