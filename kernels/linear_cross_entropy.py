@@ -5,15 +5,15 @@ PyTorch keeps them and their gradient.  Two ways here never hold them:
 
 **Triton (CUDA, or the interpreter under ``TRITON_INTERPRET=1``): no logits at
 all**, as Cut Cross-Entropy (Wijmans et al. 2024) computes them.
-``_lse_kernel`` walks each block of 64 rows through (a split of) the vocabulary
-one 64 x 128 tile of logits at a time, computed on chip by ``tl.dot`` and
+``_lse_kernel`` walks each block of 128 rows through (a split of) the vocabulary
+one 128 x 128 tile of logits at a time, computed on chip by ``tl.dot`` and
 folded into an online max and sum of exp; it stores those and the target's
 logit, three floats a row and split, which the host combines into the
 log-sum-exp and the loss.  ``_grad_kernel`` recomputes each tile, turns it into
 its gradient ``(softmax - onehot) x scale`` and adds the tile's share of both
 input gradients, ``g @ W`` and ``g.T @ h``, into float32 accumulators with
 atomic adds (float32, never 16-bit).  Extra memory: 8 + 12 x splits bytes a
-token (splits: enough for two programs an SM, 5 at 4k tokens on an H100: 272
+token (splits: enough for two programs an SM, 9 at 4k tokens on an H100: 464
 KiB), plus -- for 16-bit inputs, whose gradients are returned in their own
 dtype -- the float32 accumulators: the hidden gradient's (4 bytes a hidden
 element) and the weight's in vocabulary slices of ``DW_SLICE_BYTES``, each cast
@@ -47,10 +47,12 @@ from torch import Tensor
 from ._dispatch import HAVE_TRITON, INTERPRET, launch, multiprocessors, use_triton
 
 #: The Triton path's tiles: (rows, vocabulary words) of logits a program holds and the hidden width
-#: its products step through.  16-bit inputs run on the tensor cores; float32 ones (exact float32
-#: products, not TF32) take smaller tiles, which the compiler otherwise spills (7 KB a thread at
-#: 64 x 128 on sm_90).  Both at 8 warps.
-TILES = {"half": (64, 128, 64), "float": (64, 64, 32)}
+#: its products step through.  16-bit inputs run on the tensor cores in 128 x 128 tiles: a tile's
+#: products do rows x words / (rows + words) multiply-adds per element read, 64 here against 43 at
+#: 64 x 128, as large GEMMs tile to stay off the L2's bandwidth (no spills on sm_80/90/100; at
+#: 128 x 256 both kernels spill).  Float32 ones (exact float32 products, not TF32) take smaller
+#: tiles, which the compiler otherwise spills (7 KB a thread at 64 x 128 on sm_90).  Both at 8 warps.
+TILES = {"half": (128, 128, 32), "float": (64, 64, 32)}
 WARPS_VALUES = 8 * 512  # ``_dispatch.launch`` sizes warps by values a program holds: this gives 8
 #: The float32 weight-gradient accumulator for 16-bit weights is this large at most: the vocabulary
 #: is reduced a slice of words at a time.
@@ -180,7 +182,7 @@ def _triton_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore
     block_m, block_v, block_k = TILES["float" if f32 in (h.dtype, w.dtype) else "half"]
     blocks = dict(BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_K=block_k, UPCAST=upcast)
     row_blocks, word_blocks = triton.cdiv(n, block_m), triton.cdiv(vocab, block_v)
-    # 8k tokens are 128 blocks of rows, fewer than an H100's 132 SMs: the vocabulary is split too,
+    # 8k tokens are 64 blocks of rows, fewer than an H100's 132 SMs: the vocabulary is split too,
     # into enough parts for two programs an SM.
     splits = min(word_blocks, triton.cdiv(2 * multiprocessors(h.device), row_blocks))
     per_split = triton.cdiv(word_blocks, splits)
