@@ -21,7 +21,8 @@ into the gradient when done.  At 4k tokens, hidden 4096 and a 128k vocabulary
 that is a few hundred KiB in float32 and about 96 MiB in bf16, against eager's
 4 GiB and more.
 The price is FLOPs: the logits are computed three times (forward, and per tile
-for each gradient), 8 N V H in all against eager's 6 N V H.
+for each gradient), 8 N V H in all against eager's 6 N V H; blocks of rows whose
+targets are all ignored are left out of both grids.
 
 **PyTorch on CPU (the reference path): chunks of tokens.**  Each chunk's logits
 (``chunk x vocab`` float32) are computed, turned into the rows' loss and, in
@@ -84,14 +85,15 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _lse_kernel(h_ptr, w_ptr, target_ptr, m_ptr, d_ptr, picked_ptr, n_rows, VOCAB: tl.constexpr,
+    def _lse_kernel(h_ptr, w_ptr, target_ptr, blocks_ptr, m_ptr, d_ptr, picked_ptr, n_rows, VOCAB: tl.constexpr,
                     HIDDEN: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
         # BLOCK_M rows over SPLIT_BLOCKS tiles of the vocabulary (this program's split): each
         # (BLOCK_M x BLOCK_V) tile of logits computed on chip and folded into an online max m and
         # sum of exp d; the target's logit picked on the way.  Only m, d and the pick are stored,
         # a float each per row and split; the host combines the splits into the log-sum-exp.
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # blocks_ptr lists the row blocks that have a row to learn from (the grid's first axis).
+        rows = tl.load(blocks_ptr + tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_at = rows.to(tl.int64) * HIDDEN  # 64-bit: 128k words x 16k wide passes 2^31
         row_ok = rows < n_rows
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
@@ -115,14 +117,14 @@ if HAVE_TRITON:
         tl.store(picked_ptr + out, picked, mask=row_ok)
 
     @triton.jit
-    def _grad_kernel(h_ptr, w_ptr, target_ptr, lse_ptr, dh_ptr, dw_ptr, n_rows, v_start, v_end, ignore_index, scale,
-                     HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _grad_kernel(h_ptr, w_ptr, target_ptr, blocks_ptr, lse_ptr, dh_ptr, dw_ptr, n_rows, v_start, v_end,
+                     ignore_index, scale, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr):
         # One (BLOCK_M rows x BLOCK_V words) tile of the logits, recomputed on chip, turned into its
         # gradient g = (softmax - onehot) x scale; then its share of both input gradients, added
         # into float32 accumulators: dh[rows] += g @ W[words], dW[words] += g.T @ h[rows].  dw_ptr
-        # points at the accumulator of words v_start .. v_end.
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # points at the accumulator of words v_start .. v_end; blocks_ptr lists the row blocks.
+        rows = tl.load(blocks_ptr + tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_at = rows.to(tl.int64) * HIDDEN  # 64-bit: 128k words x 16k wide passes 2^31
         cols = v_start + tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         row_ok = rows < n_rows
@@ -177,31 +179,46 @@ def _triton_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore
     upcast = INTERPRET or h.dtype == f32 or h.dtype != w.dtype
     dh = torch.zeros(n, hidden, dtype=f32, device=h.device)
     dw = torch.zeros(w.shape, dtype=f32, device=w.device) if w.dtype == f32 else torch.empty_like(w)
-    if n == 0:
-        return torch.zeros(0, dtype=f32, device=h.device), dh.to(h.dtype), dw.zero_()
     block_m, block_v, block_k = TILES["float" if f32 in (h.dtype, w.dtype) else "half"]
     blocks = dict(BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_K=block_k, UPCAST=upcast)
-    row_blocks, word_blocks = triton.cdiv(n, block_m), triton.cdiv(vocab, block_v)
+    word_blocks = triton.cdiv(vocab, block_v)
+    active = _active_row_blocks(t, ignore_index, block_m)
+    row_blocks = active.numel()
+    losses = torch.zeros(n, dtype=f32, device=h.device)
+    if row_blocks == 0:  # every target ignored: no loss, no gradient
+        return losses, dh.to(h.dtype), dw.zero_()
     # 8k tokens are 64 blocks of rows, fewer than an H100's 132 SMs: the vocabulary is split too,
     # into enough parts for two programs an SM.
     splits = min(word_blocks, triton.cdiv(2 * multiprocessors(h.device), row_blocks))
     per_split = triton.cdiv(word_blocks, splits)
     splits = triton.cdiv(word_blocks, per_split)
-    m, d, picked = (torch.empty(splits, n, dtype=f32, device=h.device) for _ in range(3))
-    launch(_lse_kernel, (row_blocks, splits), h, w, t, m, d, picked, n, values=WARPS_VALUES, VOCAB=vocab,
+    m, d, picked = (torch.zeros(splits, n, dtype=f32, device=h.device) for _ in range(3))  # skipped rows: 0
+    launch(_lse_kernel, (row_blocks, splits), h, w, t, active, m, d, picked, n, values=WARPS_VALUES, VOCAB=vocab,
            HIDDEN=hidden, SPLIT_BLOCKS=per_split, **blocks)
     top = m.max(dim=0).values
     lse = top + (d * torch.exp(m - top)).sum(dim=0).log()
-    losses = torch.where(t != ignore_index, lse - picked.sum(dim=0), 0.0)
+    losses = torch.where(t != ignore_index, lse - picked.sum(dim=0), losses)
     step = vocab if w.dtype == f32 else max(block_v, DW_SLICE_BYTES // (4 * hidden) // block_v * block_v)
     for v0 in range(0, vocab, step):
         v1 = min(vocab, v0 + step)
         acc = dw[v0:v1] if w.dtype == f32 else torch.zeros(v1 - v0, hidden, dtype=f32, device=w.device)
-        launch(_grad_kernel, (row_blocks, triton.cdiv(v1 - v0, block_v)), h, w, t, lse, dh, acc, n, v0, v1,
+        launch(_grad_kernel, (row_blocks, triton.cdiv(v1 - v0, block_v)), h, w, t, active, lse, dh, acc, n, v0, v1,
                int(ignore_index), float(scale), values=WARPS_VALUES, HIDDEN=hidden, **blocks)
         if w.dtype != f32:
             dw[v0:v1].copy_(acc)
     return losses, dh.to(h.dtype), dw
+
+
+def _active_row_blocks(target: Tensor, ignore_index: int, block_m: int) -> Tensor:
+    """The blocks of ``block_m`` rows with a target that counts (int32), the kernels' grid: a
+    fine-tuning batch whose prompts are masked leaves whole blocks ignored, and their tiles are
+    skipped, not computed as zeros.  ``meta`` tensors (the compile check) hold no targets: every
+    block."""
+    blocks = triton.cdiv(target.numel(), block_m)
+    if target.device.type == "meta":
+        return torch.arange(blocks, dtype=torch.int32, device=target.device)
+    kept = F.pad(target != ignore_index, (0, blocks * block_m - target.numel())).view(blocks, block_m)
+    return kept.any(dim=1).nonzero().flatten().to(torch.int32)
 
 
 def _rows_loss_and_grad(logits: Tensor, target: Tensor, scale: float, ignore_index: int) -> Tensor:

@@ -80,6 +80,27 @@ def test_the_vocabulary_split_of_the_forward_combines_exactly(monkeypatch):
     assert_close(weight.grad, dw_true, rel, "dweight")
 
 
+def test_row_blocks_without_a_counted_target_are_skipped():
+    """A fine-tuning batch masks its prompts: a block of rows whose targets are all ``ignore_index``
+    is left out of both kernels' grids, and the result is what the reference gives.  150 float32 rows
+    in blocks of 64, the first 70 ignored: blocks 1 and 2 run, block 0 does not."""
+    from mfuscope.kernels._dispatch import recording
+
+    hidden, weight, target = _case(torch.float32, n=150, ignored=range(70))
+    loss = fused_linear_cross_entropy(hidden, weight, target)
+    loss.backward()
+    loss_true, dh_true, dw_true = _truth(hidden, weight, target)
+    rel = tolerance(torch.float32, 1003)
+    assert_close(loss, loss_true, rel, "loss")
+    assert_close(hidden.grad, dh_true, rel, "dhidden")
+    assert_close(weight.grad, dw_true, rel, "dweight")
+    assert not hidden.grad[:70].any()
+    with recording(multiprocessors=1) as launches:
+        module._triton_loss_and_grads(hidden.detach(), weight.detach(), target, 1.0, -100)
+    assert {launch.kernel.__name__: launch.grid[0] for launch in launches} == {"_lse_kernel": 2, "_grad_kernel": 2}
+    assert launches[0].args[3].tolist() == [1, 2]  # the blocks the grid runs
+
+
 def test_non_contiguous_inputs():
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(9, 2 * 40, generator=g)[:, ::2].requires_grad_()  # every other column
@@ -160,7 +181,8 @@ def test_the_kernels_stay_inside_their_tensors():
     w, wb = guarded((vocab, hidden), torch.float32, torch.randn(vocab, hidden))
     target = torch.tensor([5, -100, 69])
     parts = [guarded((n,), torch.float32) for _ in range(3)]  # m, d, the pick: one split
-    _lse_kernel[(1, 1)](h, w, target, *(p for p, _ in parts), n, VOCAB=vocab, HIDDEN=hidden, SPLIT_BLOCKS=1,
+    first = torch.zeros(1, dtype=torch.int32)  # the grid's one row block
+    _lse_kernel[(1, 1)](h, w, target, first, *(p for p, _ in parts), n, VOCAB=vocab, HIDDEN=hidden, SPLIT_BLOCKS=1,
                         **blocks)
     assert all(guards_intact(buf, n) for _, buf in parts)
     (m, _), (d, _), _ = parts
@@ -169,7 +191,7 @@ def test_the_kernels_stay_inside_their_tensors():
     dh, db = guarded((n, hidden), torch.float32)
     dw, dwb = guarded((vocab - 6, hidden), torch.float32)  # the accumulator of words 6..69
     dh.zero_(), dw.zero_()
-    _grad_kernel[(1, 1)](h, w, target, lse, dh, dw, n, 6, vocab, -100, 1.0, HIDDEN=hidden, **blocks)
+    _grad_kernel[(1, 1)](h, w, target, first, lse, dh, dw, n, 6, vocab, -100, 1.0, HIDDEN=hidden, **blocks)
     assert guards_intact(db, n * hidden) and guards_intact(dwb, (vocab - 6) * hidden)
     assert torch.isfinite(dh).all() and torch.isfinite(dw).all() and not dh[1].any()  # row 1 is ignored
     assert guards_intact(hb, n * hidden) and guards_intact(wb, vocab * hidden)
