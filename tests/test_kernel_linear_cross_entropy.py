@@ -222,12 +222,14 @@ def _same_loss(a: float, b: float, vocab: int) -> bool:
 
 def test_extra_memory_of_the_cpu_path_is_a_chunk_not_the_logits(tmp_path):
     """The extra memory the loss takes beyond its inputs and the gradients it returns, measured by
-    ``benchmarks/bench_ce_memory.py`` (peak resident memory of fresh processes): at the issue's 4k
-    tokens and 128k vocabulary eager holds the float32 logits and their gradient, 2 x 2 GiB at least;
+    ``benchmarks/bench_ce_memory.py`` (peak resident memory of fresh processes): at the issue's 128k
+    vocabulary eager holds the float32 logits and their gradient, 2 x 1 GiB at least at 2k tokens;
     the CPU path a chunk of 64 rows, 31 MiB, and its temporaries.  The issue asks for at least 10x
-    less.  Hidden 64 instead of the issue's 4096 (the benchmark's default, minutes of matmuls on 2
-    cores): the extra memory of either way does not grow with it."""
-    result = _memory(tmp_path, "--tokens", "4096", "--hidden", "64")
+    less at 4k tokens and hidden 4096 (the benchmark's default, minutes of matmuls on 2 cores,
+    measured in docs/kernels.md: 3,954 against 135 MiB); here 2k tokens and hidden 64 -- the CPU
+    path's extra memory grows with neither, eager's with the tokens, so the ratio here is the
+    harder one."""
+    result = _memory(tmp_path, "--tokens", "2048", "--hidden", "64")
     eager, fused = result["eager"]["extra_bytes"], result["fused"]["extra_bytes"]
     assert eager >= 2 * result["logits_bytes"]  # the measurement sees eager's logits and their gradient
     assert fused * 10 <= eager, result
