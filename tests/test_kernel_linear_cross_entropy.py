@@ -37,20 +37,26 @@ SHAPES = [(37, 24, 1003), (1, 24, 1003), (5, 4095, 300)]
 CASES = [(d, s) for s in SHAPES for d in DTYPES] + [(torch.float32, (33, 24, 32003))]
 
 
+def _assert_like_the_reference(hidden, weight, target, rel, dw_rel=None):
+    """The fused loss and both gradients against :func:`_truth`, within ``rel`` (``dw_rel`` for the
+    weight's)."""
+    loss = fused_linear_cross_entropy(hidden, weight, target)
+    loss.backward()
+    loss_true, dh_true, dw_true = _truth(hidden, weight, target)
+    assert_close(loss, loss_true, rel, "loss")
+    assert_close(hidden.grad, dh_true, rel, "dhidden")
+    assert_close(weight.grad, dw_true, rel if dw_rel is None else dw_rel, "dweight")
+
+
 @pytest.mark.parametrize(("dtype", "shape"), CASES, ids=lambda c: str(c) if isinstance(c, torch.dtype)
                          else "rows{}_hidden{}_vocab{}".format(*c))
 def test_the_logits_free_kernels_match_the_reference(dtype, shape):
     n, h, v = shape
     hidden, weight, target = _case(dtype, n, h, v, ignored=(3, 20) if n > 20 else ())
     assert use_triton(hidden)  # the Triton kernels run, not the PyTorch path
-    loss = fused_linear_cross_entropy(hidden, weight, target)
-    loss.backward()
-    loss_true, dh_true, dw_true = _truth(hidden, weight, target)
     # bf16 inputs: the gradients are rounded to bf16 once; the loss sums float32 products over h
     rel = tolerance(dtype, max(h, v)) * (4 if dtype == torch.bfloat16 else 1)
-    assert_close(loss, loss_true, rel, "loss")
-    assert_close(hidden.grad, dh_true, rel, "dhidden")
-    assert_close(weight.grad, dw_true, rel * 2, "dweight")
+    _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
 
 
 def test_a_16_bit_weight_gradient_is_reduced_in_vocabulary_slices(monkeypatch):
@@ -58,11 +64,8 @@ def test_a_16_bit_weight_gradient_is_reduced_in_vocabulary_slices(monkeypatch):
     time; slices of one 128-word tile make 8 of them at vocabulary 1003, the last part-filled."""
     monkeypatch.setattr(module, "DW_SLICE_BYTES", module.TILES["half"][1] * 4 * 24)
     hidden, weight, target = _case(torch.bfloat16)
-    fused_linear_cross_entropy(hidden, weight, target).backward()
-    _, dh_true, dw_true = _truth(hidden, weight, target)
     rel = 4 * tolerance(torch.bfloat16, 1003)
-    assert_close(hidden.grad, dh_true, rel, "dhidden")
-    assert_close(weight.grad, dw_true, rel * 2, "dweight")
+    _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
 
 
 def test_the_vocabulary_split_of_the_forward_combines_exactly(monkeypatch):
@@ -71,13 +74,7 @@ def test_the_vocabulary_split_of_the_forward_combines_exactly(monkeypatch):
     had 4, 37 rows (one block) take 8 splits of two float32 tiles of 64 words each."""
     monkeypatch.setattr(module, "multiprocessors", lambda device: 4)
     hidden, weight, target = _case(torch.float32, ignored=(3,))
-    loss = fused_linear_cross_entropy(hidden, weight, target)
-    loss.backward()
-    loss_true, dh_true, dw_true = _truth(hidden, weight, target)
-    rel = tolerance(torch.float32, 1003)
-    assert_close(loss, loss_true, rel, "loss")
-    assert_close(hidden.grad, dh_true, rel, "dhidden")
-    assert_close(weight.grad, dw_true, rel, "dweight")
+    _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 1003))
 
 
 def test_row_blocks_without_a_counted_target_are_skipped():
@@ -87,13 +84,7 @@ def test_row_blocks_without_a_counted_target_are_skipped():
     from mfuscope.kernels._dispatch import recording
 
     hidden, weight, target = _case(torch.float32, n=150, ignored=range(70))
-    loss = fused_linear_cross_entropy(hidden, weight, target)
-    loss.backward()
-    loss_true, dh_true, dw_true = _truth(hidden, weight, target)
-    rel = tolerance(torch.float32, 1003)
-    assert_close(loss, loss_true, rel, "loss")
-    assert_close(hidden.grad, dh_true, rel, "dhidden")
-    assert_close(weight.grad, dw_true, rel, "dweight")
+    _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 1003))
     assert not hidden.grad[:70].any()
     with recording(multiprocessors=1) as launches:
         module._triton_loss_and_grads(hidden.detach(), weight.detach(), target, 1.0, -100)
@@ -107,10 +98,7 @@ def test_non_contiguous_inputs():
     weight = (0.3 * torch.randn(40, 301, generator=g)).t().requires_grad_()  # (vocab, hidden), transposed
     target = torch.randint(0, 301, (9,), generator=g)
     assert not hidden.is_contiguous() and not weight.is_contiguous()
-    fused_linear_cross_entropy(hidden, weight, target).backward()
-    _, dh_true, dw_true = _truth(hidden, weight, target)
-    assert_close(hidden.grad, dh_true, tolerance(torch.float32, 301), "dhidden")
-    assert_close(weight.grad, dw_true, tolerance(torch.float32, 301), "dweight")
+    _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 301))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -121,14 +109,9 @@ def test_the_cpu_path_matches_the_reference(dtype, chunk_rows, monkeypatch):
     monkeypatch.setattr(module, "use_triton", lambda *tensors: False)
     monkeypatch.setattr(module, "CHUNK_BYTES", chunk_rows * 4 * weight.shape[0])
     monkeypatch.setattr(module, "MIN_ROWS", 1)
-    loss = fused_linear_cross_entropy(hidden, weight, target)
-    loss.backward()
-    loss_true, dh_true, dw_true = _truth(hidden, weight, target)
     # bf16 inputs: the matmul rounds each logit to bf16 before the softmax, as eager bf16 does
     rel = tolerance(dtype, weight.shape[1]) * (4 if dtype == torch.bfloat16 else 1)
-    assert_close(loss, loss_true, rel, "loss")
-    assert_close(hidden.grad, dh_true, rel, "dhidden")
-    assert_close(weight.grad, dw_true, rel * 2, "dweight")
+    _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
 
 
 def test_sum_reduction_and_every_target_ignored():
