@@ -155,14 +155,15 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
             ledger.add("bubble", frac / (1 - frac) * pipeline_s if frac < 1 else 0.0)
         tokens = layout.micro_batch * training.seq_len / layout.cp
         send = tokens * model.dim * training.activation_bytes / (
-            layout.tp if layout.sequence_parallel else 1)
+            layout.tp if layout.sequence_parallel or training.scatter_gather_sends else 1)
         t_send = links.seconds("pp", "send_recv", send, n=2)
         ledger.add("bubble", 2 * ((p - 1) if training.overlap_p2p else (m * v + p - 1)) * t_send)
         assumptions.append(f"pipeline: {layout.schedule}, p={p}, v={v}, m={m}")
 
     # Data parallelism and the optimizer.
     params = memory_model.params_per_gpu(model, layout)
-    _data_parallel(layout, training, links, ledger, params, stage, m, _first_gathers(model, layout, layers))
+    _data_parallel(layout, training, links, ledger, params, stage, m, _first_gathers(model, layout, layers),
+                   units=layers)
     shard = layout.dp_shard if layout.dp_shard > 1 else (layout.dp if layout.zero >= 1 else 1)
     ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
     ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
@@ -212,6 +213,8 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
     return f_total, b_total
 
 
+#: A CUDA kernel launch's host cost, about 5 us.
+KERNEL_LAUNCH_S = 5e-6
 #: DDP's default gradient bucket (``bucket_cap_mb=25``).
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -228,15 +231,22 @@ def _first_gathers(model: ModelSpec, layout: Layout, layers: float) -> tuple[flo
 
 
 def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Ledger, params: float,
-                   stage: StageCompute, m: int, first: tuple[float, float]) -> None:
+                   stage: StageCompute, m: int, first: tuple[float, float], units: float) -> None:
     """Book the exposed data-parallel communication of one step; ``first``: the shares of FSDP's
-    gather each pass exposes whatever the prefetch (:func:`_first_gathers`)."""
+    gather each pass exposes whatever the prefetch (:func:`_first_gathers`); ``units``: the blocks
+    on the stage, each FSDP's own gather and reduce-scatter (the root one more)."""
     grads = params * training.grad_reduce_bytes
     weights = params * training.activation_bytes
+    if training.fp8_gather:
+        # float8 all-gather: the blocks' linear weights travel as 1 byte; the root (embedding and
+        # head, first[0] - first[1] of the stage) stays 16-bit.
+        root = first[0] - first[1]
+        weights = params * ((1 - root) + root * training.activation_bytes)
     bwd_window = stage.total("bwd") if training.overlap_grad_reduce else 0.0
     if layout.dp_shard > 1:
-        gather = links.seconds("dp_shard", "all_gather", weights)
-        scatter = links.seconds("dp_shard", "reduce_scatter", grads)
+        calls = units * training.shard_calls_per_layer + 1
+        gather = links.seconds("dp_shard", "all_gather", weights, calls=calls)
+        scatter = links.seconds("dp_shard", "reduce_scatter", grads, calls=calls)
         prefetch = training.overlap_param_gather
         # Without a pipeline FSDP gathers every microbatch's forward and, resharded after it,
         # again for its backward, and reduce-scatters every microbatch's gradients.  Under a
@@ -251,6 +261,16 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         # gather backward then prefetches behind that block.
         keep_last = training.keep_last_gathered
         bwd_gather = gather * (1 - first[1]) if keep_last else gather
+        # A recomputed forward that gathers again (per-module hooks, as DeepSpeed's) doubles
+        # backward's gathers.
+        regather = training.recompute_regathers and layout.recompute == "full"
+        bwd_gather *= 2 if regather else 1
+        if training.list_collectives:
+            # A list collective's per-rank copies are launched by the one host thread that also
+            # launches the compute: host time, never hidden.  The forward gather and the
+            # reduce-scatter, and backward's gathers, per microbatch.
+            passes = 2 + ((2 if regather else 1) if reshard else 0)
+            ledger.add("host_bound", passes * m * calls * layout.dp_shard * KERNEL_LAUNCH_S)
         bwd_gather_w = min(bwd_w, bwd_gather if keep_last else bwd_gather * (1 - first[1])) if reshard else bwd_w
         hide_scatter = prefetch if training.overlap_reduce_scatter is None else training.overlap_reduce_scatter
         if layout.pp == 1:

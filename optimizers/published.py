@@ -49,6 +49,17 @@ from .system import System, system
 
 LLAMA3_VOCAB = 128_256
 A100_PEAK = 312e12
+#: Parameter tensors of a GPT block, each gathered on its own by DeepSpeed's ZeRO-3 of 2021
+#: (``_all_gather`` issued one ``_allgather_param`` per parameter): two LayerNorms' weight and
+#: bias, the QKV and output projections and the two MLP matrices, each with a bias.
+DEEPSPEED_GPT_TENSORS = 12
+#: DeepSpeed's ZeRO-3 as of 2021 (Narayanan et al.'s comparison): a collective per parameter
+#: tensor, each over a list of per-rank partitions (``torch.distributed.all_gather(partitions,
+#: ...)``), the gradient reduction not overlapped with backward (``overlap_comm`` defaults to
+#: false in DeepSpeed's configuration), and per-module fetch hooks, which the recomputed forward
+#: of activation checkpointing fires again.
+DEEPSPEED_ZERO3 = {"shard_calls_per_layer": DEEPSPEED_GPT_TENSORS, "list_collectives": True,
+                   "overlap_reduce_scatter": False, "recompute_regathers": True}
 REQUIRED = ("model", "layers", "hidden", "heads", "gpu_key", "num_gpus", "dtype_key")
 
 
@@ -147,6 +158,7 @@ def case(index: int, row: dict[str, str]) -> Case:
     zero_text = row.get("zero_stage", "").strip()
     zero = 3 if "fsdp" in zero_text.lower() else _int(row, "zero_stage") or 0
     fsdp = family == "torchtitan" or zero == 3
+    deepspeed = zero == 3 and "deepspeed" in notes.lower()
     megatron = family in ("narayanan", "korthikanti")
     sp = (row.get("sp", "").strip().lower() == "yes") if megatron else True
     schedule = "interleaved_1f1b" if vpp > 1 else "1f1b"
@@ -160,9 +172,13 @@ def case(index: int, row: dict[str, str]) -> Case:
         flash_attention=not megatron, causal=not megatron,
         compiled=megatron or "compile" in notes.lower(),
         async_tp=bool(re.search(r"async ?tp", notes, re.IGNORECASE)),
-        overlap_grad_reduce=not megatron, overlap_p2p=not megatron,
-        grad_reduce_bytes=2 if megatron or (zero == 3 and family != "torchtitan") else 4,
-        selective_gemm_fraction=0.5 if family == "torchtitan" else 0.0)
+        overlap_grad_reduce=not megatron, overlap_p2p=not megatron, scatter_gather_sends=megatron,
+        grad_reduce_bytes=2 if megatron or deepspeed else 4,
+        selective_gemm_fraction=0.5 if family == "torchtitan" else 0.0,
+        fp8_recipe="rowwise" if "rowwise" in row.get("dtype", "").lower() else "tensorwise",
+        fp8_gather=bool(re.search(r"fp8 fsdp all-gather|float8 all-gather", f"{row.get('dtype', '')} {notes}",
+                                  re.IGNORECASE)),
+        **(DEEPSPEED_ZERO3 if deepspeed else {}))
     memory = re.search(r"(\d+)\s*GB", row.get("gpu", ""))
     watts = re.search(r"(\d+)\s*W\b", row.get("gpu", ""))
     sys = system(row["gpu_key"], memory_gb=float(memory.group(1)) if memory else None,

@@ -172,7 +172,10 @@ class Training:
     read and one write.  The overlap switches say what communication may hide behind compute:
     the data-parallel gradient reduction behind backward, FSDP's parameter gathers behind the
     previous layer (prefetch), tensor-parallel collectives behind their GEMMs (async TP), and
-    pipeline sends behind the next microbatch.  ``grad_reduce_bytes``: 4 for fp32 gradient
+    pipeline sends behind the next microbatch.  ``scatter_gather_sends``: each tensor-parallel rank
+    sends only its 1/tp slice of a pipeline activation over its own NIC and the receiver
+    all-gathers it over NVLink (Megatron-LM's scatter/gather, Narayanan et al. 2021 sec. 4.1; on by
+    default there); sequence parallelism slices the activation anyway.  ``grad_reduce_bytes``: 4 for fp32 gradient
     reductions (Megatron's and torchtitan's default), 2 for bf16.  ``selective_gemm_fraction``:
     what "selective" recomputation re-runs besides the attention core -- 0 in Megatron-LM
     (Korthikanti et al.: the attention core only); torchtitan's op-level policy saves every other
@@ -185,7 +188,18 @@ class Training:
     bucket; None is DDP's 25 MiB.  The last bucket is reduced after the backward ends, whatever the
     overlap.  ``keep_last_gathered``: FSDP does not reshard the last block after forward (its
     backward is next), so backward gathers one block fewer.  ``cuda_graphs``: each compiled block
-    replays as one CUDA graph launch, so the host's per-kernel launch time leaves the step."""
+    replays as one CUDA graph launch, so the host's per-kernel launch time leaves the step.
+    ``shard_calls_per_layer``: FSDP's all-gathers (and gradient reduce-scatters) per layer and pass,
+    each paying a collective's latency: 1 for FSDP and FSDP2 (a block is one unit); a block's
+    parameter tensors for DeepSpeed's ZeRO-3 of 2021, which gathered and reduced each parameter on
+    its own.  ``list_collectives``: FSDP's collectives take a list of per-rank tensors (DeepSpeed's
+    ZeRO-3 of 2021 passed its partitions as a list), which PyTorch's NCCL process group copies
+    one rank at a time: a kernel launch per rank and call, on the host thread that launches the
+    compute.  ``recompute_regathers``: under full recomputation FSDP gathers each block again for
+    the recomputed forward and once more for its backward (per-module hooks, DeepSpeed's ZeRO-3);
+    FSDP2 gathers a block once for both.  ``fp8_gather``: under float8 training FSDP gathers the
+    linear weights already cast to float8, 1 byte each (torchao's float8 all-gather).
+    ``fp8_recipe``: torchao's float8 scaling, ``tensorwise`` or ``rowwise``."""
 
     seq_len: int
     dtype: str = "bf16"
@@ -203,6 +217,12 @@ class Training:
     grad_bucket_bytes: float | None = None
     keep_last_gathered: bool = False
     cuda_graphs: bool = False
+    shard_calls_per_layer: int = 1
+    list_collectives: bool = False
+    recompute_regathers: bool = False
+    fp8_gather: bool = False
+    fp8_recipe: str = "tensorwise"
+    scatter_gather_sends: bool = False
 
     @property
     def activation_bytes(self) -> int:

@@ -132,10 +132,11 @@ def test_forward_time_is_flops_over_the_matmul_ceiling():
     # Full recomputation runs the forward again inside backward.
     full = stage_compute(TOY, Layout(recompute="full"), Training(seq_len=1024), s, IDEAL, layers=1, with_head=False)
     assert full.bwd["gemm"] == pytest.approx(3 * stage.fwd["gemm"])
-    # Causal flash attention: 4 s^2 d / 2 forward, 2.5x that backward.
+    # Causal flash attention: 4 s^2 d / 2 forward, 2.5x that backward at 0.87 of the forward rate
+    # (FlashAttention-2: 63% against 73% of A100's peak; 322 against 370 TFLOP/s on H100).
     causal = 4 * 1024 * 1024 * TOY.dim / 2
     assert stage.fwd["attention"] == pytest.approx(causal / s.attention_ceiling())
-    assert stage.bwd["attention"] == pytest.approx(2.5 * stage.fwd["attention"])
+    assert stage.bwd["attention"] == pytest.approx(2.5 * stage.fwd["attention"] / 0.87)
 
 
 def test_a_power_cap_slows_compute_by_the_cube_root():

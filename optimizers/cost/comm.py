@@ -1,31 +1,54 @@
 """Communication: which link tier each parallel dimension uses, and what a collective costs.
 
-Alpha-beta per collective (Hockney; NCCL's own performance model):
+Alpha-beta per collective (Hockney; NCCL's own tuning model, ``src/graph/tuning.cc``):
 
-    t = steps x alpha + size x busfactor(n) / (bandwidth x efficiency)
+    t = calls x latency + size x busfactor(n) / bandwidth
 
 ``size`` is the buffer as nccl-tests count it (the full tensor of an
 all-reduce, the gathered output of an all-gather, the input of a
 reduce-scatter), and the bus factors are nccl-tests' (doc/PERFORMANCE.md):
 all-reduce 2(n-1)/n, all-gather, reduce-scatter and all-to-all (n-1)/n,
-send/recv 1.  ``steps`` is 2 log2 n for an all-reduce and log2 n for the others
-(tree-like latency: NCCL switches to trees and LL protocols where ring latency
-would grow with n), 1 for send/recv.
+send/recv 1.  ``calls``: how many collectives the bytes are split into (FSDP
+gathers a block at a time; DeepSpeed's ZeRO-3 of 2021 gathered each parameter
+tensor), each paying the latency.
+
+Inside one scale-up domain the latency is ``log2 n`` steps (2 log2 n for an
+all-reduce) of the NVLink tier, and the bandwidth the NVLink tier's.  A group
+that spans N nodes with g of its ranks on each runs as NCCL runs it there:
+
+- **bandwidth.** Rings (all-gather, reduce-scatter, all-reduce) take one
+  channel per NIC, so a node's g ranks drive g NICs at once and the bus
+  bandwidth is g x the NIC per GPU, capped by the NVLink tier that the ring
+  also crosses.  NCCL's tuning model sets bus bandwidth = channels x
+  per-channel inter-node speed; a DGX A100's 8 x 200 Gb/s measure 192 GB/s of
+  all-reduce bus bandwidth (NCCL maintainers, NVIDIA/nccl#812, #1576).
+  All-to-all "cannot aggregate the bandwidth of multiple NICs" (NVIDIA/nccl-tests#267):
+  it and send/recv run at one NIC per GPU.
+- **latency.** A ring all-gather or reduce-scatter takes n-1 steps, N-1 of them
+  across the network (tuning.cc: ``(nsteps - nInterSteps) x intraLat +
+  nInterSteps x interLat``) -- latency that grows with the group, which is
+  what makes many small collectives over thousands of ranks slow.  An
+  all-reduce across nodes runs as a tree: 2((g-1) NVLink steps + log2 N network
+  steps).
 
 Placement: ranks are laid out innermost first in the order tp, cp, dp_shard,
 dp_replicate, pp (torchtitan's and Megatron's mesh order).  A dimension of size
-g whose ranks lie ``stride`` apart stays inside one scale-up domain when
-stride x g <= GPUs per node; otherwise it pays the network.  Expert
-parallelism takes its ranks right after tp (from the data and context ranks).
+n whose ranks lie ``stride`` apart stays inside one scale-up domain when
+stride x n <= GPUs per node; otherwise it pays the network, with
+g = GPUs per node / stride of its ranks on each node (1 when stride >= GPUs
+per node: a rail of its own).  Expert parallelism takes its ranks right after
+tp (from the data and context ranks).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..spec import Layout
 from ..system import LinkTier, Profile, System
 
 MESH_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+RINGS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -40,6 +63,8 @@ def bus_factor(op: str, n: int) -> float:
 
 def collective_seconds(op: str, size_bytes: float, n: int, tier: LinkTier, efficiency: float,
                        latency_scale: float = 1.0) -> float:
+    """One collective inside one tier: log2 n latency steps (2 log2 n for an all-reduce; 1 for
+    send/recv) and the tier's bandwidth."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
     steps = 1 if op == "send_recv" else math.ceil(math.log2(n)) * (2 if op == "all_reduce" else 1)
@@ -47,17 +72,34 @@ def collective_seconds(op: str, size_bytes: float, n: int, tier: LinkTier, effic
             + size_bytes * bus_factor(op, n) / (tier.bandwidth_Bps * efficiency))
 
 
-def tiers(layout: Layout, gpus_per_node: int) -> dict[str, str]:
-    """``scale_up`` or ``scale_out`` for each dimension (and ``ep``) of the layout."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one dimension's group lies: its tier, and how many of its ranks share a node."""
+
+    tier: str
+    per_node: int
+
+
+def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
+    """Each dimension's (and ``ep``'s, and ``dp``'s: the data ranks as one group) placement."""
+    def place(stride: int, size: int) -> Placement:
+        if stride * size <= gpus_per_node:
+            return Placement("scale_up", size)
+        return Placement("scale_out", max(1, min(size, gpus_per_node // stride)))
+
     out, stride = {}, 1
     for dim in MESH_ORDER:
         size = getattr(layout, dim)
-        out[dim] = "scale_up" if stride * size <= gpus_per_node else "scale_out"
+        out[dim] = place(stride, size)
         stride *= size
-    out["ep"] = "scale_up" if layout.tp * layout.ep <= gpus_per_node else "scale_out"
-    # The data-parallel ranks as one group (DDP over dp_replicate x dp_shard).
-    out["dp"] = "scale_up" if layout.tp * layout.cp * layout.dp <= gpus_per_node else "scale_out"
+    out["ep"] = place(layout.tp, layout.ep)
+    out["dp"] = place(layout.tp * layout.cp, layout.dp)
     return out
+
+
+def tiers(layout: Layout, gpus_per_node: int) -> dict[str, str]:
+    """``scale_up`` or ``scale_out`` for each dimension (and ``ep``, ``dp``) of the layout."""
+    return {dim: p.tier for dim, p in placements(layout, gpus_per_node).items()}
 
 
 class Links:
@@ -65,13 +107,35 @@ class Links:
 
     def __init__(self, layout: Layout, system: System, profile: Profile):
         self.layout, self.system, self.profile = layout, system, profile
-        self.tier_of = tiers(layout, system.gpus_per_node)
+        self.placement = placements(layout, system.gpus_per_node)
+        self.tier_of = {dim: p.tier for dim, p in self.placement.items()}
 
     def size(self, dim: str) -> int:
         return self.layout.dp if dim == "dp" else getattr(self.layout, dim)
 
-    def seconds(self, dim: str, op: str, size_bytes: float, n: int | None = None) -> float:
-        tier_name = self.tier_of[dim]
-        tier = getattr(self.system, tier_name)
-        return collective_seconds(op, size_bytes, self.size(dim) if n is None else n, tier,
-                                  getattr(self.profile, tier_name), self.profile.latency_scale)
+    def seconds(self, dim: str, op: str, size_bytes: float, n: int | None = None, calls: float = 1) -> float:
+        """``size_bytes`` moved by ``op`` over ``dim``'s group (or ``n`` of its ranks), split into
+        ``calls`` collectives."""
+        n = self.size(dim) if n is None else n
+        if n <= 1 or size_bytes <= 0:
+            return 0.0
+        s, prof, place = self.system, self.profile, self.placement[dim]
+        if place.tier == "scale_up":
+            one = collective_seconds(op, size_bytes / calls, n, s.scale_up, prof.scale_up, prof.latency_scale)
+            return calls * one
+        up, out = s.scale_up, s.scale_out
+        g = min(place.per_node, n)
+        nodes = math.ceil(n / g)
+        if op in RINGS:
+            bandwidth = min(g * out.bandwidth_Bps * prof.scale_out, up.bandwidth_Bps * prof.scale_up)
+        else:
+            bandwidth = out.bandwidth_Bps * prof.scale_out
+        if op in ("all_gather", "reduce_scatter"):
+            latency = (n - nodes) * up.latency_s + (nodes - 1) * out.latency_s
+        elif op == "all_reduce":
+            latency = 2 * ((g - 1) * up.latency_s + math.ceil(math.log2(nodes)) * out.latency_s)
+        elif op == "send_recv":
+            latency = out.latency_s
+        else:
+            latency = math.ceil(math.log2(n)) * out.latency_s
+        return calls * latency * prof.latency_scale + size_bytes * bus_factor(op, n) / bandwidth

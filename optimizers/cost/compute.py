@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec import Layout, ModelSpec, Training
-from ..system import Profile, System
+from ..system import FA2_BACKWARD, Profile, System
 
 NORMALISE_AT = 8192.0
 
@@ -134,7 +134,12 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     b, s, c, t = layout.micro_batch, training.seq_len, layout.cp, layout.tp
     tokens = b * s / c
     gemms = layer_gemms(model, layout, tokens)
-    fwd_gemm = gemm_seconds(gemms, system, profile, training.dtype)
+    # Row-wise scaled float8 GEMMs ran through a CUTLASS kernel slower than cuBLAS's tensor-wise
+    # one (pytorch/pytorch#147971), their backward through cuBLAS plus a rescale (pytorch/ao#1325):
+    # measured no faster than bf16 (pytorch/torchtitan#1207: Llama 3 8B on 4 H100s, 5189 against
+    # bf16's 5378 tokens/s).  They run at the bf16 rate here; the casts still cost their bytes.
+    rowwise = training.dtype == "fp8" and training.fp8_recipe == "rowwise"
+    fwd_gemm = gemm_seconds(gemms, system, profile, "bf16" if rowwise else training.dtype)
     hbm = system.hbm_Bps * profile.memory
     act = training.activation_bytes
 
@@ -143,7 +148,7 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     if training.flash_attention:
         flops = 4 * tokens * s * heads_dim * (0.5 if training.causal else 1.0)
         attn_f = flops / (system.attention_ceiling() * profile.attention)
-        attn_b = 2.5 * attn_f
+        attn_b = 2.5 * attn_f / FA2_BACKWARD
     else:
         # Batched s x s matmuls at the GEMM rate (head_dim is their short side), and the scores
         # through HBM: 6 passes forward, 8 backward.
