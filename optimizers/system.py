@@ -9,11 +9,11 @@ approach), GPUs per NVLink domain, and two link tiers as alpha-beta rows --
 direction, bytes per second, which is what NCCL's bus bandwidth is measured
 against.
 
-A :class:`Profile` is what is *not* a datasheet fact: how close a training
-step gets to those ceilings.  Seven numbers, fitted by
-``optimizers.calibrate`` from measured runs and saved as ``hw.json``; the
-defaults below are round starting values, not fits, and the report says which
-profile a prediction used.
+A :class:`Profile` is how close a training step gets to those ceilings.  Five
+numbers are fitted by ``optimizers.calibrate`` to published runs and saved as
+``hw.json``; the links' two fractions are nccl-tests measurements (a measured
+run fits those too).  The other defaults below are round starting values, not
+fits, and the report says which profile a prediction used.
 """
 from __future__ import annotations
 
@@ -182,8 +182,12 @@ class Profile:
                      normalised at 8192): small, skinny GEMMs after TP sharding run slower
     attention        flash attention's fraction of its published rate (``System.attention_ceiling``)
     memory           fraction of HBM bandwidth that memory-bound kernels reach
-    scale_up         achieved bus bandwidth over the NVLink tier, fraction of its bandwidth
-    scale_out        the same over the network tier
+    scale_up         achieved bus bandwidth over the NVLink tier, fraction of its bandwidth: 0.78,
+                     NCCL's own tuning model's ceiling for A100 (235 GB/s of NVLink3's 300,
+                     ``src/graph/tuning.cc``)
+    scale_out        the same over the network tier: 0.96, what NCCL's maintainers measure (192 GB/s
+                     of all-reduce bus bandwidth over a DGX A100's 8 x 200 Gb/s, NVIDIA/nccl#1576;
+                     48-49 GB/s from a 400 Gb/s ConnectX-7, NVIDIA/nccl-tests#267)
     overlap_slowdown compute time added per second of communication it hides (SM and HBM sharing)
     microbatch_overhead_s
                      host time per microbatch, chunk and pass (Python, framework, launches) that the
@@ -192,21 +196,26 @@ class Profile:
     latency_scale    multiplies the link tiers' latencies: 1 for the published runs (not fitted
                      there); a measured run with many small collectives fits it (gloo on a loaded
                      host waits milliseconds, not microseconds)
+
+    The two link fractions are nccl-tests facts, not fitted to published throughput: across the
+    published runs a faster link and a slower GEMM predict the same steps (Megatron's exposed TP
+    collectives scale with its GEMMs), so a fit of both wanders along that valley.  A measured run,
+    whose trace separates communication from compute, fits them (``calibrate.fit_run``).
     """
 
     gemm: float = 0.75
     gemm_knee: float = 128.0
     attention: float = 1.0
     memory: float = 0.7
-    scale_up: float = 0.75
-    scale_out: float = 0.8
+    scale_up: float = 0.78
+    scale_out: float = 0.96
     overlap_slowdown: float = 0.1
     microbatch_overhead_s: float = 0.0
     latency_scale: float = 1.0
     provenance: dict = field(default_factory=lambda: {"source": "defaults (not calibrated)"})
 
-    FITTED = ("gemm", "gemm_knee", "attention", "memory", "scale_up", "scale_out", "overlap_slowdown")
-    FIELDS = FITTED + ("microbatch_overhead_s", "latency_scale")
+    FITTED = ("gemm", "gemm_knee", "attention", "memory", "overlap_slowdown")
+    FIELDS = FITTED + ("scale_up", "scale_out", "microbatch_overhead_s", "latency_scale")
     BOUNDS = {"gemm": (0.2, 1.0), "gemm_knee": (8.0, 4096.0), "attention": (0.1, 1.5),
               "memory": (0.2, 1.0), "scale_up": (0.2, 1.0), "scale_out": (0.2, 1.0),
               "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0), "latency_scale": (1e-3, 1e4)}
