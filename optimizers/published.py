@@ -23,12 +23,14 @@ global_batch            torchtitan: local batch x dp ("local batch size N" in th
 Switches by source: Megatron-LM's papers (Narayanan 2021, Korthikanti 2022)
 ran unfused attention over the full (non-causal) score matrix with Megatron's
 fused elementwise kernels, 16-bit gradient all-reduce not overlapped with
-backward, and blocking pipeline sends; torchtitan runs flash attention (SDPA,
-causal), sequence parallelism with TP, FSDP2 with prefetch and fp32 gradient
-reduce-scatter, torch.compile and async TP where its notes say so, and its
-"selective" is op-level activation checkpointing, which recomputes every other
-matmul and all elementwise work.  DeepSpeed
-ZeRO-3 rows shard everything over the data ranks (``dp_shard``).
+backward, and blocking pipeline sends of each TP rank's slice (scatter/gather);
+torchtitan runs flash attention (SDPA, causal), sequence parallelism with TP,
+FSDP2 with prefetch and fp32 gradient reduce-scatter, torch.compile and async
+TP where its notes say so, float8 all-gather where the row says so, the float8
+recipe its dtype names, and its "selective" is op-level activation
+checkpointing, which recomputes every other matmul and all elementwise work.
+DeepSpeed ZeRO-3 rows shard everything over the data ranks (``dp_shard``) and
+run as DeepSpeed did in 2021 (``DEEPSPEED_ZERO3``).
 
 Measured throughput: ``measured_tokens_per_s_per_gpu`` where the source gives
 it; else from the source's own FLOP count -- Narayanan's TFLOP/s through their

@@ -90,16 +90,18 @@ def test_coordinates_are_row_major_over_pp_dp_cp_tp():
     assert dims.coords(8)["pp"] == 1 and dims.coords(15) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 1}
 
 
-def _median_step(world, layout, inject, rank, **kw):
+def _median_step(world, layout, inject, rank, stat=statistics.median, **kw):
     opts = RunOptions(config="tiny_dense", layout=layout, steps=6, inject=inject, paced="fwd_ms=30,bwd_ms=60", **kw)
-    return statistics.median(fork_ranks(run_rank, world, opts)[rank]["step_times"][1:])
+    return stat(fork_ranks(run_rank, world, opts)[rank]["step_times"][1:])
 
 
 def test_heavier_pipeline_stage_slows_the_step_by_its_forwards():
     # pp=2, 2 microbatches: stage 1's forward runs twice per step, each 40 ms heavier; stage 1's
-    # forwards are on the critical path of a 2-stage 1F1B schedule.
-    base = _median_step(2, "pp=2", None, 0, microbatches=2)
-    slow = _median_step(2, "pp=2", "stage:stage=1:ms=40", 0, microbatches=2)
+    # forwards are on the critical path of a 2-stage 1F1B schedule.  That path is the same every
+    # step and CPU sharing only adds to it, so each run's fastest step measures it best (a median
+    # of five steps still carried 60 ms of one loaded run's noise).
+    base = _median_step(2, "pp=2", None, 0, stat=min, microbatches=2)
+    slow = _median_step(2, "pp=2", "stage:stage=1:ms=40", 0, stat=min, microbatches=2)
     # Beyond the paced critical path ((m + p - 1) x (30 + 60) ms), a step is real work and waiting
     # that CPU sharing moves between runs; that un-paced time, measured in the base run, bounds it.
     unpaced = max(base - 3 * 0.090, 0.0)
