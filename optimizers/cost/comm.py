@@ -108,7 +108,10 @@ class Links:
     def __init__(self, layout: Layout, system: System, profile: Profile):
         self.layout, self.system, self.profile = layout, system, profile
         self.placement = placements(layout, system.gpus_per_node)
-        self.tier_of = {dim: p.tier for dim, p in self.placement.items()}
+
+    @property
+    def tier_of(self) -> dict[str, str]:
+        return {dim: p.tier for dim, p in self.placement.items()}
 
     def size(self, dim: str) -> int:
         return self.layout.dp if dim == "dp" else getattr(self.layout, dim)
