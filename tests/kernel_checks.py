@@ -1,6 +1,7 @@
 """What every fused kernel's tests share: tolerances derived from the dtype, a float32 truth,
 inputs of awkward layouts, and guard buffers that catch reads and writes out of bounds (Triton's
-interpreter does no bounds checks)."""
+interpreter does no bounds checks).  Results are compared on the CPU in float64, whatever device
+computed them."""
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,8 @@ def tolerance(dtype: torch.dtype, reduced: int = 1) -> float:
 
 def assert_close(actual: torch.Tensor, truth: torch.Tensor, rel: float, what: str) -> None:
     """Elementwise |actual - truth| <= rel * (|truth| + scale), where ``scale`` is the truth's RMS:
-    entries near zero are held to the tensor's scale, not to their own."""
-    a, t = actual.double(), truth.double()
+    entries near zero are held to the tensor's scale, not to their own.  Either may be on any device."""
+    a, t = actual.detach().to("cpu", torch.float64), truth.detach().to("cpu", torch.float64)
     scale = t.pow(2).mean().sqrt().item() if t.numel() else 0.0
     bad = (a - t).abs() > rel * (t.abs() + scale)
     assert not torch.isnan(a).any(), f"{what}: NaN in the result"
@@ -34,14 +35,14 @@ SENTINEL = -12345.0
 
 
 def guarded(shape: tuple[int, ...], dtype: torch.dtype, fill: torch.Tensor | None = None,
-            pad: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a contiguous tensor of ``shape`` inside a guard buffer, the buffer).  With ``fill`` (an
-    input) the guard is NaN, so a read out of bounds spreads NaN into the result; without (an
-    output) the guard is ``SENTINEL``, so a write out of bounds changes it."""
+            pad: int = 64, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(a contiguous tensor of ``shape`` inside a guard buffer on ``device``, the buffer).  With
+    ``fill`` (an input, on any device) the guard is NaN, so a read out of bounds spreads NaN into the
+    result; without (an output) the guard is ``SENTINEL``, so a write out of bounds changes it."""
     n = 1
     for s in shape:
         n *= s
-    buf = torch.full((n + 2 * pad,), float("nan") if fill is not None else SENTINEL, dtype=dtype)
+    buf = torch.full((n + 2 * pad,), float("nan") if fill is not None else SENTINEL, dtype=dtype, device=device)
     view = buf[pad:pad + n].view(shape)
     if fill is not None:
         view.copy_(fill)
@@ -49,7 +50,8 @@ def guarded(shape: tuple[int, ...], dtype: torch.dtype, fill: torch.Tensor | Non
 
 
 def guards_intact(buf: torch.Tensor, n: int, pad: int = 64) -> bool:
-    """The guard of :func:`guarded` around ``n`` elements is as it was laid."""
+    """The guard of :func:`guarded` around ``n`` elements is as it was laid (read back on the CPU)."""
+    buf = buf.detach().cpu()
     guard = torch.cat((buf[:pad], buf[pad + n:]))
     return bool(torch.isnan(guard).all() or (guard == SENTINEL).all())
 

@@ -1,5 +1,6 @@
 """``mfuscope.kernels.apply``: the reference trainer's and Hugging Face-style modules swapped for
-the fused kernels in place (same outputs and gradients), and put back by ``undo``."""
+the fused kernels in place (same outputs and gradients), and put back by ``undo``.  On each device
+that runs the kernels: CPU through the interpreter, CUDA where a GPU is visible."""
 from __future__ import annotations
 
 import pytest
@@ -20,13 +21,14 @@ def _grads(model, x):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_the_trainers_model_runs_the_kernels_and_trains_alike():
+def test_the_trainers_model_runs_the_kernels_and_trains_alike(device):
     from mfuscope.reference_trainer.config import load_config
     from mfuscope.reference_trainer.pipeline_parallel import build_stage
 
     cfg = load_config("tiny_dense")
-    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, "cpu")
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, device)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.seq_len), generator=g).to(device)
     eager_out, eager_grads = _grads(model, tokens)
     applied = kernels.apply(model)
     assert applied.ops == ("rms_norm", "swiglu", "rope", "linear_ce")
@@ -58,15 +60,16 @@ def test_the_trainers_model_runs_the_kernels_and_trains_alike():
     assert torch.equal(_grads(model, tokens)[0], eager_out)
 
 
-def test_the_trainers_moe_routes_through_the_permute_kernels_and_trains_alike():
+def test_the_trainers_moe_routes_through_the_permute_kernels_and_trains_alike(device):
     from mfuscope.kernels.apply import OPS
     from mfuscope.reference_trainer import model as trainer_model
     from mfuscope.reference_trainer.config import load_config
     from mfuscope.reference_trainer.pipeline_parallel import build_stage
 
     cfg = load_config("tiny_moe")
-    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, "cpu")
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, device)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.seq_len), generator=g).to(device)
     eager_out, eager_grads = _grads(model, tokens)
     applied = kernels.apply(model, ops=("moe_permute",))
     moes = [m for m in model.modules() if isinstance(m, trainer_model.MoE)]
@@ -104,10 +107,10 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def test_hugging_face_style_modules_are_swapped_by_what_they_are():
+def test_hugging_face_style_modules_are_swapped_by_what_they_are(device):
     torch.manual_seed(0)
-    model = nn.Sequential(LlamaRMSNorm(48), LlamaMLP(48, 96), LlamaRMSNorm(48))
-    x = torch.randn(3, 5, 48)
+    model = nn.Sequential(LlamaRMSNorm(48), LlamaMLP(48, 96), LlamaRMSNorm(48)).to(device)
+    x = torch.randn(3, 5, 48).to(device)
     eager_out, eager_grads = _grads(model, x)
     applied = kernels.apply(model, ops=("rms_norm", "swiglu"))
     assert len(applied.modules) == 3
@@ -122,18 +125,18 @@ def test_unknown_ops_are_refused():
         kernels.apply(nn.Linear(2, 2), ops=("rms_norm", "flash"))
 
 
-def test_a_swapped_block_compiles_as_one_graph():
+def test_a_swapped_block_compiles_as_one_graph(device):
     """torch.compile(fullgraph=True) around a swapped transformer block: the custom ops trace, no
     graph break, and the compiled block computes what the eager one does."""
     from mfuscope.reference_trainer.config import load_config
     from mfuscope.reference_trainer.pipeline_parallel import build_stage
 
     cfg = load_config("tiny_dense")
-    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, "cpu")
+    model = build_stage(cfg.model, cfg.seq_len, cfg.seed, 0, 1, device)
     kernels.apply(model)
     block = model.layers["0"]
-    x = torch.randn(2, cfg.seq_len, cfg.model.dim, requires_grad=True)
-    positions = torch.arange(cfg.seq_len)
+    x = torch.randn(2, cfg.seq_len, cfg.model.dim).to(device).requires_grad_()
+    positions = torch.arange(cfg.seq_len, device=device)
     eager = block(x, positions)
     eager.square().sum().backward()
     dx = x.grad.clone()

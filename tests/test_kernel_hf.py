@@ -1,6 +1,7 @@
 """``mfuscope.kernels.apply`` on a Hugging Face Llama: norms, SwiGLU MLPs, RoPE and the LM head
 with its loss swapped by class, the model training exactly as before (loss and every gradient,
-float32 tolerances), and undone.  transformers is optional: the test skips without it."""
+float32 tolerances), and undone, on each device that runs the kernels (CPU through the interpreter,
+CUDA where a GPU is visible).  transformers is optional: the test skips without it."""
 from __future__ import annotations
 
 import pytest
@@ -38,10 +39,10 @@ def _step(model, ids, labels):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_a_hugging_face_llama_trains_the_same_with_the_fused_kernels():
-    model = _model()
+def test_a_hugging_face_llama_trains_the_same_with_the_fused_kernels(device):
+    model = _model().to(device)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 96, (2, 24), generator=g)
+    ids = torch.randint(0, 96, (2, 24), generator=g).to(device)
     labels = ids.clone()
     labels[0, :5] = -100  # a prompt that is not trained on
     ref, ref_grads = _step(model, ids, labels)
@@ -65,14 +66,16 @@ def test_a_hugging_face_llama_trains_the_same_with_the_fused_kernels():
 
     applied.undo()
     import transformers.models.llama.modeling_llama as hf_llama
-    assert "apply_rotary_pos_emb" in hf_llama.__dict__ and hf_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
+    assert "apply_rotary_pos_emb" in hf_llama.__dict__
+    assert hf_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
     assert not any("forward" in m.__dict__ for m in model.modules())
     again, _ = _step(model, ids, labels)
     assert again.logits is not None and again.loss.item() == pytest.approx(ref.loss.item(), rel=1e-6)
 
 
 def test_packed_positions_fall_back_to_hugging_faces_rope():
-    """Per-row positions (packed sequences) give per-row angles: the original function takes them."""
+    """Per-row positions (packed sequences) give per-row angles: the original function takes them.
+    Decided from the angles' shape before any kernel, and no fused op runs: on the CPU on any machine."""
     model = _model()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
     pos = torch.stack([torch.arange(16), torch.cat([torch.arange(8), torch.arange(8)])])

@@ -1,8 +1,9 @@
 """``mfuscope.kernels.fused_linear_cross_entropy`` against ``F.cross_entropy(hidden @ weight.T)`` in
-float32: its logits-free Triton kernels (through the interpreter) and its CPU path (chunks of
-tokens), the loss and both gradients per dtype, one row and many, odd hidden and vocabulary sizes,
-non-contiguous inputs, ignored targets, every target ignored, sum reduction; registrations;
-torch.compile; no access outside the tensors; the extra memory of both paths, measured."""
+float32: its logits-free Triton kernels (CPU tensors through the interpreter, CUDA ones where a GPU
+is visible) and its CPU path (chunks of tokens), the loss and both gradients per dtype, one row and
+many, odd hidden and vocabulary sizes, non-contiguous inputs, ignored targets, every target ignored,
+sum reduction; registrations; torch.compile; no access outside the tensors; the extra memory of both
+paths, measured."""
 from __future__ import annotations
 
 import pytest
@@ -13,21 +14,23 @@ pytest.importorskip("triton", reason="the kernels need triton (in the [torch] ex
 from mfuscope.kernels import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from mfuscope.kernels import linear_cross_entropy as module  # noqa: E402
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
+from mfuscope.tests.devices import interpreter_only  # noqa: E402
 from mfuscope.tests.kernel_checks import DTYPES, assert_close, tolerance  # noqa: E402
 
 
-def _case(dtype, n=37, h=24, v=1003, ignored=(), seed=0):
+def _case(dtype, n=37, h=24, v=1003, ignored=(), seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
-    weight = (0.3 * torch.randn(v, h, generator=g)).to(dtype).requires_grad_()
+    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    weight = (0.3 * torch.randn(v, h, generator=g)).to(device=device, dtype=dtype).requires_grad_()
     target = torch.randint(0, v, (n,), generator=g)
     target[list(ignored)] = -100
-    return hidden, weight, target
+    return hidden, weight, target.to(device)
 
 
 def _truth(hidden, weight, target, reduction="mean"):
-    h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-    loss = linear_cross_entropy_reference(h, w, target, reduction=reduction)
+    """The reference's loss and gradients in float32 on the CPU."""
+    h, w = hidden.detach().float().cpu().requires_grad_(), weight.detach().float().cpu().requires_grad_()
+    loss = linear_cross_entropy_reference(h, w, target.cpu(), reduction=reduction)
     loss.backward()
     return loss.detach(), h.grad, w.grad
 
@@ -50,40 +53,40 @@ def _assert_like_the_reference(hidden, weight, target, rel, dw_rel=None):
 
 @pytest.mark.parametrize(("dtype", "shape"), CASES, ids=lambda c: str(c) if isinstance(c, torch.dtype)
                          else "rows{}_hidden{}_vocab{}".format(*c))
-def test_the_logits_free_kernels_match_the_reference(dtype, shape):
+def test_the_logits_free_kernels_match_the_reference(dtype, shape, device):
     n, h, v = shape
-    hidden, weight, target = _case(dtype, n, h, v, ignored=(3, 20) if n > 20 else ())
+    hidden, weight, target = _case(dtype, n, h, v, ignored=(3, 20) if n > 20 else (), device=device)
     assert use_triton(hidden)  # the Triton kernels run, not the PyTorch path
     # bf16 inputs: the gradients are rounded to bf16 once; the loss sums float32 products over h
     rel = tolerance(dtype, max(h, v)) * (4 if dtype == torch.bfloat16 else 1)
     _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
 
 
-def test_a_16_bit_weight_gradient_is_reduced_in_vocabulary_slices(monkeypatch):
+def test_a_16_bit_weight_gradient_is_reduced_in_vocabulary_slices(monkeypatch, device):
     """For bf16 weights the float32 weight-gradient accumulator covers a slice of the vocabulary at a
     time; slices of one 128-word tile make 8 of them at vocabulary 1003, the last part-filled."""
     monkeypatch.setattr(module, "DW_SLICE_BYTES", module.TILES["half"][1] * 4 * 24)
-    hidden, weight, target = _case(torch.bfloat16)
+    hidden, weight, target = _case(torch.bfloat16, device=device)
     rel = 4 * tolerance(torch.bfloat16, 1003)
     _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
 
 
-def test_the_vocabulary_split_of_the_forward_combines_exactly(monkeypatch):
+def test_the_vocabulary_split_of_the_forward_combines_exactly(monkeypatch, device):
     """On a GPU the forward splits the vocabulary so that a few blocks of rows still fill the SMs;
-    the splits' maxima and sums of exp are combined on the host.  The interpreter has one SM: as if it
-    had 4, 37 rows (one block) take 8 splits of two float32 tiles of 64 words each."""
+    the splits' maxima and sums of exp are combined on the host.  The interpreter has one SM: as if
+    the device had 4, 37 rows (one block) take 8 splits of two float32 tiles of 64 words each."""
     monkeypatch.setattr(module, "multiprocessors", lambda device: 4)
-    hidden, weight, target = _case(torch.float32, ignored=(3,))
+    hidden, weight, target = _case(torch.float32, ignored=(3,), device=device)
     _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 1003))
 
 
-def test_row_blocks_without_a_counted_target_are_skipped():
+def test_row_blocks_without_a_counted_target_are_skipped(device):
     """A fine-tuning batch masks its prompts: a block of rows whose targets are all ``ignore_index``
     is left out of both kernels' grids, and the result is what the reference gives.  150 float32 rows
     in blocks of 64, the first 70 ignored: blocks 1 and 2 run, block 0 does not."""
     from mfuscope.kernels._dispatch import recording
 
-    hidden, weight, target = _case(torch.float32, n=150, ignored=range(70))
+    hidden, weight, target = _case(torch.float32, n=150, ignored=range(70), device=device)
     _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 1003))
     assert not hidden.grad[:70].any()
     with recording(multiprocessors=1) as launches:
@@ -92,11 +95,11 @@ def test_row_blocks_without_a_counted_target_are_skipped():
     assert launches[0].args[3].tolist() == [1, 2]  # the blocks the grid runs
 
 
-def test_non_contiguous_inputs():
+def test_non_contiguous_inputs(device):
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(9, 2 * 40, generator=g)[:, ::2].requires_grad_()  # every other column
-    weight = (0.3 * torch.randn(40, 301, generator=g)).t().requires_grad_()  # (vocab, hidden), transposed
-    target = torch.randint(0, 301, (9,), generator=g)
+    hidden = torch.randn(9, 2 * 40, generator=g).to(device)[:, ::2].requires_grad_()  # every other column
+    weight = (0.3 * torch.randn(40, 301, generator=g)).to(device).t().requires_grad_()  # (vocab, hidden), transposed
+    target = torch.randint(0, 301, (9,), generator=g).to(device)
     assert not hidden.is_contiguous() and not weight.is_contiguous()
     _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 301))
 
@@ -114,8 +117,8 @@ def test_the_cpu_path_matches_the_reference(dtype, chunk_rows, monkeypatch):
     _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
 
 
-def test_sum_reduction_and_every_target_ignored():
-    hidden, weight, target = _case(torch.float32)
+def test_sum_reduction_and_every_target_ignored(device):
+    hidden, weight, target = _case(torch.float32, device=device)
     loss = fused_linear_cross_entropy(hidden, weight, target, reduction="sum")
     loss.backward()
     loss_true, dh_true, _ = _truth(hidden, weight, target, "sum")
@@ -128,8 +131,8 @@ def test_sum_reduction_and_every_target_ignored():
     assert loss.item() == 0.0 and not hidden.grad.any() and not weight.grad.any()
 
 
-def test_registrations_and_compile():
-    hidden, weight, target = _case(torch.float32, n=9, v=101)
+def test_registrations_and_compile(device):
+    hidden, weight, target = _case(torch.float32, n=9, v=101, device=device)
     torch.library.opcheck(torch.ops.mfuscope.linear_cross_entropy.default, (hidden, weight, target, -100, "mean"),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -151,7 +154,7 @@ def test_misuse_is_refused():
         fused_linear_cross_entropy(hidden, weight, target, reduction="none")
 
 
-def test_the_kernels_stay_inside_their_tensors():
+def test_the_kernels_stay_inside_their_tensors(device):
     """Every input inside a NaN guard (a read outside spreads NaN), every output inside a sentinel
     guard (a write outside changes it); 3 rows, hidden 20 and vocabulary 70 leave every float32
     tile -- 64 rows, 64 words, 32 wide -- part-filled."""
@@ -160,19 +163,19 @@ def test_the_kernels_stay_inside_their_tensors():
 
     n, hidden, vocab = 3, 20, 70
     blocks = dict(zip(("BLOCK_M", "BLOCK_V", "BLOCK_K"), module.TILES["float"]), UPCAST=True)
-    h, hb = guarded((n, hidden), torch.float32, torch.randn(n, hidden))
-    w, wb = guarded((vocab, hidden), torch.float32, torch.randn(vocab, hidden))
-    target = torch.tensor([5, -100, 69])
-    parts = [guarded((n,), torch.float32) for _ in range(3)]  # m, d, the pick: one split
-    first = torch.zeros(1, dtype=torch.int32)  # the grid's one row block
+    h, hb = guarded((n, hidden), torch.float32, torch.randn(n, hidden), device=device)
+    w, wb = guarded((vocab, hidden), torch.float32, torch.randn(vocab, hidden), device=device)
+    target = torch.tensor([5, -100, 69], device=device)
+    parts = [guarded((n,), torch.float32, device=device) for _ in range(3)]  # m, d, the pick: one split
+    first = torch.zeros(1, dtype=torch.int32, device=device)  # the grid's one row block
     _lse_kernel[(1, 1)](h, w, target, first, *(p for p, _ in parts), n, VOCAB=vocab, HIDDEN=hidden, SPLIT_BLOCKS=1,
                         **blocks)
     assert all(guards_intact(buf, n) for _, buf in parts)
     (m, _), (d, _), _ = parts
     lse = m + d.log()
     assert torch.isfinite(lse).all()
-    dh, db = guarded((n, hidden), torch.float32)
-    dw, dwb = guarded((vocab - 6, hidden), torch.float32)  # the accumulator of words 6..69
+    dh, db = guarded((n, hidden), torch.float32, device=device)
+    dw, dwb = guarded((vocab - 6, hidden), torch.float32, device=device)  # the accumulator of words 6..69
     dh.zero_(), dw.zero_()
     _grad_kernel[(1, 1)](h, w, target, first, lse, dh, dw, n, 6, vocab, -100, 1.0, HIDDEN=hidden, **blocks)
     assert guards_intact(db, n * hidden) and guards_intact(dwb, (vocab - 6) * hidden)
@@ -219,12 +222,15 @@ def test_extra_memory_of_the_cpu_path_is_a_chunk_not_the_logits(tmp_path):
     assert _same_loss(result["eager"]["loss"], result["fused"]["loss"], 128256)
 
 
+@interpreter_only
 def test_the_logits_free_kernels_take_no_memory_beyond_a_log_sum_exp_a_row(tmp_path):
     """The GPU path (the Triton kernels, here through the interpreter) in float32 allocates one
     log-sum-exp and one loss a row besides the gradients it returns: 512 bytes at 64 tokens, under
     the one page resident memory grows by, where eager holds 2 x 4 MiB of logits and their gradient.
     64 tokens and a 16k vocabulary: the interpreter runs each tile's arithmetic in numpy, 250 tiles
-    here; the kernels' extra memory does not grow with the vocabulary, eager's does."""
+    here; the kernels' extra memory does not grow with the vocabulary, eager's does.  Host memory is
+    the interpreter's stand-in for the GPU's: where a GPU is visible, scripts/gpu_kernels_check.py
+    measures the compiled kernels' device memory instead."""
     result = _memory(tmp_path, "--tokens", "64", "--hidden", "64", "--vocab", "16001", "--ways", "eager,triton")
     eager, triton_extra = result["eager"]["extra_bytes"], result["triton"]["extra_bytes"]
     assert eager >= 2 * result["logits_bytes"]

@@ -1,7 +1,7 @@
-"""``mfuscope.kernels.rms_norm`` (Triton, through the interpreter on CPU) against the reference
-trainer's RMSNorm in float32: output, input gradient and weight gradient, per dtype, over awkward
-shapes and layouts; the custom op's registrations; torch.compile without graph breaks; no access
-outside the tensors."""
+"""``mfuscope.kernels.rms_norm`` (Triton: CPU tensors through the interpreter, CUDA ones where a GPU is
+visible) against the reference trainer's RMSNorm in float32: output, input gradient and weight
+gradient, per dtype, over awkward shapes and layouts; the custom op's registrations; torch.compile
+without graph breaks; no access outside the tensors."""
 from __future__ import annotations
 
 import pytest
@@ -18,20 +18,20 @@ SHAPES = [(1, 8), (3, 4095), (64, 128), (2, 3, 1000)]
 
 
 def _truth(x, w, dy, eps=1e-6):
-    """Output and gradients of the reference in float32, from the (rounded) inputs upcast."""
-    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    """Output and gradients of the reference in float32 on the CPU, from the (rounded) inputs upcast."""
+    xf, wf = x.detach().float().cpu().requires_grad_(), w.detach().float().cpu().requires_grad_()
     y = rms_norm_reference(xf, wf, eps)
-    y.backward(dy.float())
+    y.backward(dy.float().cpu())
     return y.detach(), xf.grad, wf.grad
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_and_backward_match_the_reference(shape, dtype):
+def test_forward_and_backward_match_the_reference(shape, dtype, device):
     g = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).requires_grad_()
-    dy = torch.randn(shape, generator=g).to(dtype)
+    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(device=device, dtype=dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
     assert use_triton(x)  # the kernel runs, not the reference
     y = rms_norm(x, w)
     y.backward(dy)
@@ -44,11 +44,11 @@ def test_forward_and_backward_match_the_reference(shape, dtype):
     assert_close(w.grad, dw_true, tolerance(dtype, rows), "dweight")
 
 
-def test_non_contiguous_input_and_gradient():
-    base = torch.randn(6, 2 * 257)
+def test_non_contiguous_input_and_gradient(device):
+    base = torch.randn(6, 2 * 257).to(device)
     x = base[:, ::2].requires_grad_()  # every other column: a strided view
-    w = torch.rand(257) + 0.5
-    dy = torch.randn(257, 6).t()
+    w = (torch.rand(257) + 0.5).to(device)
+    dy = torch.randn(257, 6).to(device).t()
     assert not x.is_contiguous() and not dy.is_contiguous()
     y = rms_norm(x, w)
     y.backward(dy)
@@ -57,7 +57,7 @@ def test_non_contiguous_input_and_gradient():
     assert_close(x.grad, dx_true, tolerance(torch.float32, 257), "dx")
 
 
-def test_the_kernels_stay_inside_their_tensors():
+def test_the_kernels_stay_inside_their_tensors(device):
     """Inputs and outputs inside NaN-filled buffers: a read outside would put NaN into the result,
     a write outside would overwrite the NaN around it."""
     from mfuscope.kernels.rms_norm import _rms_norm_backward_kernel, _rms_norm_forward_kernel
@@ -65,33 +65,34 @@ def test_the_kernels_stay_inside_their_tensors():
 
     rows, cols = 5, 33
     block = triton.next_power_of_2(cols)
-    x, xb = guarded((rows, cols), torch.float32, torch.randn(rows, cols))
-    w, wb = guarded((cols,), torch.float32, torch.rand(cols) + 0.5)
-    y, yb = guarded((rows, cols), torch.float32)
-    rstd, rb = guarded((rows,), torch.float32)
+    x, xb = guarded((rows, cols), torch.float32, torch.randn(rows, cols), device=device)
+    w, wb = guarded((cols,), torch.float32, torch.rand(cols) + 0.5, device=device)
+    y, yb = guarded((rows, cols), torch.float32, device=device)
+    rstd, rb = guarded((rows,), torch.float32, device=device)
     # a part-filled last tile; no residual (the pointers it would use are x's and y's, never touched)
     _rms_norm_forward_kernel[(3,)](x, x, y, w, y, rstd, rows, cols, 1e-6, BLOCK=block, TILE=2, ADD=False)
     assert not torch.isnan(y).any() and not torch.isnan(rstd).any()
     assert all(guards_intact(b, n) for b, n in ((xb, rows * cols), (wb, cols), (yb, rows * cols), (rb, rows)))
-    dy, dyb = guarded((rows, cols), torch.float32, torch.randn(rows, cols))
-    rstd_in, rib = guarded((rows,), torch.float32, rstd)
-    dx, dxb = guarded((rows, cols), torch.float32)
-    partial, pb = guarded((3, cols), torch.float32)
+    dy, dyb = guarded((rows, cols), torch.float32, torch.randn(rows, cols), device=device)
+    rstd_in, rib = guarded((rows,), torch.float32, rstd, device=device)
+    dx, dxb = guarded((rows, cols), torch.float32, device=device)
+    partial, pb = guarded((3, cols), torch.float32, device=device)
     _rms_norm_backward_kernel[(3,)](dy, dy, x, w, rstd_in, dx, partial, rows, cols, ROWS=2, BLOCK=block, TILE=2,
                                     ADD=False)
     assert not torch.isnan(dx).any() and not torch.isnan(partial).any()
     assert all(guards_intact(b, n) for b, n in ((dxb, rows * cols), (pb, 3 * cols), (dyb, rows * cols), (rib, rows)))
 
 
-def test_custom_op_registrations_hold():
-    x, w = torch.randn(4, 64, requires_grad=True), torch.rand(64, requires_grad=True)
+def test_custom_op_registrations_hold(device):
+    x, w = torch.randn(4, 64, device=device, requires_grad=True), torch.rand(64, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.mfuscope.rms_norm_forward.default, (x, w, 1e-6))
-    rstd = torch.rand(4) + 0.5
-    torch.library.opcheck(torch.ops.mfuscope.rms_norm_backward.default, (torch.randn(4, 64), x.detach(), w.detach(), rstd))
+    rstd = torch.rand(4, device=device) + 0.5
+    dy = torch.randn(4, 64, device=device)
+    torch.library.opcheck(torch.ops.mfuscope.rms_norm_backward.default, (dy, x.detach(), w.detach(), rstd))
 
 
-def test_torch_compile_traces_it_without_a_graph_break():
-    x, w = torch.randn(4, 96, requires_grad=True), torch.rand(96, requires_grad=True)
+def test_torch_compile_traces_it_without_a_graph_break(device):
+    x, w = torch.randn(4, 96, device=device, requires_grad=True), torch.rand(96, device=device, requires_grad=True)
 
     assert_compiles_like_eager(lambda x, w: rms_norm(x, w).sum(), x, w)
 

@@ -1,7 +1,7 @@
-"""``mfuscope.kernels.apply_rope`` (Triton, through the interpreter on CPU): both pair conventions
-against their float32 references, the interleaved one against the reference trainer's own RoPE,
-GQA head counts, a transposed (strided) input, both gradients; registrations; torch.compile; no
-access outside the tensors."""
+"""``mfuscope.kernels.apply_rope`` (Triton: CPU tensors through the interpreter, CUDA ones where a GPU
+is visible): both pair conventions against their float32 references, the interleaved one against
+the reference trainer's own RoPE, GQA head counts, a transposed (strided) input, both gradients;
+registrations; torch.compile; no access outside the tensors."""
 from __future__ import annotations
 
 import pytest
@@ -16,61 +16,64 @@ from mfuscope.tests.kernel_checks import (  # noqa: E402
     DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
 
 
-def _qk(dtype, b=2, hq=4, hk=2, s=7, d=34, seed=0):
+def _qk(dtype, device="cpu", b=2, hq=4, hk=2, s=7, d=34, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, s, d, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(b, hk, s, d, generator=g).to(dtype).requires_grad_()
-    cos, sin = rope_angles(torch.arange(s), d, 10000.0)
+    q = torch.randn(b, hq, s, d, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    k = torch.randn(b, hk, s, d, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    cos, sin = rope_angles(torch.arange(s, device=device), d, 10000.0)
     return q, k, cos, sin
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_q_and_k_and_their_gradients_match_the_reference(dtype, interleaved):
-    q, k, cos, sin = _qk(dtype)
+def test_q_and_k_and_their_gradients_match_the_reference(dtype, interleaved, device):
+    q, k, cos, sin = _qk(dtype, device)
     assert use_triton(q)
     qo, ko = apply_rope(q, k, cos, sin, interleaved=interleaved)
     dq, dk = torch.randn_like(qo), torch.randn_like(ko)
     torch.autograd.backward((qo, ko), (dq, dk))
-    qf, kf = q.detach().float().requires_grad_(), k.detach().float().requires_grad_()
+    # the truth on the CPU, from the same inputs in float32
+    qf, kf = q.detach().float().cpu().requires_grad_(), k.detach().float().cpu().requires_grad_()
+    cos, sin = cos.cpu(), sin.cpu()
     q_true, k_true = rope_reference(qf, cos, sin, interleaved), rope_reference(kf, cos, sin, interleaved)
-    torch.autograd.backward((q_true, k_true), (dq.float(), dk.float()))
+    torch.autograd.backward((q_true, k_true), (dq.float().cpu(), dk.float().cpu()))
     assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == dtype
     for got, truth, what in ((qo, q_true, "q"), (ko, k_true, "k"), (q.grad, qf.grad, "dq"), (k.grad, kf.grad, "dk")):
         assert_close(got, truth.detach(), tolerance(dtype, 2), what)
 
 
-def test_interleaved_pairs_are_the_reference_trainers_rope():
-    """Independent of rope_reference: the trainer's model.rope on (batch, seq, heads, head_dim)."""
+def test_interleaved_pairs_are_the_reference_trainers_rope(device):
+    """Independent of rope_reference: the trainer's model.rope on (batch, seq, heads, head_dim), on the CPU."""
     from mfuscope.reference_trainer.model import rope
 
     x = torch.randn(2, 9, 3, 16)  # (batch, seq, heads, head_dim), as the trainer holds q
     positions = torch.arange(5, 14)
-    cos, sin = rope_angles(positions, 16, 500000.0)
     theirs = rope(x, positions, 500000.0)
+    x, positions = x.to(device), positions.to(device)
+    cos, sin = rope_angles(positions, 16, 500000.0)
     ours, _ = apply_rope(x.transpose(1, 2), x.transpose(1, 2)[:, :1], cos, sin, interleaved=True)
     assert_close(ours.transpose(1, 2), theirs, tolerance(torch.float32, 2), "rope")
 
 
-def test_hugging_face_cos_sin_of_repeated_halves_are_accepted():
-    q, k, cos, sin = _qk(torch.float32)
+def test_hugging_face_cos_sin_of_repeated_halves_are_accepted(device):
+    q, k, cos, sin = _qk(torch.float32, device)
     a = apply_rope(q, k, cos, sin)
     b = apply_rope(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_the_kernel_stays_inside_its_tensors():
+def test_the_kernel_stays_inside_its_tensors(device):
     import triton
 
     from mfuscope.kernels.rope import _rope_kernel
 
     b, h, s, d = 1, 2, 3, 10
     n = b * h * s * d
-    x, xb = guarded((b, h, s, d), torch.float32, torch.randn(b, h, s, d))
+    x, xb = guarded((b, h, s, d), torch.float32, torch.randn(b, h, s, d), device=device)
     cos, sin = rope_angles(torch.arange(s), d, 10000.0)
-    c, cb = guarded((s, d // 2), torch.float32, cos)
-    sn, sb = guarded((s, d // 2), torch.float32, sin)
-    y, yb = guarded((b, h, s, d), torch.float32)
+    c, cb = guarded((s, d // 2), torch.float32, cos, device=device)
+    sn, sb = guarded((s, d // 2), torch.float32, sin, device=device)
+    y, yb = guarded((b, h, s, d), torch.float32, device=device)
     for interleaved in (False, True):  # two positions a program: the second program's last is past the end
         _rope_kernel[(b * h, 2)](x, c, sn, y, h, s, *x.stride(), 1.0, HALF=d // 2,
                                  BLOCK=triton.next_power_of_2(d // 2), SEQ_BLOCK=2, INTERLEAVED=interleaved)
@@ -78,8 +81,8 @@ def test_the_kernel_stays_inside_its_tensors():
         assert all(guards_intact(buf, k) for buf, k in ((xb, n), (cb, s * d // 2), (sb, s * d // 2), (yb, n)))
 
 
-def test_registrations_and_compile():
-    q, k, cos, sin = _qk(torch.float32, s=5, d=8)
+def test_registrations_and_compile(device):
+    q, k, cos, sin = _qk(torch.float32, device, s=5, d=8)
     torch.library.opcheck(torch.ops.mfuscope.rope.default, (q, cos, sin, True, 1.0))
 
     def f(q, k):
