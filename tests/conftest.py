@@ -5,10 +5,22 @@ import os
 
 import pytest
 
-# The Triton kernels run through Triton's interpreter on a machine without a GPU.  Set before
-# anything imports mfuscope.kernels: the kernels are built as interpreted or compiled at import.
-if not os.path.exists("/dev/nvidia0"):
+from mfuscope.tests import devices
+
+# The Triton kernels run through Triton's interpreter on a machine without a GPU, compiled on one
+# with a GPU.  Set before anything imports mfuscope.kernels: the kernels are built as interpreted
+# or compiled at import (tests/devices.py).
+CUDA = devices.cuda_visible()
+if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+KERNEL_DEVICES = devices.kernel_devices(CUDA, devices.interpreting())
+
+
+@pytest.fixture(params=KERNEL_DEVICES or [pytest.param(None, marks=pytest.mark.skip(reason=devices.NO_DEVICE))])
+def device(request) -> str:
+    """Each device whose tensors take the Triton kernels in this session: ``cpu`` through the
+    interpreter, ``cuda`` where a GPU is visible."""
+    return request.param
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -21,3 +33,31 @@ def _isolated_cache(tmp_path_factory):
         os.environ.pop("MFUSCOPE_CACHE_DIR", None)
     else:
         os.environ["MFUSCOPE_CACHE_DIR"] = old
+
+
+# --------------------------------------------------------------------------- runs several modules read
+# Made once per session, the first time a test asks (tests/shared_runs.py says what each is).
+@pytest.fixture(scope="session")
+def shared_runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared-runs")
+
+
+@pytest.fixture(scope="session")
+def run_3d(shared_runs_dir):
+    pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+    from mfuscope.tests import shared_runs
+    return shared_runs.run_3d(shared_runs_dir)
+
+
+@pytest.fixture(scope="session")
+def torchrun_run(shared_runs_dir):
+    pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+    from mfuscope.tests import shared_runs
+    return shared_runs.torchrun_run(shared_runs_dir)
+
+
+@pytest.fixture(scope="session")
+def optimized_gpipe(shared_runs_dir):
+    pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+    from mfuscope.tests import shared_runs
+    return shared_runs.optimized_gpipe(shared_runs_dir / "optimize")

@@ -47,5 +47,6 @@ NO_DEVICE = ("no device runs the Triton kernels here: no CUDA GPU is visible and
 #: Marks a test of a fact true of Triton's interpreter only (a condition read when the test runs,
 #: after conftest has chosen: this module is imported before).
 interpreter_only = pytest.mark.skipif(
-    "os.environ.get('TRITON_INTERPRET') != '1'", reason="asserts a property of Triton's interpreter (one SM, host memory); this session "
-                               "compiles the kernels for the GPU, where scripts/gpu_kernels_check.py measures them")
+    "os.environ.get('TRITON_INTERPRET') != '1'",
+    reason="asserts a property of Triton's interpreter (one SM, host memory); this session compiles the kernels "
+           "for the GPU, where scripts/gpu_kernels_check.py measures them")

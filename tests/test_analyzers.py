@@ -128,6 +128,7 @@ def test_dlrm_stragglers_compared_with_hta(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- injected faults
+# Paced runs whose timings the tests assert: make test runs them in its paced lane (tests/lanes.py).
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
@@ -191,6 +192,7 @@ def _busy(report, rank):
                if r["rank"] == rank and not r["leaf"].startswith("comm/") and r["leaf"] != "bubble")
 
 
+@pytest.mark.paced
 def test_injected_compute_delay_makes_rank_3_the_top_straggler(dp_runs):
     report = dp_runs["slow"][1]
     top = report["stragglers"][0]
@@ -206,6 +208,7 @@ def test_injected_compute_delay_makes_rank_3_the_top_straggler(dp_runs):
     assert any(f["fix"] == "straggler_rank" and f["evidence"]["rank"] == 3 for f in report["findings"])
 
 
+@pytest.mark.paced
 def test_mfu_uses_the_model_spec_and_the_measured_cpu_peak(dp_runs):
     out, report = dp_runs["base"]
     s = report["summary"]
@@ -228,6 +231,7 @@ def test_mfu_uses_the_model_spec_and_the_measured_cpu_peak(dp_runs):
         assert per_rank[rank] == pytest.approx(3 * 25600 * 256 * len(mine) / 8 / (own_s * peak), rel=1e-9)
 
 
+@pytest.mark.paced
 def test_compare_fails_on_the_slowed_run_and_passes_the_rerun(dp_runs):
     from mfuscope.report import write_report
     for out, report in dp_runs.values():
@@ -255,6 +259,7 @@ def _rank_leaf(report, rank, prefix):
     return sum(r["seconds"] for r in report["breakdown_by_rank"] if r["rank"] == rank and r["leaf"].startswith(prefix))
 
 
+@pytest.mark.paced
 def test_late_tensor_parallel_rank_shows_as_exposed_tp_communication(tmp_path):
     # tp alone, so nothing but the tp collectives stands between the two ranks (with FSDP beside
     # it, part of the delay reaches rank 0 through the data-parallel gathers instead).
@@ -268,6 +273,7 @@ def test_late_tensor_parallel_rank_shows_as_exposed_tp_communication(tmp_path):
     assert grew[1] < 0.2 * expected, grew  # the late rank itself does not wait
 
 
+@pytest.mark.paced
 def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
     _, report = _run(tmp_path, "pp_heavy", "pp=2,dp_shard=4", inject="stage:stage=1:ms=40")
     b = report["bubbles"][0]
@@ -282,6 +288,7 @@ def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
     assert any(f["fix"] == "rebalance_stages" for f in report["findings"])
 
 
+@pytest.mark.paced
 def test_pipeline_bubbles_follow_1f1b_theory(tmp_path):
     """1F1B on 4 paced stages: the measured bubble is the theory (p-1)/(m+p-1) of the pipeline's time,
     plus at most what the theory leaves out, a latency per point-to-point hop.
@@ -325,6 +332,7 @@ def test_bubble_theory_matches_the_published_rates(schedule, v, rate):
     assert theory(4, 8) == pytest.approx(3 / 11)  # 1F1B: (p-1)/(m+p-1) on the pipeline-time basis
 
 
+@pytest.mark.paced
 def test_zero_bubble_theory_uses_the_measured_phases(tmp_path):
     """ZB-V on 2 paced stages with a weight-gradient pass of its own: the theory comes from the F/B/W
     times the trace shows, and the measured bubble sits far below the 1F1B theory a zero-bubble run

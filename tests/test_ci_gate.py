@@ -30,6 +30,8 @@ from mfuscope.regression.history import History, append, make_record, read
 
 from .helpers import REPO
 
+#: The paced lane (tests/lanes.py): the gate compares real runs' step times (one fixture run feeds all).
+pytestmark = pytest.mark.paced
 WORKFLOW = REPO / ".github" / "workflows" / "mfu-regression.yml"
 BIN = Path(sys.executable).parent
 CLI = [sys.executable, "-m", "mfuscope"]

@@ -27,7 +27,7 @@ from mfuscope.collectors.kineto_window import parse_window  # noqa: E402
 from mfuscope.collectors.nvml_sampler import NvmlSampler  # noqa: E402
 from mfuscope.errors import UserInputError  # noqa: E402
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402
+from mfuscope.tests.shared_runs import RUN_3D  # noqa: E402
 
 PLAIN_DDP = Path(__file__).parent / "workloads" / "plain_ddp.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -35,12 +35,15 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 # ----------------------------------------------------------------------------- 8-rank trainer run
 
+# These read the session's shared 3D run, as the dashboard does: both in make test's paced lane
+# (tests/lanes.py), so the run is made once.
 @pytest.fixture(scope="module")
-def trainer_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run3d")
-    fork_ranks(run_rank, 8, RunOptions(config="tiny_dense", layout="dp_shard=2,tp=2,pp=2", steps=2, window="0:",
-                                       out=str(out)))
-    return out
+def trainer_run(run_3d):
+    """The session's shared 3D run (tests/shared_runs.py): 4 steps, 4 microbatches, traced from step 1."""
+    return run_3d
+
+
+STEPS, TRACED = RUN_3D["steps"], list(range(1, RUN_3D["steps"]))  # the window "1:": every step after the first
 
 
 def _hand_groups(rank: int) -> dict[str, list[int]]:
@@ -82,17 +85,20 @@ def _trace_collectives(path: Path) -> list[tuple[str, int, int]]:
             for e in events if e["name"] in _C10D_OPS]
 
 
+@pytest.mark.paced
 def test_every_collective_is_recorded_with_its_bytes(trainer_run):
     comm = run_dir.read_table(trainer_run, run_dir.COMM).to_pandas()
     for rank in range(8):
         rows = comm[comm["rank"] == rank]
         traced = _trace_collectives(trainer_run / "traces" / f"rank{rank}.pt.trace.json.gz")
-        # The logged loss is all-reduced as 2 float64 values over the world; everything else is fp32.
+        # The logged loss is all-reduced as 2 float64 values over the world, once a step; everything
+        # else is fp32.  The trace holds the window's steps only.
         world = rows[rows["dim"] == "world"]
-        assert (world["op"] == "all_reduce").all() and (world["bytes"] == 2 * 8).all() and len(world) == 2
-        for step in (0, 1):
+        assert (world["op"] == "all_reduce").all() and (world["bytes"] == 2 * 8).all() and len(world) == STEPS
+        assert sorted({s for _, _, s in traced}) == TRACED
+        for step in TRACED:
             traced.remove(("all_reduce", 2, step))
-        rows = rows[rows["dim"] != "world"]
+        rows = rows[(rows["dim"] != "world") & rows["step"].isin(TRACED)]
         ours = collections.Counter((op, b, s) for op, b, s in zip(rows["op"], rows["bytes"], rows["step"])
                                    if op not in ("send", "recv", "send_recv"))
         theirs = collections.Counter((op, 4 * n, s) for op, n, s in traced if op != "p2p")
@@ -103,6 +109,7 @@ def test_every_collective_is_recorded_with_its_bytes(trainer_run):
         assert p2p["bytes"].sum() == sum(4 * n for op, n, s in traced if op == "p2p" and s == 1) > 0
 
 
+@pytest.mark.paced
 def test_each_collective_has_its_dimension_group_and_order(trainer_run):
     comm = run_dir.read_table(trainer_run, run_dir.COMM).to_pandas()
     assert set(comm["dim"]) == {"tp", "dp_shard_cp", "pp", "world"}
@@ -114,18 +121,19 @@ def test_each_collective_has_its_dimension_group_and_order(trainer_run):
         for _, g in rows.groupby("pg"):  # per-group sequence numbers count calls in order
             assert g["seq"].tolist() == list(range(len(g)))
         assert (rows["end_ns"] >= rows["start_ns"]).all() and rows["end_ns"].notna().all()
-    # Sequence-parallel activation gathers: one microbatch's rows (8 / 2 data ranks / 2 microbatches)
+    # Sequence-parallel activation gathers: one microbatch's rows (8 / 2 data ranks / 4 microbatches)
     # x seq 32 x dim 64 fp32 values; the most common tensor-parallel all-gather.
     tp_gathers = comm[(comm["dim"] == "tp") & (comm["op"] == "all_gather")]["bytes"]
-    assert tp_gathers.mode().iloc[0] == 2 * 32 * 64 * 4
+    assert tp_gathers.mode().iloc[0] == 1 * 32 * 64 * 4
 
 
+@pytest.mark.paced
 def test_trainer_run_directory_validates(trainer_run):
     manifest = run_dir.read_manifest(trainer_run)  # schema-checked
     assert manifest["status"] == "complete" and manifest["world_size"] == 8
-    assert manifest["window"] == {"start_step": 0}
+    assert manifest["window"] == {"start_step": 1}
     steps = run_dir.read_table(trainer_run, run_dir.STEPS).to_pandas()
-    assert sorted(steps["rank"].unique()) == list(range(8)) and sorted(steps["step"].unique()) == [0, 1]
+    assert sorted(steps["rank"].unique()) == list(range(8)) and sorted(steps["step"].unique()) == list(range(STEPS))
     assert (steps["tokens"] == 8 * 32).all() and steps["loss"].notna().all()
     assert sorted(p.name for p in (trainer_run / "traces").iterdir()) == sorted(
         f"rank{r}.pt.trace.json.gz" for r in range(8))

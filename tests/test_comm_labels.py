@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+#: Reads the session's shared 3D run, which the dashboard's paced lane reads too (tests/lanes.py).
+pytestmark = pytest.mark.paced
 
 from mfuscope import run_dir  # noqa: E402
 from mfuscope.analyzers import trace_set  # noqa: E402
-from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402
 
 # Who issues which c10d operator in this layout (from how FSDP2, DTensor and pipelining work).
 EXPECTED_DIM = {
@@ -30,11 +30,9 @@ EXPECTED_DIM = {
 
 
 @pytest.fixture(scope="module")
-def profiled_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run3d")
-    fork_ranks(run_rank, 8, RunOptions(config="tiny_dense", layout="dp_shard=2,tp=2,pp=2", steps=3,
-                                       window="1:", out=str(out)))
-    return out
+def profiled_run(run_3d):
+    """The session's shared 3D run (tests/shared_runs.py), traced from step 1."""
+    return run_3d
 
 
 def test_every_collective_is_inside_its_dimension_label(profiled_run):

@@ -23,6 +23,8 @@ from mfuscope.optimizers.spec import Layout, ModelSpec, Training
 from .helpers import WAKE_S, micro_config
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+#: Wall time is what these tests assert: make test runs them in its paced lane (tests/lanes.py).
+pytestmark = pytest.mark.paced
 
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
 from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402

@@ -31,7 +31,8 @@ from mfuscope.analyzers import intervals as iv
 
 from .helpers import DLRM, REPO
 
-pytestmark = pytest.mark.slow
+#: The paced lane (tests/lanes.py): its runs are paced, and an optimize run's measurements are shown.
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
 ARTIFACTS = REPO / "artifacts" / "dashboard"
 WAIT_S = 180  # seconds any page condition may take before the test gives up
 try:
@@ -43,47 +44,38 @@ CHROMIUM = "/usr/bin/chromium"
 #: the machine's closed network refuses those connections and chromium logs every refusal.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
                  "--disable-background-networking", "--disable-component-update"]
-LAYOUT = ["--config", "tiny_dense", "--nproc", "8", "--layout", "dp_shard=2,tp=2,pp=2", "--microbatches", "4",
-          "--steps", "4", "--profile"]
 
 
 # --------------------------------------------------------------------------- fixtures
-def _train(out: Path, *extra: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "mfuscope", "train", *LAYOUT, *extra, "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe) -> Path:
+    """A runs directory as a user keeps one.  The session's shared runs (tests/shared_runs.py) are
+    linked in under the names the pages are checked by: ``pp8`` (8 ranks, dp_shard=2 x tp=2 x pp=2,
+    1F1B, 4 microbatches), ``no-window`` (mfuscope train through torchrun, no trace window) and
+    ``gpipe`` with the ``gpipe-opt-*`` runs `mfuscope optimize --apply` made of it."""
+    pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+    from mfuscope.reference_trainer.launch import fork_ranks
+    from mfuscope.reference_trainer.train import RunOptions, run_rank
+    from mfuscope.tests.shared_runs import RUN_3D, RUN_3D_WORLD
+
     root = tmp_path_factory.mktemp("runs")
-    _train(root / "pp8")
+    (root / "pp8").symlink_to(run_3d, target_is_directory=True)
     # Paced stages (sleeps) keep 8 ranks on 2 cores timed like dedicated devices, and the injected
     # straggler must stand out in every step: with one of the 2 cores busy elsewhere, the busy time
     # of a stage's 4 ranks scatters by up to 0.2 s a step over their real compute (3 scaled MADs,
     # the detection threshold, reached 0.56 s), so rank 5 sleeps 250 ms in each of its 4 microbatch
     # forwards, 1 s a step.
-    _train(root / "pp8-straggler", "--paced", "fwd_ms=40,bwd_ms=80", "--inject", "compute:rank=5:ms=250")
-    # A poor paced start and what `mfuscope optimize --apply` made of it (new runs beside it).
-    proc = subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "2",
-                           "--layout", "pp=2", "--schedule", "gpipe", "--microbatches", "2", "--set", "global_batch=8",
-                           "--steps", "3", "--profile", "--paced", "fwd_ms=40,bwd_ms=80,per=sample",
-                           "--out", str(root / "gpipe")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for cmd in (["analyze", str(root / "gpipe")],
-                ["optimize", str(root / "gpipe"), "--apply", "--fixes", "more_microbatches", "--rounds", "1"]):
-        proc = subprocess.run([sys.executable, "-m", "mfuscope", *cmd], capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    fork_ranks(run_rank, RUN_3D_WORLD, RunOptions(**RUN_3D, paced="fwd_ms=40,bwd_ms=80",
+                                                  inject="compute:rank=5:ms=250", out=str(root / "pp8-straggler")))
+    for run in sorted(optimized_gpipe["base"].parent.glob("gpipe*")):  # the poor start, and what optimize made
+        (root / run.name).symlink_to(run, target_is_directory=True)
     if DLRM.is_dir():
         (root / "dlrm").symlink_to(DLRM, target_is_directory=True)
     (root / "broken").mkdir()
     (root / "broken" / run_dir.MANIFEST).write_text('{"schema_version": 1, "run_id": "cut off')
     # what else lies in a real runs directory: a run without a trace window, a run under an awkward
     # name, notes and a model folder -- none of which is a trace set
-    proc = subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "2",
-                           "--layout", "dp_shard=2", "--steps", "2", "--out", str(root / "no-window")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (root / "no-window").symlink_to(torchrun_run, target_is_directory=True)
     (root / "odd name #1 [x]").symlink_to(root / "pp8", target_is_directory=True)
     (root / "notes.json").write_text('{"what": "not a trace"}')
     (root / "checkpoint").mkdir()
@@ -335,7 +327,8 @@ def test_runs_page_lists_every_run_and_the_broken_one(tab, runs):
     # a run without a trace window says so, with what the always-on collectors recorded
     tab.open("/run/no-window", "#run-info")
     info = tab.text("#run-info")
-    assert "no traces" in tab.text() and "2 recorded on 2 rank(s)" in info and "comm dp_cp" in info, info
+    assert "no traces" in tab.text() and "2 recorded on 4 rank(s)" in info, info  # the shared torchrun run
+    assert "comm dp_shard_cp" in info and "comm tp" in info, info
     tab.open("/", "#runs-grid .ag-row")
     tab.page.locator("#runs-grid a", has_text="odd name #1 [x]").click()  # an awkward name round-trips the URL
     tab.page.wait_for_selector("#summary-cards, #analysis-progress")

@@ -17,6 +17,8 @@ from mfuscope.reference_trainer.launch import fork_ranks
 from mfuscope.reference_trainer.train import RunOptions, run_rank
 from mfuscope.tests.helpers import WAKE_S, micro_config
 
+#: Wall time is what these tests assert: make test runs them in its paced lane (tests/lanes.py).
+pytestmark = pytest.mark.paced
 MICRO = micro_config(n_layers=2, global_batch=8, grad_accum=1)
 
 

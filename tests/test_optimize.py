@@ -8,51 +8,32 @@ prediction is held against its own measured run.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
-from mfuscope.tests.helpers import DLRM, micro_config  # noqa: E402
-
-# Eight layers cut 7,1 over two pipeline stages, paced per layer (10/20 ms a sample forward/backward):
-# stage 0 computes seven times what stage 1 does, and GPipe with two microbatches idles a third of
-# the pipeline on top.
-MODEL = micro_config(n_layers=8, global_batch=8, grad_accum=1, microbatches=2)
-START = ["--nproc", "2", "--layout", "pp=2", "--schedule", "gpipe", "--microbatches", "2", "--stage-layers", "7,1",
-         "--steps", "3", "--profile", "--paced", "fwd_ms=10,bwd_ms=20,per=sample,scope=layer"]
+from mfuscope.tests.helpers import DLRM  # noqa: E402
+from mfuscope.tests.shared_runs import mfuscope as _mfuscope  # noqa: E402
 
 
-def _mfuscope(*args, timeout=900, env=None):
-    return subprocess.run([sys.executable, "-m", "mfuscope", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
-
-
-def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(tmp_path):
-    config = tmp_path / "micro8.toml"
-    config.write_text(MODEL)
-    base = tmp_path / "gpipe"
-    trained = _mfuscope("train", "--config", str(config), *START, "--out", str(base))
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    proposed = _mfuscope("optimize", str(base), "--json")  # analyzes the run first
-    assert proposed.returncode == 0, proposed.stderr
+@pytest.mark.paced
+def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(optimized_gpipe):
+    """The session's shared optimize run (tests/shared_runs.py, ``optimized_gpipe``): GPipe, 2
+    microbatches, 8 layers cut 7,1, then ``optimize --json`` and ``optimize --apply --fixes
+    rebalance_stages,more_microbatches --rounds 3``."""
+    base, proposals = optimized_gpipe["base"], optimized_gpipe["proposals"]["fixes"]
     assert (base / "report.json").is_file()
-    proposals = json.loads(proposed.stdout)["fixes"]
     assert {"more_microbatches", "interleaved_schedule", "rebalance_stages"} <= {f["fix"] for f in proposals}
     rebalance = next(f for f in proposals if f["fix"] == "rebalance_stages")
     assert rebalance["change"] == {"stage_layers": "4,4"}, rebalance  # 8 equal layers: 4 each
 
     # Interleaving (v=2 on 8 layers) would also cut the stages evenly; the pipeline fixes on their own here.
-    done = _mfuscope("optimize", str(base), "--apply", "--fixes", "rebalance_stages,more_microbatches",
-                     "--rounds", "3", "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout)
+    summary, stderr = optimized_gpipe["summary"], optimized_gpipe["stderr"]
     assert summary == json.loads((base / "optimize.json").read_text())
     assert (base / "optimize.md").is_file()
-    assert "round 1" in done.stderr and "s so far" in done.stderr  # progress
+    assert "round 1" in stderr and "s so far" in stderr  # progress
     # The paced work is 8 samples x 8 layers x 30 ms over 2 ranks, 0.96 s: the start wastes 0.8 s+ of
     # its step, and rebalancing with 8 microbatches leaves one 120 ms fill and drain.
     assert summary["final"]["measured_step_s"] < 0.75 * summary["base_step_s"], summary["final"]
@@ -60,7 +41,7 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
     ran = [f for f in summary["fixes"] if f["measured_step_s"] is not None]
     for f in ran:  # every change the optimizer ran: its prediction within 25% of its own measurement
         assert f["predicted_step_s"] == pytest.approx(f["measured_step_s"], rel=0.25), f
-        assert Path(f["run"]).is_dir() and Path(f["run"]).parent == tmp_path  # beside the base: listed
+        assert Path(f["run"]).is_dir() and Path(f["run"]).parent == base.parent  # beside the base: listed
     kept = Path(summary["final"]["run"])
     assert json.loads((kept / "manifest.json").read_text())["trainer"]["stage_layers"] == [4, 4]
     report = json.loads((kept / "report.json").read_text())
@@ -91,6 +72,7 @@ def _overlap_over_a_slow_link(base: Path, *options: str) -> tuple[Path, dict, Pa
     return base, summary["fixes"][0], Path(summary["final"]["run"])
 
 
+@pytest.mark.paced
 def test_prefetch_hides_a_slow_links_gathers_as_predicted(tmp_path):
     """FSDP over a slow data-parallel link (0.04 Gbit/s: each block's 148 KB gather takes 30 ms)
     with 40/80 ms of paced compute per block: unprefetched, every gather waits in the open.  The
@@ -110,6 +92,7 @@ def test_prefetch_hides_a_slow_links_gathers_as_predicted(tmp_path):
     assert fix["predicted_step_s"] == pytest.approx(fix["measured_step_s"], rel=0.25)
 
 
+@pytest.mark.paced
 def test_smaller_ddp_buckets_hide_a_slow_links_all_reduce_as_predicted(tmp_path):
     """DDP over the same slow link: the tiny model's 0.7 MB of gradients fit one 25 MiB bucket, all
     reduced after the backward (145 ms a step).  Buckets of one layer start reducing the last

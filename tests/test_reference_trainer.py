@@ -5,7 +5,7 @@ pipeline microbatches, single-process gradient accumulation over the same
 microbatches, since routing statistics are per forward pass).  Every run uses
 plain SGD, so an update is ``lr x gradient`` and nothing amplifies a rounding
 difference the way Adam's division by sqrt(v) does for near-zero gradients.
-For each of 3 steps, the loss and every parameter's full gradient must match
+For each of 3 steps (2 with the fused kernels), the loss and every parameter's full gradient must match
 the reference within :func:`fp32_tolerance`, norm-wise per tensor.  Ranks are
 real gloo processes, forked.
 
@@ -54,12 +54,12 @@ def fp32_tolerance(config: str) -> float:
     return depth * n * u / (1 - n * u)
 
 
-def _run(tmp_path, world, name, **kw):
+def _run(tmp_path, world, name, steps=STEPS, **kw):
     out = tmp_path / name
     kw["overrides"] = {**SGD, **kw.get("overrides", {})}
-    fork_ranks(run_rank, world, RunOptions(steps=STEPS, result=str(out), **kw))
+    fork_ranks(run_rank, world, RunOptions(steps=steps, result=str(out), **kw))
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
-    grads: list[dict[str, torch.Tensor]] = [{} for _ in range(STEPS)]
+    grads: list[dict[str, torch.Tensor]] = [{} for _ in range(steps)]
     for res in ranks:
         for step, g in enumerate(res["grads"]):
             grads[step].update(g)
@@ -119,6 +119,9 @@ def _moe_reference(tmp_path_factory, layout: str):
     return _reference(tmp_path_factory, "tiny_moe", grad_accum=load_config("tiny_moe").microbatches if pipelined else 1)
 
 
+#: The runs with the fused kernels compare two steps, not STEPS: each step runs every kernel through
+#: Triton's interpreter (seconds each), and the second already trains on updated weights.
+FUSED = {"steps": 2}
 DENSE = [
     # (id, world, layout, options)
     ("ddp", 2, "dp_shard=2", {"dp_mode": "ddp"}),
@@ -130,10 +133,11 @@ DENSE = [
     ("fsdp2_prefetch", 2, "dp_shard=2", {"prefetch": True}),
     ("fsdp2_keep_last_gathered", 2, "dp_shard=2", {"keep_last_gathered": True}),
     # mfuscope's fused RMSNorm and SwiGLU (Triton through the interpreter on CPU): one rank, and tp=2,
-    # where the norms run sequence parallel on DTensor shards.
-    ("fused_kernels_1rank", 1, "", {"kernels": "fused"}),
-    ("fused_kernels_tp2", 2, "tp=2", {"kernels": "fused"}),
-    ("fused_kernels_fsdp2", 2, "dp_shard=2", {"kernels": "fused"}),  # the fused head on FSDP's gathered weight
+    # where the norms run sequence parallel on DTensor shards.  Two steps (FUSED): the kernels' forward
+    # and backward, before and after an update; the interpreter makes each step seconds.
+    ("fused_kernels_1rank", 1, "", {"kernels": "fused", **FUSED}),
+    ("fused_kernels_tp2", 2, "tp=2", {"kernels": "fused", **FUSED}),
+    ("fused_kernels_fsdp2", 2, "dp_shard=2", {"kernels": "fused", **FUSED}),  # the fused head on FSDP's gathered weight
     ("hsdp_prefetch_accumulate", 4, "dp_replicate=2,dp_shard=2", {"prefetch": True, "overrides": {"grad_accum": 2}}),
     ("fsdp2_recompute_full", 2, "dp_shard=2", {"overrides": {"recompute": "full"}}),
     ("fsdp2_recompute_selective", 2, "dp_shard=2", {"overrides": {"recompute": "selective"}}),
@@ -156,7 +160,8 @@ PIPELINED = [(f"{sched}_{dim}", world, f"pp=2,{extra}", {"schedule": sched})
 # MoE permute and unpermute kernels (and the others) around the all-to-all -- the other
 # expert-parallel layouts run the trainer's own; ep2_edp2 and hsdp_ep2: two ranks hold each half of
 # the experts and FSDP shards it over them (over the replicas too in HSDP).
-MOE = [("ep2_fused_kernels", 2, "dp_shard=2,ep=2", {"kernels": "fused"}), ("ep2_edp2", 4, "dp_shard=4,ep=2", {}),
+MOE = [("ep2_fused_kernels", 2, "dp_shard=2,ep=2", {"kernels": "fused", **FUSED}),
+       ("ep2_edp2", 4, "dp_shard=4,ep=2", {}),
        ("hsdp_ep2", 4, "dp_replicate=2,dp_shard=2,ep=2", {}), ("tp2", 2, "tp=2", {})] + [
     (f"{sched}_ep2", 4, "pp=2,dp_shard=2,ep=2", {"schedule": sched}) for sched in SCHEDULES]
 

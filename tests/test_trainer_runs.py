@@ -8,6 +8,8 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+#: Wall time is what these tests assert: make test runs them in its paced lane (tests/lanes.py).
+pytestmark = pytest.mark.paced
 
 from mfuscope import run_dir  # noqa: E402
 from mfuscope.errors import UserInputError  # noqa: E402
@@ -16,12 +18,10 @@ from mfuscope.reference_trainer.parallel_dims import ParallelDims  # noqa: E402
 from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402
 
 
-def test_mfuscope_train_through_torchrun_writes_a_valid_run_directory(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "4",
-                           "--layout", "dp_shard=2,tp=2", "--steps", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_mfuscope_train_through_torchrun_writes_a_valid_run_directory(torchrun_run):
+    """The session's shared torchrun run (tests/shared_runs.py): ``mfuscope train --nproc 4 --layout
+    dp_shard=2,tp=2 --steps 2``."""
+    out = torchrun_run
     manifest = run_dir.read_manifest(out)  # validates against the schema
     assert manifest["world_size"] == 4 and manifest["layout"]["tp"] == 2 and manifest["layout"]["dp_shard"] == 2
     assert {g["dim"] for g in manifest["process_groups"]} >= {"tp", "dp_shard", "pp", "cp"}

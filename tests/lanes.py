@@ -1,0 +1,93 @@
+"""``make test``: the whole suite in two lanes at once, so that it fits its budget on 2 cores.
+
+Most of the suite's time is multi-rank runs of the reference trainer, and the runs whose wall time
+the tests assert (the ``paced`` marker: paced sleeps, injected delays, predicted against measured
+steps, a browser over paced runs) spend most of theirs asleep.  So:
+
+- the **paced lane** runs ``pytest -m paced`` at normal priority, one test at a time, as the suite
+  always ran;
+- the **rest lane** runs ``pytest -m "not paced"`` beside it under Linux's ``SCHED_IDLE`` policy
+  (inherited by every process it starts), on the cores the paced lane leaves idle.  The scheduler
+  gives such a process a core only when no normal process wants it, and takes it back the moment
+  one wakes, so the paced lane's timings are those of the machine alone, not of a loaded one
+  (``nice`` is not enough: ten nice-10 ranks together still take a third of a contended core).
+  Nothing in the rest lane asserts a duration.
+
+The paced lane streams its output; the rest lane's goes to ``artifacts/tests/rest.log`` and is
+printed when it ends.  The last line totals both lanes.  ``pytest`` alone still runs every test
+in one process (slower, same tests), and ``pytest FILE`` runs a file, whatever its lane.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LOGS = REPO / "artifacts" / "tests"
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10"]
+#: pytest's closing line: "3 failed, 550 passed, 2 skipped in 612.34s (0:10:12)"
+COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def _counts(log: str) -> dict[str, int]:
+    lines = [ln for ln in log.splitlines() if " in " in ln and COUNTS.search(ln)]
+    if not lines:
+        return {}
+    found = {}
+    for n, what in COUNTS.findall(lines[-1]):
+        found["error" if what.startswith("error") else what] = int(n)
+    return found
+
+
+def _idle_priority() -> None:
+    """This process and its children run only on otherwise idle cores (``nice`` 19 where the
+    platform has no SCHED_IDLE)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
+def main(argv: list[str]) -> int:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    rest_log = LOGS / "rest.log"
+    with open(rest_log, "w") as out:
+        rest = subprocess.Popen([*PYTEST, "-m", "not paced", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_idle_priority)
+        print(f"make test: the rest lane runs beside this one on idle cores only; its log: {rest_log}", flush=True)
+        paced_out: list[str] = []
+        proc = subprocess.Popen([*PYTEST, "-m", "paced", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its progress as it goes
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            paced_out.append(line)
+        paced_rc = proc.wait()
+        paced_s = time.monotonic() - start
+        print(f"make test: paced lane done in {paced_s:.0f} s; waiting for the rest lane", flush=True)
+        rest_rc = rest.wait()
+    rest_s = time.monotonic() - start
+    rest_text = rest_log.read_text()
+    print(f"---------- the rest lane ({rest_log}) ----------")
+    print(rest_text, end="" if rest_text.endswith("\n") else "\n")
+    total: dict[str, int] = {}
+    for lane in (_counts("".join(paced_out)), _counts(rest_text)):
+        for k, v in lane.items():
+            total[k] = total.get(k, 0) + v
+    ok = paced_rc == 0 and rest_rc == 0
+    summary = f"{total.get('passed', 0)} passed, {total.get('failed', 0) + total.get('error', 0)} failed"
+    if total.get("skipped"):
+        summary += f", {total['skipped']} skipped"
+    print(f"lanes: paced {paced_s:.0f} s (exit {paced_rc}), rest {rest_s:.0f} s (exit {rest_rc})")
+    print(summary)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

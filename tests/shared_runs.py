@@ -1,0 +1,91 @@
+"""Runs of the reference trainer that several test modules read, each made once per test session.
+
+A multi-rank run costs 5-90 s on 2 cores, most of it process start-up, paced sleeps and the
+collectors' writing; the modules that read the same kind of run share one.  ``conftest.py`` turns
+each builder below into a session-scoped fixture of the same name; a run is made the first time a
+test asks for it, in the session's temporary directory, and is read-only to its readers (a test
+that changes a run copies it first).
+
+| fixture            | the run                                                        | read by |
+|--------------------|----------------------------------------------------------------|---------|
+| ``run_3d``         | 8 forked ranks, ``dp_shard=2,tp=2,pp=2``, 1F1B, 4 microbatches, 4 steps, traced from step 1 | test_collectors, test_comm_labels, test_dashboard |
+| ``torchrun_run``   | ``mfuscope train`` through torchrun, 4 ranks ``dp_shard=2,tp=2``, 2 steps, no traces | test_trainer_runs, test_dashboard |
+| ``optimized_gpipe``| a poor paced pipeline start and ``mfuscope optimize --apply`` on it (3 rounds) | test_optimize, test_dashboard |
+
+To add one: write a builder here (its docstring says what the run is and why its size), add the
+fixture line to conftest, and list it in this table; a module with a run nobody else reads keeps it
+as a module-scoped fixture of its own.  docs/contributing.md has the suite's time budget.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .helpers import micro_config
+
+CLI = [sys.executable, "-m", "mfuscope"]
+
+#: The 3D layout on 8 ranks: every dimension but cp and ep, and a pipeline of 4 microbatches.
+RUN_3D = dict(config="tiny_dense", layout="dp_shard=2,tp=2,pp=2", microbatches=4, steps=4, window="1:")
+RUN_3D_WORLD = 8
+
+
+def mfuscope(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m mfuscope ARGS`` as a user runs it: output captured."""
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _ok(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"{what} failed:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def run_3d(root: Path) -> Path:
+    """:data:`RUN_3D` on :data:`RUN_3D_WORLD` forked gloo ranks (the fork launcher: no per-rank
+    interpreter start), with the collectors and a Kineto window from step 1."""
+    from mfuscope.reference_trainer.launch import fork_ranks
+    from mfuscope.reference_trainer.train import RunOptions, run_rank
+
+    out = root / "3d"
+    fork_ranks(run_rank, RUN_3D_WORLD, RunOptions(**RUN_3D, out=str(out)))
+    return out
+
+
+#: ``mfuscope train`` of :func:`torchrun_run`: tensor and data parallel, no trace window.
+TORCHRUN = ["--config", "tiny_dense", "--nproc", "4", "--layout", "dp_shard=2,tp=2", "--steps", "2"]
+
+
+def torchrun_run(root: Path) -> Path:
+    """The trainer as a user starts it, through ``mfuscope train`` and torchrun, with only the
+    always-on collectors (no ``--profile``)."""
+    out = root / "torchrun"
+    _ok(mfuscope("train", *TORCHRUN, "--out", str(out), timeout=300), "mfuscope train")
+    return out
+
+
+#: Eight layers cut 7,1 over two pipeline stages, paced per layer (10/20 ms a sample forward and
+#: backward): stage 0 computes seven times what stage 1 does, and GPipe with two microbatches idles
+#: a third of the pipeline on top.
+GPIPE_MODEL = micro_config(n_layers=8, global_batch=8, grad_accum=1, microbatches=2)
+GPIPE_START = ["--nproc", "2", "--layout", "pp=2", "--schedule", "gpipe", "--microbatches", "2",
+               "--stage-layers", "7,1", "--steps", "3", "--profile",
+               "--paced", "fwd_ms=10,bwd_ms=20,per=sample,scope=layer"]
+GPIPE_FIXES = "rebalance_stages,more_microbatches"
+
+
+def optimized_gpipe(root: Path) -> dict:
+    """:data:`GPIPE_START` trained, its proposals (``optimize --json``, which analyzes the run
+    first), then ``optimize --apply`` with :data:`GPIPE_FIXES` for up to 3 rounds; the runs it made
+    lie beside the base, in ``root/gpipe-opt-*``.  Returns {"base", "proposals", "summary",
+    "stderr"}: the base run, the two commands' JSON, the apply's progress output."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "micro8.toml"
+    config.write_text(GPIPE_MODEL)
+    base = root / "gpipe"
+    _ok(mfuscope("train", "--config", str(config), *GPIPE_START, "--out", str(base)), "mfuscope train")
+    proposals = json.loads(_ok(mfuscope("optimize", str(base), "--json"), "mfuscope optimize").stdout)
+    done = _ok(mfuscope("optimize", str(base), "--apply", "--fixes", GPIPE_FIXES, "--rounds", "3", "--json"),
+               "mfuscope optimize --apply")
+    return {"base": base, "proposals": proposals, "summary": json.loads(done.stdout), "stderr": done.stderr}
