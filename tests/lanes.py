@@ -23,12 +23,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LOGS = REPO / "artifacts" / "tests"
-PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=20"]
 #: pytest's closing line: "3 failed, 550 passed, 2 skipped in 612.34s (0:10:12)"
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
@@ -52,41 +51,48 @@ def _idle_priority() -> None:
         os.nice(19)
 
 
+def _lane_seconds(log: str) -> str:
+    """The duration pytest's closing line gives ("in 612.34s"), or "?"."""
+    found = re.findall(r" in (\d+(?:\.\d+)?)s", log)
+    return f"{float(found[-1]):.0f} s" if found else "?"
+
+
 def main(argv: list[str]) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
     rest_log = LOGS / "rest.log"
     with open(rest_log, "w") as out:
         rest = subprocess.Popen([*PYTEST, "-m", "not paced", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=_idle_priority)
-        print(f"make test: the rest lane runs beside this one on idle cores only; its log: {rest_log}", flush=True)
-        paced_out: list[str] = []
-        proc = subprocess.Popen([*PYTEST, "-m", "paced", *argv], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its progress as it goes
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            paced_out.append(line)
-        paced_rc = proc.wait()
-        paced_s = time.monotonic() - start
-        print(f"make test: paced lane done in {paced_s:.0f} s; waiting for the rest lane", flush=True)
-        rest_rc = rest.wait()
-    rest_s = time.monotonic() - start
-    rest_text = rest_log.read_text()
+        try:
+            print(f"make test: the rest lane runs beside this one on idle cores only; its log: {rest_log}", flush=True)
+            paced_out: list[bytes] = []
+            paced = subprocess.Popen([*PYTEST, "-m", "paced", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            while chunk := os.read(paced.stdout.fileno(), 4096):  # each test's dot as it passes
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                paced_out.append(chunk)
+            paced_rc = paced.wait()
+            if rest.poll() is None:
+                print("make test: the paced lane is done; waiting for the rest lane", flush=True)
+            rest_rc = rest.wait()
+        finally:  # interrupted: the rest lane does not go on alone
+            if rest.poll() is None:
+                rest.terminate()
+    paced_text, rest_text = b"".join(paced_out).decode(errors="replace"), rest_log.read_text(errors="replace")
     print(f"---------- the rest lane ({rest_log}) ----------")
     print(rest_text, end="" if rest_text.endswith("\n") else "\n")
     total: dict[str, int] = {}
-    for lane in (_counts("".join(paced_out)), _counts(rest_text)):
+    for lane in (_counts(paced_text), _counts(rest_text)):
         for k, v in lane.items():
             total[k] = total.get(k, 0) + v
-    ok = paced_rc == 0 and rest_rc == 0
     summary = f"{total.get('passed', 0)} passed, {total.get('failed', 0) + total.get('error', 0)} failed"
     if total.get("skipped"):
         summary += f", {total['skipped']} skipped"
-    print(f"lanes: paced {paced_s:.0f} s (exit {paced_rc}), rest {rest_s:.0f} s (exit {rest_rc})")
+    print(f"lanes: paced {_lane_seconds(paced_text)} (exit {paced_rc}), rest {_lane_seconds(rest_text)} "
+          f"(exit {rest_rc})")
     print(summary)
-    return 0 if ok else 1
+    return 0 if paced_rc == 0 and rest_rc == 0 else 1
 
 
 if __name__ == "__main__":

@@ -42,15 +42,22 @@ def _ok(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedPro
     return proc
 
 
-def run_3d(root: Path) -> Path:
-    """:data:`RUN_3D` on :data:`RUN_3D_WORLD` forked gloo ranks (the fork launcher: no per-rank
-    interpreter start), with the collectors and a Kineto window from step 1."""
+def train_forked(out: Path, world: int, **options) -> Path:
+    """The reference trainer on ``world`` forked gloo ranks into the run directory ``out``, with
+    the collectors: what ``mfuscope train --nproc WORLD --out OUT`` writes, without an interpreter
+    start and torch import per rank (``options`` are :class:`RunOptions` fields; ``--profile`` is
+    ``window="1:"``).  For tests about what reads a run, not about how it was launched."""
     from mfuscope.reference_trainer.launch import fork_ranks
     from mfuscope.reference_trainer.train import RunOptions, run_rank
 
-    out = root / "3d"
-    fork_ranks(run_rank, RUN_3D_WORLD, RunOptions(**RUN_3D, out=str(out)))
+    fork_ranks(run_rank, world, RunOptions(**options, out=str(out)))
     return out
+
+
+def run_3d(root: Path) -> Path:
+    """:data:`RUN_3D` on :data:`RUN_3D_WORLD` forked gloo ranks (the fork launcher: no per-rank
+    interpreter start), with the collectors and a Kineto window from step 1."""
+    return train_forked(root / "3d", RUN_3D_WORLD, **RUN_3D)
 
 
 #: ``mfuscope train`` of :func:`torchrun_run`: tensor and data parallel, no trace window.

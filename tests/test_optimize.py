@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
 from mfuscope.tests.helpers import DLRM  # noqa: E402
-from mfuscope.tests.shared_runs import mfuscope as _mfuscope  # noqa: E402
+from mfuscope.tests.shared_runs import mfuscope as _mfuscope, train_forked  # noqa: E402
 
 
 @pytest.mark.paced
@@ -112,10 +112,8 @@ def test_smaller_ddp_buckets_hide_a_slow_links_all_reduce_as_predicted(tmp_path)
 def test_a_change_over_the_memory_budget_is_not_run(tmp_path):
     """Full recomputation cut to selective or none needs more activation memory than the run
     uses: with a budget between the two, the changes are listed with why, and never run."""
-    base = tmp_path / "full"
-    trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "2", "--layout", "dp_shard=2", "--steps", "3",
-                        "--set", "recompute=full", "--profile", "--out", str(base))
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    base = train_forked(tmp_path / "full", 2, config="tiny_dense", layout="dp_shard=2", steps=3, window="1:",
+                        overrides={"recompute": "full"})
     proposed = json.loads(_mfuscope("optimize", str(base), "--fixes", "less_recompute", "--json").stdout)
     gib = {f["summary"]: f["memory_gib"] for f in proposed["fixes"]}
     assert set(gib) == {"recompute full -> selective", "recompute full -> none"}, gib
@@ -169,10 +167,7 @@ def test_fuse_elementwise_runs_the_fused_kernels_and_torch_compile_for_real(tmp_
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    base = tmp_path / "eager"
-    trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "1", "--steps", "3", "--profile",
-                        "--out", str(base), env=env)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    base = train_forked(tmp_path / "eager", 1, config="tiny_dense", steps=3, window="1:")  # eager: no kernels
     done = _mfuscope("optimize", str(base), "--apply", "--fixes", "fuse_elementwise", "--rounds", "1", "--json",
                      env=env)
     assert done.returncode == 0, done.stderr[-3000:]
