@@ -37,6 +37,19 @@ def _isolated_cache(tmp_path_factory):
 
 # --------------------------------------------------------------------------- runs several modules read
 # Made once per session, the first time a test asks (tests/shared_runs.py says what each is).
+SHARED = {"run_3d", "torchrun_run", "optimized_gpipe"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every reader of a shared run is in make test's paced lane, as the runs' paced readers are, so
+    that two lanes never make the same run (tests/lanes.py)."""
+    unmarked = [item.nodeid for item in items
+                if SHARED & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("paced") is None]
+    if unmarked:
+        raise pytest.UsageError("these tests read a shared run (tests/shared_runs.py) but are not marked paced, so "
+                                "make test would make the run twice: " + ", ".join(unmarked))
+
+
 @pytest.fixture(scope="session")
 def shared_runs_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("shared-runs")

@@ -6,14 +6,18 @@ each builder below into a session-scoped fixture of the same name; a run is made
 test asks for it, in the session's temporary directory, and is read-only to its readers (a test
 that changes a run copies it first).
 
-| fixture            | the run                                                        | read by |
-|--------------------|----------------------------------------------------------------|---------|
-| ``run_3d``         | 8 forked ranks, ``dp_shard=2,tp=2,pp=2``, 1F1B, 4 microbatches, 4 steps, traced from step 1 | test_collectors, test_comm_labels, test_dashboard |
-| ``torchrun_run``   | ``mfuscope train`` through torchrun, 4 ranks ``dp_shard=2,tp=2``, 2 steps, no traces | test_trainer_runs, test_dashboard |
-| ``optimized_gpipe``| a poor paced pipeline start and ``mfuscope optimize --apply`` on it (3 rounds) | test_optimize, test_dashboard |
+- ``run_3d``: 8 forked ranks, ``dp_shard=2,tp=2,pp=2``, 1F1B, 4 microbatches, 4 steps, traced from
+  step 1.  Read by test_collectors, test_comm_labels, test_dashboard.
+- ``torchrun_run``: ``mfuscope train`` through torchrun, 4 ranks ``dp_shard=2,tp=2``, 2 steps, no
+  traces.  Read by test_trainer_runs, test_dashboard.
+- ``optimized_gpipe``: a poor paced pipeline start and ``mfuscope optimize --apply`` on it (3
+  rounds).  Read by test_optimize, test_dashboard.
+
+Every reader of a run is in the same lane of make test (tests/lanes.py: a paced test reads all three,
+so all their readers are marked ``paced``), so each is made once.
 
 To add one: write a builder here (its docstring says what the run is and why its size), add the
-fixture line to conftest, and list it in this table; a module with a run nobody else reads keeps it
+fixture to conftest (and to ``SHARED`` there), and list it here; a module with a run nobody else reads keeps it
 as a module-scoped fixture of its own.  docs/contributing.md has the suite's time budget.
 """
 from __future__ import annotations
