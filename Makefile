@@ -35,7 +35,7 @@ dashboard: $(STAMP)
 MAKE_START := $(shell date +%s)
 test: $(STAMP)
 	@$(PY) -m mfuscope.tests.lanes; rc=$$?; \
-	echo "make test: $$(( $$(date +%s) - $(MAKE_START) )) s wall, venv included (budget 720 s on 2 cores)"; \
+	echo "make test: $$(( $$(date +%s) - $(MAKE_START) )) s wall since make started, venv set-up included (budget 720 s on 2 cores)"; \
 	exit $$rc
 
 bench: $(STAMP)
