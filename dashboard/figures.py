@@ -1,6 +1,8 @@
 """Plotly figures: pure functions of analysis data (no Dash, no I/O), so each is easy to check alone."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -223,11 +225,19 @@ def predicted_leaves(leaves: dict[str, float], step_s: float, title: str) -> go.
     return _layout(fig, 120 + 28 * len(df), title=dict(text=title, font=dict(size=14)))
 
 
+def _fix_label(fix: dict[str, Any]) -> str:
+    """A fix's bar label, with its round where ``optimize --apply`` ran it in several (its run
+    directory is ``<base>-opt-r<round>-<fix>-<i>``): the same change tried again on a better base
+    is another bar, not the same bar twice."""
+    found = re.search(r"-opt-r(\d+)-", Path(fix.get("run") or "").name)
+    return (f"round {found.group(1)} · " if found else "") + f"{fix['fix']}: {fix['summary']}"
+
+
 def predicted_vs_measured_fixes(fixes: list[dict[str, Any]]) -> go.Figure:
     """Each applied fix's predicted and measured step (s)."""
     if not fixes:
         return empty("no fix was run")
-    labels = [f"{f['fix']}: {f['summary']}"[:70] for f in fixes][::-1]
+    labels = [_fix_label(f)[:80] for f in fixes][::-1]
     fig = go.Figure([
         go.Bar(orientation="h", y=labels, x=[f["measured_step_s"] for f in fixes][::-1], name="measured",
                marker_color="#3b6ea8", hovertemplate="%{x:.4g} s measured<extra></extra>"),

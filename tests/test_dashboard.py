@@ -291,6 +291,20 @@ def test_ordered_split_matches_the_totals_split():
     assert iv.segments_by_priority((5, 5), cats, rest="idle")[2] == []
 
 
+def test_a_change_tried_in_two_rounds_gets_a_bar_per_round():
+    """optimize --apply may try the same change again on the base a round kept (more microbatches
+    on the rebalanced run): each try is its own pair of bars, not one bar stacked on the other."""
+    from mfuscope.dashboard import figures
+
+    fixes = [{"fix": "more_microbatches", "summary": "microbatches 2 -> 4", "measured_step_s": step,
+              "predicted_step_s": step, "run": f"/r/gpipe-opt-r{r}-more_microbatches-1"}
+             for r, step in ((1, 1.8), (2, 1.4))]
+    fig = figures.predicted_vs_measured_fixes(fixes)
+    for bars in fig.data:
+        assert len(set(bars.y)) == 2 and sorted(bars.x) == [1.4, 1.8]
+    assert any(label.startswith("round 2 · more_microbatches") for label in fig.data[0].y)
+
+
 def test_dashboard_command_names_a_missing_directory(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mfuscope", "dashboard", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
