@@ -185,6 +185,13 @@ class Page:
         self.page.wait_for_selector(ready, timeout=timeout_s * 1000)
         return time.perf_counter() - t
 
+    def settle(self, timeout_s: float = WAIT_S) -> None:
+        """Wait until every data grid on the page has drawn its rows (or its no-rows overlay):
+        ag-grid renders them after the page's other elements, which may be what ``open`` waited for."""
+        self.page.wait_for_function(
+            "() => [...document.querySelectorAll('.ag-root-wrapper')].every("
+            "g => g.querySelector('.ag-row, .ag-overlay-no-rows-center'))", timeout=timeout_s * 1000)
+
     def text(self, selector: str = "#page") -> str:
         return self.page.inner_text(selector)
 
@@ -386,6 +393,7 @@ def test_every_page_renders(tab, runs, run):
     times = {}
     for page, (suffix, ready) in PAGES.items():
         times[page] = tab.open(f"/run/{run}{suffix}", ready)
+        tab.settle()  # the comm page's info panel, for one, is there before its table's rows
         if page == "overview":
             tab.page.wait_for_selector("#breakdown .slice")
             body = tab.text() + " ".join(tab.page.locator("#breakdown .slice").all_text_contents())
