@@ -103,7 +103,8 @@ def history(runs, tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
     for i in range(10):
         append(root, {**noisy_record(report, manifest, rng, 0.01, index=i), "workload": "gpipe"})
-    optimized = sorted(p for p in runs.iterdir() if p.name.startswith("gpipe-opt-"))[0]
+    # the run optimize kept (more microbatches: its pipeline counters differ from the base's)
+    optimized = runs / Path(json.loads((gpipe / "optimize.json").read_text())["final"]["run"]).name
     from mfuscope.cli import main
     for commit, run in (("c0ffee1", gpipe), ("c0ffee2", optimized)):
         assert main(["ci", "record", str(run), "--history", str(root), "--workload", "gpipe", "--commit", commit,
