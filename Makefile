@@ -13,7 +13,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mfuscope-installed
 DEMO   ?= artifacts/demo
 
-.PHONY: all install demo dashboard test bench gpu-checks clean
+.PHONY: all install demo dashboard lint lint-tree test bench gpu-checks clean
 
 all: test
 
@@ -31,12 +31,31 @@ demo: $(STAMP)
 dashboard: $(STAMP)
 	$(VENV)/bin/mfuscope dashboard $(DEMO)/runs
 
+# `make lint` (seconds; `make test` runs it first): the import contracts (import-linter) and ruff, both
+# configured in pyproject.toml (docs/contributing.md, "Layers and lint").  import-linter cannot follow
+# pyproject's package-dir mapping of the top-level folders, so it reads a throwaway tree with the
+# installed layout: $(LINT_TREE)/mfuscope/ links each entry of mfuscope/ and each mapped folder
+# (mfuscope/analyzers -> analyzers, ...; the folders are read from the package-dir table).
+LINT_TREE    ?= build/lint-tree
+LINT_FOLDERS := $(shell sed -n 's/^"mfuscope\.\([a-z_]*\)" = "\1"$$/\1/p' pyproject.toml)
+lint-tree:
+	@rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)/mfuscope
+	@ln -s $(CURDIR)/mfuscope/* $(LINT_TREE)/mfuscope/
+	@for d in $(LINT_FOLDERS); do ln -s $(CURDIR)/$$d $(LINT_TREE)/mfuscope/$$d; done
+
+# lint-imports puts its working directory first on sys.path: it runs in the tree, not here.
+lint: $(STAMP) lint-tree
+	cd $(LINT_TREE) && PYTHONPATH=$$PWD $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache $(CURDIR)/pyproject.toml
+	$(VENV)/bin/ruff check
+
 # The suite's budget is 12 minutes on 2 cores, venv included (docs/contributing.md).  It runs in two
 # lanes at once (tests/lanes.py: timed tests in front, the rest at low priority beside them) and
 # ends with its wall time since make started; each lane lists its slowest tests.
 MAKE_START := $(shell date +%s)
 test: $(STAMP)
-	@$(PY) -m mfuscope.tests.lanes; rc=$$?; \
+	@$(MAKE) --no-print-directory lint; lint_rc=$$?; \
+	$(PY) -m mfuscope.tests.lanes; rc=$$?; \
+	if [ $$lint_rc -ne 0 ]; then rc=1; echo "make test: make lint FAILED (its output is above the lanes')"; fi; \
 	echo "make test: $$(( $$(date +%s) - $(MAKE_START) )) s wall since make started, venv set-up included (budget 720 s on 2 cores)"; \
 	exit $$rc
 

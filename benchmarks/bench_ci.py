@@ -100,7 +100,7 @@ def rates(report, manifest, cv: float, drop: float, trials: int, seed: int, run_
                 hits[name] += rule(records, cur)
             records.append(cur)
         return {k: v / trials for k, v in hits.items()}
-    for t in range(trials):
+    for _ in range(trials):
         records = [simulate.noisy_record(report, manifest, rng, cv, index=i) for i in range(WINDOW)]
         seen = set()
         for k in range(2):

@@ -78,7 +78,8 @@ def main() -> int:
         s_s, s_b, s_n = statistics.median(x[0] for x in slow), slow[0][1], slow[0][2]
         f_m, s_m = peak_mib(big, True), peak_mib(big, False)
         print(f"{ranks:>6} {len(big):>10,} | {f_s * 1e3:>10.0f} {f_m:>5.0f}MiB {f_b / 2**20:>6.2f}MiB {f_n:>7,} | "
-              f"{s_s * 1e3:>9.0f} {s_m:>5.0f}MiB {s_b / 2**20:>6.2f}MiB {s_n:>8,} | {s_s / f_s:>7.1f}x {s_b / f_b:>7.1f}x")
+              f"{s_s * 1e3:>9.0f} {s_m:>5.0f}MiB {s_b / 2**20:>6.2f}MiB {s_n:>8,} | "
+              f"{s_s / f_s:>7.1f}x {s_b / f_b:>7.1f}x")
     return 0
 
 

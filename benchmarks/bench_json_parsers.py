@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Union
 
 import msgspec
 
@@ -39,16 +38,16 @@ CANDIDATES = ("gzip", "isal", "orjson", "msgspec", "msgspec-typed", "simdjson", 
 
 
 class _Args(msgspec.Struct, gc=False):
-    correlation: Optional[int] = None
+    correlation: int | None = None
 
 
 class _Event(msgspec.Struct, gc=False):
     name: str = ""
     cat: str = ""
-    ts: Optional[float] = None
+    ts: float | None = None
     dur: float = 0.0
-    pid: Union[int, str] = 0
-    args: Optional[_Args] = None
+    pid: int | str = 0
+    args: _Args | None = None
 
 
 class _Trace(msgspec.Struct, gc=False):

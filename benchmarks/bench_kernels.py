@@ -59,6 +59,7 @@ def _providers(op: str):
     """provider -> callable(*inputs) returning what to backprop."""
     import torch
     import torch.nn.functional as F
+
     from mfuscope import kernels
 
     eager = {"rms_norm": lambda x, w: kernels.rms_norm_reference(x, w),
@@ -66,7 +67,8 @@ def _providers(op: str):
              "swiglu": lambda g, u: F.silu(g) * u,
              "rope": lambda q, k, c, s: kernels.rope_reference(q, c, s) + 0 * kernels.rope_reference(k, c, s).sum(),
              "linear_ce": lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t),
-             "moe_permute": lambda x, p, w: kernels.moe_unpermute_reference(kernels.moe_permute_reference(x, p), p, w)}[op]
+             "moe_permute": lambda x, p, w: kernels.moe_unpermute_reference(kernels.moe_permute_reference(x, p),
+                                                                            p, w)}[op]
     fused = {"rms_norm": kernels.rms_norm, "add_rms_norm": lambda x, r, w: kernels.add_rms_norm(x, r, w)[0],
              "swiglu": kernels.swiglu,
              "rope": lambda q, k, c, s: (lambda a, b: a + 0 * b.sum())(*kernels.apply_rope(q, k, c, s)),
@@ -173,7 +175,8 @@ def main() -> int:
                 row = {"op": op, "model": model, "provider": provider, "seconds": seconds,
                        "gb_per_s": moved / seconds / 1e9 if moved else None,
                        "hbm_fraction": moved / seconds / peak_bw if moved and peak_bw else None,
-                       "peak_memory_bytes": peak, "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
+                       "peak_memory_bytes": peak,
+                       "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
                        "torch": torch.__version__}
                 rows.append(row)
                 frac = f"{row['hbm_fraction']:.0%}" if row["hbm_fraction"] else "–"

@@ -2,7 +2,8 @@
 
 URLs are the state, so every view can be linked and reloaded:
 ``/`` runs, ``/run/<id>`` overview, ``/run/<id>/<page>?step=&rank=``,
-``/compare?a=<id>&b=<id>[&fix=<change>]``, ``/plan?model=&gpus=&gpu=&batch=&seq=&dtype=``.  One callback renders a page from the URL; a run
+``/compare?a=<id>&b=<id>[&fix=<change>]``, ``/plan?model=&gpus=&gpu=&batch=&seq=&dtype=``.
+One callback renders a page from the URL; a run
 not analyzed yet shows a progress bar (an interval ticks until its analysis is
 on disk).  A failure inside a page becomes an error panel, never a dead app.
 """
@@ -125,7 +126,8 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
     if slug == "timeline":
         return top, pages.timeline_page(run, a, query), True
     if slug not in builders:
-        return top, pages.error_panel(f"no page {slug!r}; pages: " + ", ".join(s or "overview" for s, _ in RUN_PAGES)), True
+        known = ", ".join(s or "overview" for s, _ in RUN_PAGES)
+        return top, pages.error_panel(f"no page {slug!r}; pages: {known}"), True
     return top, builders[slug](run, a), True
 
 

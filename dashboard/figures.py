@@ -146,7 +146,8 @@ def pipeline(executed: pd.DataFrame, bubbles: pd.DataFrame, t0: int, schedule: s
         fig.add_trace(go.Bar(orientation="h", y=g["lane"], x=(g["end_ns"] - g["start_ns"]) / 1e6,
                              base=(g["start_ns"] - t0) / 1e6, text=chunk, textposition="inside",
                              insidetextanchor="middle",
-                             marker=dict(color=style.ACTION_COLORS.get(action, "#999"), line=dict(color="#fff", width=1)),
+                             marker=dict(color=style.ACTION_COLORS.get(action, "#999"),
+                                         line=dict(color="#fff", width=1)),
                              name={"F": "forward", "B": "backward", "W": "weight grad"}.get(action, action),
                              legendgroup=action, hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"),
                       row=1, col=1)
@@ -155,7 +156,8 @@ def pipeline(executed: pd.DataFrame, bubbles: pd.DataFrame, t0: int, schedule: s
         fig.add_trace(go.Bar(orientation="h", y=[f"stage {s}" for s in g["stage"]], x=g["end"] - g["start"],
                              base=g["start"], text=[f"{action}{mb}" for mb in g["microbatch"]], textposition="inside",
                              insidetextanchor="middle", showlegend=False, legendgroup=action,
-                             marker=dict(color=style.ACTION_COLORS.get(action, "#999"), line=dict(color="#fff", width=1)),
+                             marker=dict(color=style.ACTION_COLORS.get(action, "#999"),
+                                         line=dict(color="#fff", width=1)),
                              hovertemplate="%{text} on %{y}: %{x:.3g} ms<extra></extra>"), row=2, col=1)
     lanes = list(dict.fromkeys(executed.sort_values("stage")["lane"]))
     fig.update_yaxes(categoryorder="array", categoryarray=lanes, autorange="reversed", row=1, col=1)

@@ -8,8 +8,7 @@ through Triton's interpreter under ``TRITON_INTERPRET=1`` (see ``_dispatch``).
 from .add_rms_norm import add_rms_norm, add_rms_norm_reference
 from .apply import Applied, apply
 from .linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
-from .moe_routing import (moe_permute, moe_permute_reference, moe_positions, moe_unpermute,
-                          moe_unpermute_reference)
+from .moe_routing import moe_permute, moe_permute_reference, moe_positions, moe_unpermute, moe_unpermute_reference
 from .rms_norm import rms_norm, rms_norm_reference
 from .rope import apply_rope, rope_reference
 from .swiglu import swiglu, swiglu_reference

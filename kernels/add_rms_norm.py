@@ -19,6 +19,7 @@ from torch import Tensor
 from ._dispatch import rows
 from .rms_norm import norm_backward, norm_forward, rms_norm_reference
 
+
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """The same in PyTorch: the sum, then the reference trainer's RMSNorm of it."""
     h = x + residual

@@ -180,7 +180,8 @@ def _is_rms_norm(m: nn.Module) -> bool:
 
 def _swiglu_parts(m: nn.Module) -> tuple[str, str, str] | None:
     """(gate, up, down) attribute names of a SwiGLU feed-forward, or None."""
-    if all(isinstance(getattr(m, a, None), nn.Module) for a in ("w1", "w2", "w3")) and type(m).__name__ == "FeedForward":
+    if type(m).__name__ == "FeedForward" and all(isinstance(getattr(m, a, None), nn.Module)
+                                                for a in ("w1", "w2", "w3")):
         return "w1", "w3", "w2"
     act = getattr(m, "act_fn", None)
     if all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_proj", "up_proj", "down_proj")) and (

@@ -30,7 +30,6 @@ this machine cannot run the check (no Triton, or its CUDA tools missing).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -96,7 +95,8 @@ def record(shape: Shape, multiprocessors: int):
     from .moe_routing import permute, unpermute, unpermute_backward
     from .rms_norm import norm_backward, norm_forward
     from .rope import rotate
-    from .swiglu import backward as swiglu_backward, forward as swiglu_forward
+    from .swiglu import backward as swiglu_backward
+    from .swiglu import forward as swiglu_forward
 
     meta = {"device": "meta"}
     bf16, f32 = torch.bfloat16, torch.float32
@@ -215,7 +215,8 @@ def check(models: list[str], arches: list[int], progress=None) -> list[Result]:
 
 
 def table(results: list[Result]) -> str:
-    head = f"{'kernel':28s} {'arch':>6s} {'models':14s} {'warps':>5s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s}  constants"
+    head = (f"{'kernel':28s} {'arch':>6s} {'models':14s} {'warps':>5s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s}"
+            "  constants")
     lines = [head, "-" * len(head)]
     for r in results:
         consts = " ".join(f"{k}={v}" for k, v in r.constexprs.items())

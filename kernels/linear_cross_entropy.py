@@ -118,8 +118,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _grad_kernel(h_ptr, w_ptr, target_ptr, blocks_ptr, lse_ptr, dh_ptr, dw_ptr, n_rows, v_start, v_end,
-                     ignore_index, scale, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     ignore_index, scale, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
         # One (BLOCK_M rows x BLOCK_V words) tile of the logits, recomputed on chip, turned into its
         # gradient g = (softmax - onehot) x scale; then its share of both input gradients, added
         # into float32 accumulators: dh[rows] += g @ W[words], dW[words] += g.T @ h[rows].  dw_ptr

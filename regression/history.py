@@ -19,9 +19,10 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from mfuscope.analyzers.compare import leaves
 from mfuscope.errors import UserInputError

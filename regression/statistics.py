@@ -121,7 +121,7 @@ def _refine(cps: list[int], s1: np.ndarray, s2: np.ndarray, n: int) -> list[int]
     def cost(a, b):
         return s2[b] - s2[a] - (s1[b] - s1[a]) ** 2 / (b - a)
     out = list(cps)
-    for i, cp in enumerate(out):
+    for i in range(len(out)):
         lo, hi = (out[i - 1] if i else 0), (out[i + 1] if i + 1 < len(out) else n)
         if hi - lo < 2:
             continue

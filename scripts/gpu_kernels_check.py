@@ -29,7 +29,6 @@ import time
 
 
 def _max_rel(got, truth) -> float:
-    import torch
     g, t = got.double(), truth.double()
     scale = t.pow(2).mean().sqrt().item() if t.numel() else 0.0
     return float(((g - t).abs() / (t.abs() + scale + 1e-300)).max().item()) if t.numel() else 0.0
@@ -104,7 +103,7 @@ def checks(device: str, small: bool) -> list[dict]:
     hidden, tokens, vocab, heads = (64, 32, 1003, 4) if small else (4096, 8192, 128256, 32)
     out = []
     for dtype, h, n, v in ((torch.bfloat16, hidden, tokens, vocab), (torch.float32, 256, 128, 1003)):
-        def r(*shape, scale=1.0):
+        def r(*shape, scale=1.0, dtype=dtype):  # the loop's dtype, bound
             return (scale * torch.randn(*shape, generator=g, device=device)).to(dtype)
         x, w = r(n, h), 1 + r(h, scale=0.1)
         out.append(_compare("rms_norm", dtype, kernels.rms_norm, kernels.rms_norm_reference, (x, w), n))
@@ -121,15 +120,17 @@ def checks(device: str, small: bool) -> list[dict]:
                             (q, k, cos, sin), 1, differentiated=2))
         target = torch.randint(0, v, (n,), generator=g, device=device)
         target[::17] = -100
-        out.append(_compare("linear_ce", dtype, lambda a, b: kernels.fused_linear_cross_entropy(a, b, target),
-                            lambda a, b: kernels.linear_cross_entropy_reference(a, b, target),
+        out.append(_compare("linear_ce", dtype,
+                            lambda a, b, t=target: kernels.fused_linear_cross_entropy(a, b, t),
+                            lambda a, b, t=target: kernels.linear_cross_entropy_reference(a, b, t),
                             (r(n, h), r(v, h, scale=0.02)), max(h, v), bf16_gemm=True, differentiated=2))
         expert = torch.rand(n, 64, generator=g, device=device).topk(8, dim=-1).indices
         positions = kernels.moe_positions(expert)
         out.append(_compare("moe_permute", dtype,
-                            lambda a, p: kernels.moe_unpermute(kernels.moe_permute(a, positions) * 2.0, positions, p),
-                            lambda a, p: kernels.moe_unpermute_reference(
-                                kernels.moe_permute_reference(a, positions) * 2.0, positions, p),
+                            lambda a, p, pos=positions: kernels.moe_unpermute(
+                                kernels.moe_permute(a, pos) * 2.0, pos, p),
+                            lambda a, p, pos=positions: kernels.moe_unpermute_reference(
+                                kernels.moe_permute_reference(a, pos) * 2.0, pos, p),
                             (r(n, h), torch.rand(n, 8, generator=g, device=device).to(dtype)), 8 * h,
                             roundings=2))  # the slots' gradients are rounded, then their sum
     return out
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     results = checks(args.device, args.small or args.device == "cpu")
     for row in results:
-        print(f"{row['op']:<13} {row['dtype']:<9} worst {row['worst_rel_error']:.2e} (tolerance {row['tolerance']:.2e}) "
+        print(f"{row['op']:<13} {row['dtype']:<9} worst {row['worst_rel_error']:.2e} "
+              f"(tolerance {row['tolerance']:.2e}) "
               f"{'ok' if row['passed'] else 'FAILED'}", file=sys.stderr)
     doc = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
            "checks": results}

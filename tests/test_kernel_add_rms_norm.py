@@ -13,7 +13,13 @@ pytest.importorskip("triton", reason="the kernels need triton (in the [torch] ex
 from mfuscope.kernels import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
 from mfuscope.tests.kernel_checks import (  # noqa: E402
-    DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
+    DTYPES,
+    assert_close,
+    assert_compiles_like_eager,
+    guarded,
+    guards_intact,
+    tolerance,
+)
 
 SHAPES = [(1, 8), (3, 4095), (2, 5, 256)]
 

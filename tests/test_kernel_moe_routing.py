@@ -13,7 +13,13 @@ pytest.importorskip("triton", reason="the kernels need triton (in the [torch] ex
 from mfuscope.kernels import moe_permute, moe_positions, moe_unpermute  # noqa: E402
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
 from mfuscope.tests.kernel_checks import (  # noqa: E402
-    DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
+    DTYPES,
+    assert_close,
+    assert_compiles_like_eager,
+    guarded,
+    guards_intact,
+    tolerance,
+)
 
 SHAPES = [(1, 1, 8), (7, 2, 1001), (33, 4, 64)]  # tokens, top_k, hidden
 

@@ -12,7 +12,13 @@ pytest.importorskip("triton", reason="the kernels need triton (in the [torch] ex
 from mfuscope.kernels import rms_norm, rms_norm_reference  # noqa: E402
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
 from mfuscope.tests.kernel_checks import (  # noqa: E402
-    DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
+    DTYPES,
+    assert_close,
+    assert_compiles_like_eager,
+    guarded,
+    guards_intact,
+    tolerance,
+)
 
 SHAPES = [(1, 8), (3, 4095), (64, 128), (2, 3, 1000)]
 
@@ -60,8 +66,9 @@ def test_non_contiguous_input_and_gradient(device):
 def test_the_kernels_stay_inside_their_tensors(device):
     """Inputs and outputs inside NaN-filled buffers: a read outside would put NaN into the result,
     a write outside would overwrite the NaN around it."""
-    from mfuscope.kernels.rms_norm import _rms_norm_backward_kernel, _rms_norm_forward_kernel
     import triton
+
+    from mfuscope.kernels.rms_norm import _rms_norm_backward_kernel, _rms_norm_forward_kernel
 
     rows, cols = 5, 33
     block = triton.next_power_of_2(cols)

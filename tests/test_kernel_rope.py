@@ -13,7 +13,13 @@ from mfuscope.kernels import apply_rope, rope_reference  # noqa: E402
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
 from mfuscope.kernels.rope import rope_angles  # noqa: E402
 from mfuscope.tests.kernel_checks import (  # noqa: E402
-    DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
+    DTYPES,
+    assert_close,
+    assert_compiles_like_eager,
+    guarded,
+    guards_intact,
+    tolerance,
+)
 
 
 def _qk(dtype, device="cpu", b=2, hq=4, hk=2, s=7, d=34, seed=0):

@@ -12,7 +12,13 @@ pytest.importorskip("triton", reason="the kernels need triton (in the [torch] ex
 from mfuscope.kernels import swiglu, swiglu_reference  # noqa: E402
 from mfuscope.kernels._dispatch import use_triton  # noqa: E402
 from mfuscope.tests.kernel_checks import (  # noqa: E402
-    DTYPES, assert_close, assert_compiles_like_eager, guarded, guards_intact, tolerance)
+    DTYPES,
+    assert_close,
+    assert_compiles_like_eager,
+    guarded,
+    guards_intact,
+    tolerance,
+)
 
 SHAPES = [(1, 1), (3, 1001), (4, 2, 1024), (2050,)]
 
