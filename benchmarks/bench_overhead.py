@@ -119,7 +119,9 @@ class _ModeCycle:
 def _run(rounds: int, block: int, scratch: str) -> dict:
     import resource
 
-    from mfuscope.reference_trainer.train import RunOptions, run_rank
+    from mfuscope.reference_trainer.train import run_rank
+
+    from mfuscope.trainer_options import TrainerOptions
 
     cycles = []
 
@@ -128,8 +130,8 @@ def _run(rounds: int, block: int, scratch: str) -> dict:
         return cycles[-1]
 
     steps = rounds * len(MODES) * block
-    loop = run_rank(RunOptions(config="tiny_dense", layout="pp=2,dp_shard=2,tp=2", steps=steps,
-                               instrument=instrument))["loop_times"]
+    loop = run_rank(TrainerOptions(config="tiny_dense", layout="pp=2,dp_shard=2,tp=2", steps=steps),
+                    instrument)["loop_times"]
     cycle = cycles[0]
     cpu = [b - a for a, b in zip(cycle.cpu, cycle.cpu[1:])]
     per_mode: dict[str, list[float]] = {m: [] for m in MODES}

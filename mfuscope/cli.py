@@ -56,43 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer through torchrun",
                        description="Train the reference Llama/MoE model on N local ranks (gloo on CPU, NCCL on "
                                    "CUDA) and write a run directory.")
-    p.add_argument("--config", default="tiny_dense", help="bundled config name (tiny_dense, tiny_moe, gpu_dense_1b, "
-                                                           "gpu_moe) or a TOML file")
-    p.add_argument("--nproc", type=int, default=1, help="ranks per node")
-    p.add_argument("--layout", default="", help="e.g. dp_shard=2,tp=2,pp=2 (dp_shard fills what is left)")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv")
-    p.add_argument("--microbatches", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--dp-mode", default="fsdp", choices=("fsdp", "ddp"))
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSDP2: free the gathered weights after each forward (default: on without pp, off with pp, "
-                        "where it would re-gather them for every microbatch)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="FSDP2: explicit prefetch (each block gathers the next one's weights early, async)")
-    p.add_argument("--keep-last-gathered", action="store_true",
-                   help="FSDP2: the last block keeps its weights gathered after forward (its backward is next)")
-    p.add_argument("--async-tp", action="store_true",
-                   help="micro-pipelined TP: tp collectives overlap their GEMMs (CUDA, with --set compile=true)")
-    p.add_argument("--kernels", default="eager", choices=("eager", "fused"),
-                   help="fused: the model's RMSNorm and SwiGLU run mfuscope's Triton kernels (docs/kernels.md)")
-    p.add_argument("--ddp-bucket-mb", type=float, default=None,
-                   help="DDP: gradient bucket size in MiB (default 25); smaller buckets start reducing during backward")
-    p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradients live in the buckets")
-    p.add_argument("--inject", default=None, help="faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
-                   "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, "
-                   "jitter_ms=J (docs/reference_trainer.md)")
-    p.add_argument("--paced", default=None,
-                   help="fixed stage times, e.g. fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample][,scope=layer]")
-    p.add_argument("--stage-layers", default=None, metavar="N,N,...",
-                   help="layers per pipeline stage, in stage order, e.g. 5,3 (default: an even cut)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
+    from mfuscope.trainer_options import add_arguments
+    add_arguments(p, launcher=True)  # every trainer flag (mfuscope/trainer_options.py), then the launcher's own
     p.add_argument("--profile", action="store_true",
                    help="record torch.profiler traces of every step after the first into RUN_DIR/traces "
                         "(same as --window 1:)")
-    p.add_argument("--window", default=None, metavar="START:STEPS",
-                   help="record torch.profiler traces of these steps, e.g. 5:3")
     p.add_argument("--out", type=Path, required=True, help="run directory to create")
     p.add_argument("--force", action="store_true", help="replace an existing run directory")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per node")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--rdzv-endpoint", default=None, help="host:port, for several nodes")
     p.set_defaults(func=cmd_train)
@@ -363,68 +334,42 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return rc
 
 
-def _check_train(args: argparse.Namespace, window: str | None) -> None:
+def _check_train(opts, world_size: int) -> None:
     """Everything the ranks would check, checked here first: one message instead of one per rank."""
     from mfuscope.collectors.kineto_window import parse_window
+    from mfuscope.layout import Degrees
     from mfuscope.reference_trainer.checks import check_run
-    from mfuscope.reference_trainer.config import load_config, parse_overrides
+    from mfuscope.reference_trainer.config import load_config
     from mfuscope.reference_trainer.inject import parse_faults, parse_paced
-    from mfuscope.reference_trainer.parallel_dims import ParallelDims
-    from mfuscope.reference_trainer.pipeline_parallel import parse_stage_layers
 
-    if args.nproc < 1 or args.nnodes < 1:
-        raise UserInputError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must be at least 1")
-    parse_window(window)
-    parse_faults(args.inject)
-    parse_paced(args.paced)
-    cfg = load_config(args.config, steps=args.steps, microbatches=args.microbatches, **parse_overrides(args.set))
-    dims = ParallelDims.parse(args.layout, args.nproc * args.nnodes)
-    check_run(cfg, dims, schedule=args.schedule, dp_mode=args.dp_mode, reshard=args.reshard_after_forward,
-              stage_layers=parse_stage_layers(args.stage_layers), prefetch=args.prefetch or args.keep_last_gathered,
-              ddp_buckets=args.ddp_bucket_mb is not None or args.grad_as_bucket_view, bucket_mb=args.ddp_bucket_mb,
-              async_tp=args.async_tp)
+    parse_window(opts.window)
+    parse_faults(opts.inject)
+    parse_paced(opts.paced)
+    cfg = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
+    check_run(cfg, Degrees.parse(opts.layout, world_size), opts)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import subprocess
 
-    from mfuscope.reference_trainer.launch import torchrun_command
-
     from mfuscope import run_dir
     from mfuscope.collectors.session import ENV_PREPARED
+    from mfuscope.reference_trainer.launch import torchrun_command
+    from mfuscope.trainer_options import TrainerOptions
 
-    window = args.window or ("1:" if args.profile else None)
-    _check_train(args, window)  # a bad setting fails here, once, not in every rank
-    out = run_dir.prepare(args.out, args.force)
-    train_args = ["--config", args.config, "--schedule", args.schedule, "--dp-mode", args.dp_mode, "--out", str(out)]
-    if args.reshard_after_forward is not None:
-        train_args.append("--reshard-after-forward" if args.reshard_after_forward else "--no-reshard-after-forward")
-    if args.prefetch:
-        train_args.append("--prefetch")
-    if args.keep_last_gathered:
-        train_args.append("--keep-last-gathered")
-    if args.async_tp:
-        train_args.append("--async-tp")
-    if args.kernels != "eager":
-        train_args += ["--kernels", args.kernels]
-    if args.grad_as_bucket_view:
-        train_args.append("--grad-as-bucket-view")
-    for flag, value in (("--layout", args.layout), ("--microbatches", args.microbatches), ("--steps", args.steps),
-                        ("--inject", args.inject), ("--paced", args.paced), ("--stage-layers", args.stage_layers),
-                        ("--ddp-bucket-mb", args.ddp_bucket_mb)):
-        if value not in (None, ""):
-            train_args += [flag, str(value)]
-    for item in args.set:
-        train_args += ["--set", item]
-    if window:
-        train_args += ["--window", window]
-    cmd = torchrun_command(args.nproc, train_args, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UserInputError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must be at least 1")
+    opts = TrainerOptions.from_args(args, launcher=True, window=args.window or ("1:" if args.profile else None),
+                                    out=str(args.out))
+    _check_train(opts, args.nproc * args.nnodes)  # a bad setting fails here, once, not in every rank
+    run_dir.prepare(args.out, args.force)
+    cmd = torchrun_command(args.nproc, opts.to_argv(), nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    rc = subprocess.call(cmd, env={**os.environ, ENV_PREPARED: str(out.resolve())})
+    rc = subprocess.call(cmd, env={**os.environ, ENV_PREPARED: str(args.out.resolve())})
     if rc != 0:
         print(f"mfuscope: error: training failed (torchrun exit {rc})", file=sys.stderr)
         return rc
-    print(f"run directory: {out}")
+    print(f"run directory: {args.out}")
     return 0
 
 

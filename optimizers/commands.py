@@ -16,6 +16,7 @@ from typing import Any
 from mfuscope import run_dir
 from mfuscope.atomic import write_bytes
 from mfuscope.errors import UserInputError
+from mfuscope.manifest import Manifest
 
 from . import calibrate as calib
 from . import measured, planner, presets, published, run_prediction
@@ -197,15 +198,14 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
              memory_gib: float | None = None) -> int:
     from . import optimize as opt
     wanted = {f.strip() for f in only.split(",")} if only else None
-    from .flags import FLAGS
-    known = list(dict.fromkeys(fixes_catalogue() + list(FLAGS)))
+    from mfuscope.fix_registry import FIXES
+    known = list(dict.fromkeys(fixes_catalogue() + list(FIXES)))
     unknown = (wanted or set()) - set(known)
     if unknown:
         raise UserInputError(f"--fixes: unknown {', '.join(sorted(unknown))}; one of {', '.join(known)}")
     if memory_gib is not None and memory_gib <= 0:
         raise UserInputError(f"--memory-gib {memory_gib:g}: a memory budget per GPU must be positive")
-    manifest = run_dir.read_manifest(run_path) if run_dir.is_run_dir(run_path) else None
-    if not (manifest and manifest.get("model") and (manifest.get("train") or {}).get("seq_len")):
+    if not (run_dir.is_run_dir(run_path) and Manifest.read(run_path).has_model_spec):
         if apply_:
             raise UserInputError("not a reference-trainer run (no model spec or launch command to rerun): "
                                  "run `mfuscope optimize` without --apply for proposals", run_path)
@@ -252,8 +252,8 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
 def model_gains_text(run_path: Path, report: dict[str, Any]) -> str:
     """The cost model's predicted gain for each finding's fix (runs with a model spec; else '')."""
     from . import optimize as opt
-    manifest = run_dir.read_manifest(run_path)
-    if not (manifest.get("model") and (manifest.get("train") or {}).get("seq_len")):
+    manifest = Manifest.read(run_path)
+    if not manifest.has_model_spec:
         return ""
     try:
         best = opt.best_by_fix(measured.from_documents(report, manifest, run_path))

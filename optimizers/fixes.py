@@ -1,34 +1,22 @@
-"""The fix catalogue: for each fix id a findings entry names, the concrete changes to try.
+"""The fix catalogue: for each fix id, the concrete changes to try on a measured run.
 
-A fix is one small function from a measured run to the changes it proposes.
-Each change is a new layout and training setup (what the cost model
-predicts), the reference trainer's options that make it real, and the
-equivalent flags of torchtitan, Megatron-Core and plain PyTorch for any other
-job.  Whether a change is worth making is the cost model's call
-(``optimizers.optimize``): its gain is the predicted step of the run as it is
-minus the predicted step with the change, both with the profile calibrated
-on the run itself.
-
-=======================  ================================================  ==========================
-fix                      applies when                                      changes
-=======================  ================================================  ==========================
-more_microbatches        a pipeline whose micro-batch can be split         m x 2, m x 4 (micro-batch / 2, / 4)
-interleaved_schedule     a pipeline on GPipe or 1F1B                        interleaved 1F1B (v=2), ZB-V
-less_recompute           recomputation on                                  selective -> none, full -> selective/none
-rebalance_stages         pipeline ranks whose measured compute differs     layers moved to the lighter stages
-overlap_dp_grads         FSDP gathers exposed, not prefetched;             explicit prefetch, async gathers;
-                         DDP's all-reduce exposed in one or two buckets    a bucket a layer
-overlap_tp_comm          TP collectives exposed (GPU runs)                 async TP under torch.compile
-fuse_elementwise         norm/elementwise >= 10% of the step, eager        fused kernels; torch.compile per block
-cuda_graphs              host-bound >= 5% of a GPU step, no FSDP           blocks compiled as CUDA graphs
-keep_weights_gathered    FSDP without a pipeline, gathers exposed          last block / every block kept gathered
-better_layout            the planner finds a faster layout that fits       tp/pp/dp/cp/ep and schedule
-=======================  ================================================  ==========================
+A fix is one small function from a measured run to the changes it proposes.  When it applies
+(its evidence and threshold), what it changes and its frameworks' switches are the fix's record
+in :data:`mfuscope.fix_registry.FIXES`, which the findings read too; here each change is made
+concrete: a new layout and training setup (what the cost model predicts), the reference trainer's
+options that make it real (:meth:`TrainerOptions.change`), and the torchtitan, Megatron-Core and
+plain PyTorch flags with this run's numbers.  Whether a change is worth making is the cost
+model's call (``optimizers.optimize``): its gain is the predicted step of the run as it is minus
+the predicted step with the change, both with the profile calibrated on the run itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Callable
+
+from mfuscope.fix_registry import FIXES
+from mfuscope.layout import Degrees
+from mfuscope.trainer_options import TrainerOptions
 
 from . import planner
 from .cost import memory as memory_model
@@ -47,8 +35,10 @@ class Change:
     flags: dict[str, str] = field(default_factory=dict)     # torchtitan / megatron / pytorch equivalents
 
 
-def _measured_share(run: MeasuredRun, prefix: str) -> float:
-    return sum(v for k, v in run.leaves.items() if k.startswith(prefix)) / run.step_s if run.step_s else 0.0
+def _applies(run: MeasuredRun, fix: str, prefix: str) -> bool:
+    """The measured leaves under ``prefix`` reach the fix's threshold (a share of the step)."""
+    share = sum(v for k, v in run.leaves.items() if k.startswith(prefix)) / run.step_s if run.step_s else 0.0
+    return FIXES[fix].applies(share)
 
 
 def more_microbatches(run: MeasuredRun) -> list[Change]:
@@ -62,7 +52,7 @@ def more_microbatches(run: MeasuredRun) -> list[Change]:
         new = replace(lay, micro_batch=lay.micro_batch // k, microbatches=lay.microbatches * k)
         out.append(Change("more_microbatches", f"microbatches {lay.microbatches} -> {new.microbatches} "
                           f"(micro-batch {lay.micro_batch} -> {new.micro_batch})", new, run.training,
-                          {"microbatches": str(new.microbatches)},
+                          TrainerOptions.change(microbatches=new.microbatches),
                           {"torchtitan": f"--parallelism.pipeline_parallel_microbatch_size {new.micro_batch}",
                            "megatron": f"--micro-batch-size {new.micro_batch}",
                            "pytorch": f"Schedule*(stage, n_microbatches={new.microbatches})"}))
@@ -79,7 +69,7 @@ def interleaved_schedule(run: MeasuredRun) -> list[Change]:
                                         ("zbv", "ZBVZeroBubble", "ScheduleZBVZeroBubble")):
         new = replace(lay, vpp=2, schedule=schedule, split=())  # v chunks cut evenly
         out.append(Change("interleaved_schedule", f"schedule {lay.schedule} -> {schedule} (v=2)", new, run.training,
-                          {"schedule": schedule},
+                          TrainerOptions.change(schedule=schedule),
                           {"torchtitan": f"--parallelism.pipeline_parallel_schedule {titan}",
                            "megatron": f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
                                        + (" (no ZB-V schedule in Megatron-Core)" if schedule == "zbv" else ""),
@@ -110,7 +100,7 @@ def rebalance_stages(run: MeasuredRun) -> list[Change]:
     first = [sum(split[:r + 1]) for r in range(lay.pp - 1)]
     return [Change("rebalance_stages", f"stage layers {','.join(map(str, current))} -> {text} "
                    f"(stage compute {', '.join(f'{s:.3g}' for s in t)} s)", replace(lay, split=tuple(split)),
-                   run.training, {"stage_layers": text},
+                   run.training, TrainerOptions.change(stage_layers=split),
                    {"torchtitan": "--parallelism.pipeline_parallel_split_points "
                                   + ",".join(f"layers.{n}" for n in first),
                     "megatron": f"--decoder-first-pipeline-num-layers {split[0]} "
@@ -128,7 +118,7 @@ def less_recompute(run: MeasuredRun) -> list[Change]:
                            "megatron": "--recompute-granularity selective",
                            "pytorch": "checkpoint_wrapper with a selective policy"}}
     return [Change("less_recompute", f"recompute {lay.recompute} -> {t}", replace(lay, recompute=t), run.training,
-                   {"set.recompute": t}, flags[t]) for t in targets]
+                   TrainerOptions.change(overrides={"recompute": t}), flags[t]) for t in targets]
 
 
 def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
@@ -139,10 +129,10 @@ def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
     lay = run.layout
     if lay.dp_shard == 1:
         return _smaller_buckets(run)
-    if run.training.overlap_param_gather or _measured_share(run, "comm/dp/all_gather") < 0.01:
+    if run.training.overlap_param_gather or not _applies(run, "overlap_dp_grads", "comm/dp/all_gather"):
         return []
     return [Change("overlap_dp_grads", "FSDP prefetches the next block's weights (async gathers)", lay,
-                   replace(run.training, overlap_param_gather=True), {"prefetch": "true"},
+                   replace(run.training, overlap_param_gather=True), TrainerOptions.change(prefetch=True),
                    {"torchtitan": "(FSDP2 prefetches one block ahead by default on GPU; check that "
                                   "--parallelism.fsdp_reshard_after_forward is not forcing extra gathers)",
                     "megatron": "--overlap-param-gather --overlap-grad-reduce (distributed optimizer)",
@@ -152,7 +142,7 @@ def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
 
 def _smaller_buckets(run: MeasuredRun) -> list[Change]:
     lay, training = run.layout, run.training
-    if lay.dp_replicate == 1 or lay.zero or _measured_share(run, "comm/dp/all_reduce") < 0.01:
+    if lay.dp_replicate == 1 or lay.zero or not _applies(run, "overlap_dp_grads", "comm/dp/all_reduce"):
         return []
     grads = memory_model.params_per_gpu(run.model, lay) * training.grad_reduce_bytes
     bucket = training.grad_bucket_bytes or DDP_BUCKET_BYTES
@@ -162,7 +152,7 @@ def _smaller_buckets(run: MeasuredRun) -> list[Change]:
     return [Change("overlap_dp_grads", f"DDP buckets of {mib:g} MiB (one layer's gradients; was "
                    f"{min(bucket, grads) / 2**20:.3g} MiB, all of them)", lay,
                    replace(training, overlap_grad_reduce=True, grad_bucket_bytes=mib * 2**20),
-                   {"ddp_bucket_mb": f"{mib:g}"},
+                   TrainerOptions.change(ddp_bucket_mb=mib),
                    {"torchtitan": "(torchtitan's data-parallel replicas are FSDP2/HSDP: see its prefetch)",
                     "megatron": f"--overlap-grad-reduce --ddp-bucket-size {int(mib * 2**20 / training.grad_reduce_bytes)}",
                     "pytorch": f"DistributedDataParallel(model, bucket_cap_mb={mib:g}, gradient_as_bucket_view=True)"})]
@@ -173,9 +163,9 @@ def overlap_tp_comm(run: MeasuredRun) -> list[Change]:
     all-gather / reduce-scatter into per-rank chunks that overlap the GEMM they feed.  It runs
     on symmetric memory under torch.compile, so it is a GPU change; a CPU run gets none."""
     lay, training = run.layout, run.training
-    if lay.tp == 1 or training.async_tp or run.system.key == "CPU" or _measured_share(run, "comm/tp") < 0.01:
+    if lay.tp == 1 or training.async_tp or run.system.key == "CPU" or not _applies(run, "overlap_tp_comm", "comm/tp"):
         return []
-    trainer = {"async_tp": "true"} if training.compiled else {"async_tp": "true", "set.compile": "true"}
+    trainer = TrainerOptions.change(async_tp=True, overrides=None if training.compiled else {"compile": True})
     return [Change("overlap_tp_comm", "async TP: tensor-parallel collectives overlap their GEMMs (torch.compile)",
                    lay, replace(training, async_tp=True, compiled=True), trainer,
                    {"torchtitan": "--parallelism.enable_async_tensor_parallel --compile.enable",
@@ -188,16 +178,16 @@ def fuse_elementwise(run: MeasuredRun) -> list[Change]:
     """Norms, activations and residual adds run as separate memory-bound kernels: torch.compile
     fuses each chain into one read and one write (the fused Triton kernels of ``kernels/`` are
     the other route)."""
-    if run.training.compiled or _measured_share(run, "compute/norm_elementwise") < 0.10:
+    if run.training.compiled or not _applies(run, "fuse_elementwise", "compute/norm_elementwise"):
         return []
     fused = replace(run.training, compiled=True)
     return [Change("fuse_elementwise", "mfuscope's fused RMSNorm and SwiGLU kernels", run.layout, fused,
-                   {"kernels": "fused"},
+                   TrainerOptions.change(kernels="fused"),
                    {"torchtitan": "(Liger-style kernels: swap the norms and MLPs with mfuscope.kernels.apply(model))",
                     "megatron": "--normalization RMSNorm with Transformer Engine, --bias-swiglu-fusion",
                     "pytorch": "mfuscope.kernels.apply(model)"}),
             Change("fuse_elementwise", "torch.compile each transformer block (elementwise chains fused)",
-                   run.layout, fused, {"set.compile": "true"},
+                   run.layout, fused, TrainerOptions.change(overrides={"compile": True}),
                    {"torchtitan": "--compile.enable", "megatron": "keep the fusions on (drop --no-bias-swiglu-fusion, "
                     "--no-masked-softmax-fusion); --apply-rope-fusion", "pytorch": "torch.compile(block) per block"})]
 
@@ -212,10 +202,10 @@ def cuda_graphs(run: MeasuredRun) -> list[Change]:
     fsdp = lay.dp * lay.cp > 1 and run.dp_mode != "ddp"
     if training.cuda_graphs or run.system.key == "CPU" or fsdp or run.model.n_experts:
         return []
-    if _measured_share(run, "host_bound") < 0.05:
+    if not _applies(run, "cuda_graphs", "host_bound"):
         return []
     return [Change("cuda_graphs", "compile each block and replay it as a CUDA graph (mode=reduce-overhead)", lay,
-                   replace(training, compiled=True, cuda_graphs=True), {"set.compile": "true", "set.cuda_graphs": "true"},
+                   replace(training, compiled=True, cuda_graphs=True), TrainerOptions.change(overrides={"compile": True, "cuda_graphs": True}),
                    {"torchtitan": "(no switch) torch.compile(block, mode='reduce-overhead') in its apply_compile",
                     "megatron": "--enable-cuda-graph (Transformer Engine's per-layer graphs)",
                     "pytorch": "torch.compile(block, mode='reduce-overhead'); "
@@ -229,17 +219,18 @@ def keep_weights_gathered(run: MeasuredRun) -> list[Change]:
     lay, training = run.layout, run.training
     if lay.dp_shard == 1 or lay.pp > 1 or training.reshard_after_forward is False:
         return []
-    if _measured_share(run, "comm/dp/all_gather") < 0.01:
+    if not _applies(run, "keep_weights_gathered", "comm/dp/all_gather"):
         return []
     out = []
     if not training.keep_last_gathered:
         out.append(Change("keep_weights_gathered", "FSDP keeps the last block gathered after forward", lay,
-                          replace(training, keep_last_gathered=True), {"keep_last_gathered": "true"},
+                          replace(training, keep_last_gathered=True), TrainerOptions.change(keep_last_gathered=True),
                           {"torchtitan": "(its default: the last block is not resharded after forward)",
                            "megatron": "(distributed optimizer: --overlap-param-gather)",
                            "pytorch": "fully_shard(blocks[-1], reshard_after_forward=False)"}))
     out.append(Change("keep_weights_gathered", "FSDP keeps weights gathered from forward to backward",
-                      lay, replace(training, reshard_after_forward=False), {"reshard_after_forward": "false"},
+                      lay, replace(training, reshard_after_forward=False),
+                      TrainerOptions.change(reshard_after_forward=False),
                       {"torchtitan": "--parallelism.fsdp_reshard_after_forward never",
                        "megatron": "(distributed optimizer: --overlap-param-gather)",
                        "pytorch": "fully_shard(block, reshard_after_forward=False)"}))
@@ -257,8 +248,8 @@ def better_layout(run: MeasuredRun, profile=None) -> list[Change]:
         if new.zero or _same(new, lay):
             continue
         out.append(Change("better_layout", f"layout {planner.describe(lay)} -> {planner.describe(new)}",
-                          new, run.training, {"layout": trainer_layout(new), "schedule": new.schedule,
-                                              "microbatches": str(new.microbatches)},
+                          new, run.training, TrainerOptions.change(layout=trainer_layout(new), schedule=new.schedule,
+                                                                   microbatches=new.microbatches),
                           {"torchtitan": _titan_flags(new), "megatron": _megatron_flags(new),
                            "pytorch": "init_device_mesh with " + trainer_layout(new)}))
         if len(out) == 3:
@@ -272,8 +263,9 @@ def _same(a: Layout, b: Layout) -> bool:
 
 
 def trainer_layout(lay: Layout) -> str:
-    parts = [f"{d}={getattr(lay, d)}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep") if getattr(lay, d) > 1]
-    return ",".join(parts) or "dp_shard=1"
+    """The cost model's layout in the text form the trainer's ``--layout`` takes."""
+    return Degrees(pp=lay.pp, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, cp=lay.cp, tp=lay.tp,
+                   ep=lay.ep).text()
 
 
 def _titan_flags(lay: Layout) -> str:

@@ -20,7 +20,10 @@ from typing import Any
 
 from mfuscope import hardware
 from mfuscope.errors import UserInputError
+from mfuscope.fix_registry import FIXES
+from mfuscope.manifest import Manifest
 from mfuscope.pacing import Pacing, parse_paced
+from mfuscope.trainer_options import TrainerOptions
 
 from .model import Prediction, predict
 from .spec import Layout, ModelSpec, Training
@@ -124,66 +127,47 @@ def load(path: str | Path) -> MeasuredRun:
     return from_documents(_read(report_path), _read(manifest_path), report_path.parent)
 
 
-def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path) -> MeasuredRun:
+def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], where: Path) -> MeasuredRun:
     """The same from the two documents already read (the dashboard keeps reports in a cache)."""
     report_path, manifest_path = where / "report.json", where / "manifest.json"
-    spec, mesh, train = manifest.get("model"), manifest.get("layout") or {}, manifest.get("train") or {}
-    if not spec or not train.get("seq_len"):
+    m = Manifest.of(manifest)
+    if not m.has_model_spec:
         raise UserInputError("the run's manifest has no model spec or train settings to predict from "
                              "(runs of the reference trainer have both)", manifest_path)
-    model = ModelSpec.from_manifest(spec)
-    schedule = manifest.get("schedule") or {}
-    trainer = manifest.get("trainer") or {}
-    pp = int(mesh.get("pp", 1))
-    dp_replicate, dp_shard = int(mesh.get("dp_replicate", 1)), int(mesh.get("dp_shard", 1))
-    if trainer.get("dp_mode") == "ddp":
-        dp_replicate, dp_shard = dp_replicate * dp_shard, 1
-    m = int(schedule.get("microbatches") or train.get("microbatches", 1)) if pp > 1 else int(train.get("grad_accum", 1))
-    dp = dp_replicate * dp_shard
+    model = ModelSpec.from_manifest(m.model)
+    opts = TrainerOptions.from_manifest(m)
+    degrees, train = m.degrees, m.train
+    pp = degrees.pp
+    dp_replicate, dp_shard = degrees.dp_replicate, degrees.dp_shard
+    if opts.dp_mode == "ddp":
+        dp_replicate, dp_shard = degrees.data_ranks, 1
+    microbatches = m.microbatches if pp > 1 else int(train.get("grad_accum", 1))
+    data_ranks = dp_replicate * dp_shard
     global_batch = int(train["global_batch"])
-    if global_batch % (dp * m):
-        raise UserInputError(f"global batch {global_batch} does not split over dp={dp} x {m} microbatches",
-                             manifest_path)
-    v = int(schedule.get("virtual_stages") or 1)
-    split = tuple(int(n) for n in trainer.get("stage_layers") or ())
-    layout = Layout(tp=int(mesh.get("tp", 1)), pp=pp, vpp=v, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                    cp=int(mesh.get("cp", 1)), ep=int(mesh.get("ep", 1)), micro_batch=global_batch // (dp * m),
-                    microbatches=m, schedule=schedule.get("name") or "1f1b", recompute=train.get("recompute", "none"),
-                    sequence_parallel=int(mesh.get("tp", 1)) > 1 and train.get("sequence_parallel", True) is not False,
-                    split=split)
-    hw = manifest.get("hardware") or {}
+    if global_batch % (data_ranks * microbatches):
+        raise UserInputError(f"global batch {global_batch} does not split over {data_ranks} data ranks x "
+                             f"{microbatches} microbatches", manifest_path)
+    layout = Layout(tp=degrees.tp, pp=pp, vpp=int(m.schedule.get("virtual_stages") or 1), dp_replicate=dp_replicate,
+                    dp_shard=dp_shard, cp=degrees.cp, ep=degrees.ep,
+                    micro_batch=global_batch // (data_ranks * microbatches), microbatches=microbatches,
+                    schedule=m.schedule_name or "1f1b", recompute=train.get("recompute", "none"),
+                    sequence_parallel=degrees.tp > 1 and train.get("sequence_parallel", True) is not False,
+                    split=opts.stage_layers or ())
     summary = report.get("summary") or {}
-    acc = hardware.lookup(hw.get("device_name")) if hw.get("device_name") not in (None, "x86_64", "cpu") else None
-    # The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive
-    # before the microbatch's compute: every hop is on the critical path.  On a CPU, gloo's
-    # collectives block the calling thread and share its cores: nothing overlaps, except FSDP's
-    # gathers with --prefetch, which are issued async a block ahead (their reduce-scatters still
-    # block), and DDP's bucket all-reduces, which run async on gloo's worker threads (all but the
-    # last bucket can overlap the backward).
-    on_gpu = acc is not None
-    prefetch = bool(trainer.get("prefetch"))
-    ddp = trainer.get("dp_mode") == "ddp"
-    bucket_mb = trainer.get("ddp_bucket_mb")
-    training = Training(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
-                        compiled=bool(train.get("compile")) or trainer.get("kernels") == "fused", overlap_p2p=False,
-                        overlap_grad_reduce=on_gpu or ddp, overlap_param_gather=on_gpu or prefetch,
-                        overlap_reduce_scatter=None if on_gpu else False,
-                        reshard_after_forward=trainer.get("reshard_after_forward"),
-                        grad_bucket_bytes=float(bucket_mb) * 2**20 if bucket_mb else None,
-                        keep_last_gathered=bool(trainer.get("keep_last_gathered")),
-                        cuda_graphs=bool(train.get("cuda_graphs")))
-    ranks = int(manifest.get("world_size") or 1)
+    acc = hardware.lookup(m.device_name) if m.device_name not in (None, "x86_64", "cpu") else None
+    training = Training.of_run(opts, train, on_gpu=acc is not None)
+    ranks = m.world_size
     if acc is not None:
         sys = system(acc.key)
     elif summary.get("peak_flops"):
         sys = cpu_system(float(summary["peak_flops"]), ranks)
     else:
         raise UserInputError("the report has no peak FLOP/s for its device", report_path)
-    pacing = parse_paced(trainer.get("paced"))
+    pacing = parse_paced(opts.paced)
     tps = summary.get("tokens_per_s")
     bubbles = report.get("bubbles") or []
     fractions = [b["bubble_fraction"] for b in bubbles if b.get("bubble_fraction") is not None]
-    stages = _stage_leaves(report, manifest, pp)
+    stages = _stage_leaves(report, m, pp)
     stage_compute = tuple(sum(v for k, v in leaves.items() if k.startswith("compute/")) for leaves in stages)
     leaves = leaves_of(report["breakdown"])
     if stage_compute and max(stage_compute) > UNEVEN * min(stage_compute):
@@ -193,23 +177,23 @@ def from_documents(report: dict[str, Any], manifest: dict[str, Any], where: Path
     return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout, model), pacing, leaves,
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
                        tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute,
-                       summary.get("mfu"), trainer.get("dp_mode") or "fsdp")
+                       summary.get("mfu"), opts.dp_mode)
 
 
-#: Pipeline ranks whose compute differs by more than this ratio are uneven stages.
-UNEVEN = 1.1
+#: Pipeline ranks whose compute differs by more than this ratio are uneven stages (the threshold
+#: from which rebalancing them applies).
+UNEVEN = 1 + FIXES["rebalance_stages"].threshold
 
 
-def _stage_leaves(report: dict[str, Any], manifest: dict[str, Any], pp: int) -> list[dict[str, float]]:
+def _stage_leaves(report: dict[str, Any], manifest: Manifest, pp: int) -> list[dict[str, float]]:
     """Each pipeline coordinate's leaves, seconds a step, mean of its ranks (empty where the report
     or the manifest cannot say)."""
-    coords = manifest.get("rank_coords") or {}
+    stages = manifest.stages
     per: dict[int, dict[int, dict[str, float]]] = {}
     for row in report.get("breakdown_by_rank") or []:
-        where = coords.get(str(row["rank"]))
-        if where is None:
+        if int(row["rank"]) not in stages:
             continue
-        leaves = per.setdefault(int(where.get("pp", 0)), {}).setdefault(int(row["rank"]), {})
+        leaves = per.setdefault(stages[int(row["rank"])], {}).setdefault(int(row["rank"]), {})
         leaf = _model_leaf(str(row["leaf"]))
         leaves[leaf] = leaves.get(leaf, 0.0) + float(row["seconds"])
     if pp == 1 or sorted(per) != list(range(pp)):

@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mfuscope.errors import UserInputError
+from mfuscope.layout import Degrees
+from mfuscope.manifest import Manifest
+from mfuscope.trainer_options import TrainerOptions
 
 from . import calibrate, fixes, measured
 from .model import Prediction
@@ -107,74 +110,45 @@ def best_by_fix(run: measured.MeasuredRun) -> dict[str, Proposal]:
 
 # ----------------------------------------------------------------------------- applying
 
-def trainer_command(manifest: dict[str, Any], config: Path, out: Path, change: dict[str, str]) -> list[str]:
-    """``mfuscope train`` as the run was launched, with ``change`` (trainer options) applied."""
-    trainer = manifest.get("trainer") or {}
-    sched = manifest.get("schedule") or {}
-    mesh = manifest.get("layout") or {}
-    layout = ",".join(f"{d}={mesh[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-                      if int(mesh.get(d, 1)) > 1) or "dp_shard=1"
-    opts = {"layout": layout, "schedule": trainer.get("schedule") or sched.get("name") or "1f1b",
-            "microbatches": str(sched.get("microbatches") or (manifest.get("train") or {}).get("microbatches", 1)),
-            "dp_mode": trainer.get("dp_mode") or "fsdp", "paced": trainer.get("paced"), "inject": trainer.get("inject"),
-            "window": trainer.get("window") or "1:"}
-    if trainer.get("prefetch"):
-        opts["prefetch"] = "true"
-    if trainer.get("async_tp"):
-        opts["async_tp"] = "true"
-    if trainer.get("kernels") == "fused":
-        opts["kernels"] = "fused"
-    if trainer.get("keep_last_gathered"):
-        opts["keep_last_gathered"] = "true"
-    if trainer.get("ddp_bucket_mb"):
-        opts["ddp_bucket_mb"] = str(trainer["ddp_bucket_mb"])
-    if trainer.get("stage_layers"):
-        opts["stage_layers"] = ",".join(map(str, trainer["stage_layers"]))
-    if trainer.get("reshard_after_forward") is not None:
-        opts["reshard_after_forward"] = str(trainer["reshard_after_forward"]).lower()
-    sets = []
-    for key, value in change.items():
-        if key.startswith("set."):  # a train setting: set.recompute -> --set recompute=...
-            sets.append(f"{key[4:]}={value}")
-        else:
-            opts[key] = value
-    cmd = [sys.executable, "-m", "mfuscope", "train", "--config", str(config),
-           "--nproc", str(manifest.get("world_size") or 1), "--out", str(out), "--force"]
-    if "stage_layers" in opts and (opts["layout"] != layout or opts["schedule"] != (trainer.get("schedule") or "1f1b")):
-        del opts["stage_layers"]  # a split for other stages: the new layout cuts evenly
-    for key in ("layout", "schedule", "microbatches", "dp_mode", "paced", "inject", "window", "stage_layers",
-                "kernels"):
-        if opts.get(key):
-            cmd += [f"--{key.replace('_', '-')}", str(opts[key])]
-    if opts.get("ddp_bucket_mb") and opts["dp_mode"] == "ddp":
-        cmd += ["--ddp-bucket-mb", opts["ddp_bucket_mb"]]
-    if trainer.get("grad_as_bucket_view") and opts["dp_mode"] == "ddp":
-        cmd.append("--grad-as-bucket-view")
-    shards = dict(kv.split("=") for kv in opts["layout"].split(",")).get("dp_shard", "1")
-    if int(shards) > 1 and opts["dp_mode"] == "fsdp":  # FSDP's switches: a layout without FSDP drops them
-        cmd += [f"--{k.replace('_', '-')}" for k in ("prefetch", "keep_last_gathered") if opts.get(k) == "true"]
-    if opts.get("async_tp") == "true" and "tp=" in opts["layout"]:
-        cmd.append("--async-tp")
-    if "reshard_after_forward" in opts:
-        cmd.append("--reshard-after-forward" if opts["reshard_after_forward"] == "true" else "--no-reshard-after-forward")
-    for item in sets:
-        cmd += ["--set", item]
-    return cmd
+def trainer_command(manifest: Manifest | dict[str, Any], config: Path, out: Path, change: dict[str, str]) -> list[str]:
+    """``mfuscope train`` as the run was launched (:meth:`TrainerOptions.from_manifest`), with
+    ``change`` (in its recorded text form) applied, traced from step 1 if the run was not, and
+    without the switches the changed layout cannot take."""
+    m = Manifest.of(manifest)
+    base = TrainerOptions.from_manifest(m, config=str(config))
+    opts = _carry_over(base.changed(change), base)
+    opts = replace(opts, window=opts.window or "1:", out=str(out), force=True)
+    return [sys.executable, "-m", "mfuscope", "train", "--nproc", str(m.world_size), *opts.to_argv()]
 
 
-def write_config(manifest: dict[str, Any], path: Path) -> Path:
+def _carry_over(opts: TrainerOptions, base: TrainerOptions) -> TrainerOptions:
+    """What the trainer would refuse after a change, dropped: a stage split made for other stages
+    (the new layout cuts evenly), FSDP's switches without FSDP, DDP's without DDP, async TP
+    without tp."""
+    degrees = Degrees.parse(opts.layout)
+    fsdp = degrees.dp_shard > 1 and opts.dp_mode == "fsdp"
+    ddp = opts.dp_mode == "ddp"
+    moved = opts.layout != base.layout or opts.schedule != base.schedule
+    return replace(opts, stage_layers=None if moved else opts.stage_layers,
+                   prefetch=opts.prefetch and fsdp, keep_last_gathered=opts.keep_last_gathered and fsdp,
+                   ddp_bucket_mb=opts.ddp_bucket_mb if ddp else None,
+                   grad_as_bucket_view=opts.grad_as_bucket_view and ddp, async_tp=opts.async_tp and degrees.tp > 1)
+
+
+def write_config(manifest: Manifest | dict[str, Any], path: Path) -> Path:
     """The run's model and train settings as a trainer TOML file."""
     def toml_value(v: Any) -> str:
         return json.dumps(v) if isinstance(v, str) else ("true" if v is True else "false" if v is False else str(v))
-    model = {k: v for k, v in (manifest.get("model") or {}).items() if k != "family" and v is not None}
-    train = {k: v for k, v in (manifest.get("train") or {}).items() if v is not None}
+    m = Manifest.of(manifest)
+    model = {k: v for k, v in (m.model or {}).items() if k != "family" and v is not None}
+    train = {k: v for k, v in m.train.items() if v is not None}
     lines = ["[model]"] + [f"{k} = {toml_value(v)}" for k, v in model.items()]
     lines += ["[train]"] + [f"{k} = {toml_value(v)}" for k, v in train.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def run_and_measure(manifest: dict[str, Any], config: Path, out: Path, change: dict[str, str],
+def run_and_measure(manifest: Manifest, config: Path, out: Path, change: dict[str, str],
                     say: Callable[[str], None], system: System) -> measured.MeasuredRun:
     from mfuscope.analyzers.analysis import analyze
     from mfuscope.run_dir import VIEWS
@@ -193,8 +167,8 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
           say: Callable[[str], None]) -> dict[str, Any]:
     """Run the proposals, keep the best measured win, repeat; the summary ``optimize.json`` holds.
     Every run is held to ``base_run``'s system (a ``--memory-gib`` budget included)."""
-    manifest = json.loads((base_run.path / "manifest.json").read_text())
-    if not manifest.get("trainer"):
+    manifest = Manifest.read(base_run.path)
+    if not manifest.is_reference_trainer_run:
         raise UserInputError("not a reference-trainer run (its manifest does not say how it was launched): "
                              "run `mfuscope optimize` without --apply for proposals", base_run.path)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,7 +223,7 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
         applied.append(p.change.fix)
         applied_changes = change
         current = new
-        current_manifest = json.loads((new.path / "manifest.json").read_text())
+        current_manifest = Manifest.read(new.path)
         say(f"round {r + 1}: kept {p.change.summary}: step {new.step_s:.3f} s")
     summary = {"base_run": str(base_run.path), "base_step_s": base_step, "base_mfu": base_run.mfu,
                "fixes": [p.as_dict() for p in tried],

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from mfuscope.layout import SCHEDULES
+from mfuscope.trainer_options import TrainerOptions
+
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,25 @@ class Training:
     fp8_gather: bool = False
     fp8_recipe: str = "tensorwise"
     scatter_gather_sends: bool = False
+
+    @classmethod
+    def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> "Training":
+        """What a reference-trainer run ran: its options and resolved train settings.
+
+        The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive
+        before the microbatch's compute: every hop is on the critical path.  On a CPU, gloo's
+        collectives block the calling thread and share its cores: nothing overlaps, except FSDP's
+        gathers with prefetch, which are issued async a block ahead (their reduce-scatters still
+        block), and DDP's bucket all-reduces, which run async on gloo's worker threads (all but the
+        last bucket can overlap the backward)."""
+        ddp = opts.dp_mode == "ddp"
+        return cls(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
+                   compiled=bool(train.get("compile")) or opts.kernels == "fused", overlap_p2p=False,
+                   overlap_grad_reduce=on_gpu or ddp, overlap_param_gather=on_gpu or opts.prefetch,
+                   overlap_reduce_scatter=None if on_gpu else False,
+                   reshard_after_forward=opts.reshard_after_forward,
+                   grad_bucket_bytes=opts.ddp_bucket_mb * 2**20 if opts.ddp_bucket_mb else None,
+                   keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")))
 
     @property
     def activation_bytes(self) -> int:

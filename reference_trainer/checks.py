@@ -8,33 +8,32 @@ silently ignore part of it.
 """
 from __future__ import annotations
 
-import torch
-
 from mfuscope.errors import UserInputError
+from mfuscope.layout import SCHEDULES, ZERO_BUBBLE, Degrees, virtual_stages
+from mfuscope.trainer_options import TrainerOptions
 
 from .config import TrainConfig
-from .parallel_dims import ParallelDims
-from .pipeline_parallel import SCHEDULES, ZERO_BUBBLE, virtual_stages
 
 
-def reshard_after_forward(dims: ParallelDims, requested: bool | None) -> bool:
+def reshard_after_forward(dims: Degrees, requested: bool | None) -> bool:
     """FSDP2's reshard-after-forward, defaulting as torchtitan does: on without pipeline parallelism
     (frees the gathered weights between forward and backward), off with it (a pipeline runs many
     microbatch forwards per step; resharding would re-gather the weights for every one)."""
     return dims.pp == 1 if requested is None else requested
 
 
-def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: str,
-              reshard: bool | None, stage_layers: tuple[int, ...] | None = None, prefetch: bool = False,
-              ddp_buckets: bool = False, bucket_mb: float | None = None, async_tp: bool = False) -> None:
+def check_run(cfg: TrainConfig, dims: Degrees, opts: TrainerOptions) -> None:
     """Raise :class:`UserInputError` naming the first thing that cannot work as asked."""
     m = cfg.model
+    schedule, dp_mode, reshard, stage_layers = opts.schedule, opts.dp_mode, opts.reshard_after_forward, opts.stage_layers
+    prefetch = opts.prefetch or opts.keep_last_gathered
+    ddp_buckets, bucket_mb = opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, opts.ddp_bucket_mb
     if schedule not in SCHEDULES:
         raise UserInputError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     if dp_mode not in ("fsdp", "ddp"):
         raise UserInputError(f"dp_mode must be fsdp or ddp, not {dp_mode!r}")
     if dp_mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):
-        raise UserInputError(f"layout {dims.describe()}: DDP is for pure data (+context) parallelism; "
+        raise UserInputError(f"layout {dims.text()}: DDP is for pure data (+context) parallelism; "
                              "use --dp-mode fsdp with tp, pp or ep")
     if dims.tp > 1:
         for what, n in (("attention heads", m.n_heads), ("KV heads", m.n_kv_heads),
@@ -59,31 +58,31 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
                                  "config such as tiny_moe, or drop ep")
         if m.n_experts % dims.ep:
             raise UserInputError(f"layout ep={dims.ep}: {m.n_experts} experts do not split over ep={dims.ep}")
-    if prefetch and (dp_mode != "fsdp" or dims.dp == 1):
+    if prefetch and (dp_mode != "fsdp" or dims.grad_ranks == 1):
         raise UserInputError("--prefetch and --keep-last-gathered order FSDP's parameter gathers; the layout has no FSDP "
-                             f"(dp_mode={dp_mode}, {dims.dp} data ranks)")
-    if ddp_buckets and (dp_mode != "ddp" or dims.dp * dims.cp == 1):
+                             f"(dp_mode={dp_mode}, {dims.grad_ranks} data ranks)")
+    if ddp_buckets and (dp_mode != "ddp" or dims.grad_ranks == 1):
         raise UserInputError("--ddp-bucket-mb and --grad-as-bucket-view set DDP's gradient buckets; "
-                             f"the run has no DDP (dp_mode={dp_mode}, {dims.dp} data ranks)")
+                             f"the run has no DDP (dp_mode={dp_mode}, {dims.grad_ranks} data ranks)")
     if bucket_mb is not None and bucket_mb <= 0:
         raise UserInputError(f"--ddp-bucket-mb {bucket_mb:g}: a bucket holds a positive number of MiB")
-    if async_tp and (dims.tp == 1 or not cfg.compile):
+    if opts.async_tp and (dims.tp == 1 or not cfg.compile):
         raise UserInputError("--async-tp overlaps tensor-parallel collectives with their GEMMs inside "
                              f"torch.compile: it needs tp > 1 (layout tp={dims.tp}) and --set compile=true")
     if cfg.cuda_graphs:
         if not cfg.compile:
             raise UserInputError("cuda_graphs replays each block compiled by torch.compile as a CUDA graph: "
                                  "add --set compile=true")
-        if not torch.cuda.is_available():
+        if not _cuda_available():
             raise UserInputError("cuda_graphs captures CUDA graphs; this machine has no CUDA GPU")
-        if dims.dp * dims.cp > 1 and dp_mode == "fsdp":
+        if dims.grad_ranks > 1 and dp_mode == "fsdp":
             raise UserInputError("cuda_graphs with FSDP: FSDP gathers each block's parameters into new buffers "
                                  "every step, so a graph would be recorded again each step; use --dp-mode ddp "
                                  "or drop cuda_graphs")
         if m.n_experts:
             raise UserInputError("cuda_graphs with MoE blocks: their per-expert split sizes are read to the host, "
                                  "which a CUDA graph cannot capture")
-    if async_tp and not torch.cuda.is_available():
+    if opts.async_tp and not _cuda_available():
         raise UserInputError("--async-tp runs on CUDA symmetric memory; this machine has no CUDA GPU")
     if stage_layers is not None and dims.pp == 1:
         raise UserInputError("--stage-layers splits the layers over pipeline stages; the layout has no pp")
@@ -101,7 +100,7 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
                                  "accumulation; raise --microbatches instead")
         if cfg.microbatches < 1:
             raise UserInputError(f"microbatches must be at least 1, not {cfg.microbatches}")
-        if (schedule in ZERO_BUBBLE and dims.dp > 1 and dp_mode == "fsdp"
+        if (schedule in ZERO_BUBBLE and dims.grad_ranks > 1 and dp_mode == "fsdp"
                 and reshard_after_forward(dims, reshard)):
             raise UserInputError(f"schedule {schedule} with FSDP and --reshard-after-forward trains wrong (the "
                                  "weight-gradient passes run after FSDP has resharded and reduced); use "
@@ -115,3 +114,11 @@ def check_run(cfg: TrainConfig, dims: ParallelDims, *, schedule: str, dp_mode: s
         raise UserInputError(f"global_batch {cfg.global_batch} does not split into {chunks} {what} x "
                              f"{data_ranks} data ranks (dp_replicate*dp_shard); set --set global_batch=N with N "
                              f"a multiple of {data_ranks * chunks}")
+
+
+def _cuda_available() -> bool:
+    """Asked only of the settings that need CUDA, so that checking any other run (``mfuscope train``
+    checks in the launching process) does not import torch."""
+    import torch
+
+    return torch.cuda.is_available()

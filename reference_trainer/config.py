@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,18 +98,3 @@ def load_config(name_or_path: str, **overrides: Any) -> TrainConfig:
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
     cfg.validate()
     return cfg
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["recompute=full", "global_batch=16"]`` -> {"recompute": "full", "global_batch": 16} (JSON values,
-    else strings)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UserInputError(f"--set {item!r}: use KEY=VALUE, e.g. --set recompute=full")
-        try:
-            out[key.strip()] = json.loads(value)
-        except ValueError:
-            out[key.strip()] = value
-    return out

@@ -41,7 +41,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: b
             # FSDP would average over its mesh; an expert's gradient is the sum over the ranks
             # holding it, averaged over every data rank (the loss is a mean over all their tokens).
             # Sums in the collective, division after: gloo has no premultiplied sum.
-            experts.set_gradient_divide_factor(dims.dp)
+            experts.set_gradient_divide_factor(dims.grad_ranks)
             experts.set_force_sum_reduction_for_comms(True)
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if ignored_params:

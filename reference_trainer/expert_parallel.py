@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mfuscope.layout import MESH_DIMS
+
 from .model import expert_counts
-from .parallel_dims import DIMS, ParallelDims
+from .parallel_dims import ParallelDims
 
 
 def expert_groups(dims: ParallelDims, rank: int):
@@ -39,7 +41,7 @@ def expert_groups(dims: ParallelDims, rank: int):
         if f_of(c0) != 0 or c0["dp_replicate"] != 0:
             continue
         same = [r for r in range(dims.world_size)
-                if all(dims.coords(r)[d] == c0[d] for d in DIMS if d not in ("dp_replicate", "dp_shard", "cp"))]
+                if all(dims.coords(r)[d] == c0[d] for d in MESH_DIMS if d not in ("dp_replicate", "dp_shard", "cp"))]
         for block in range(dims.dp_replicate * dims.dp_shard * dims.cp // dims.ep):
             members = [r for r in same if (dims.coords(r)["dp_replicate"] * dims.dp_shard * dims.cp
                                            + f_of(dims.coords(r))) // dims.ep == block]

@@ -30,36 +30,16 @@ import torch
 from torch import nn
 
 from mfuscope.errors import UserInputError
+from mfuscope.layout import virtual_stages
 
 from .config import ModelConfig
 from .model import Transformer
 from .parallel_dims import ParallelDims
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
-ZERO_BUBBLE = ("zero_bubble", "zbv")  # backward split into input-gradient (B) and weight-gradient (W) passes
-
-
-def virtual_stages(schedule: str) -> int:
-    return 1 if schedule in ("gpipe", "1f1b") else 2
-
-
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
     if schedule == "zbv":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(virtual_stages(schedule))]
-
-
-def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
-    """``--stage-layers 5,3`` as (5, 3); None when not given."""
-    if not text:
-        return None
-    try:
-        split = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise UserInputError(f"--stage-layers: cannot read {text!r}; layers per pipeline stage, e.g. 5,3") from None
-    if any(n < 1 for n in split):
-        raise UserInputError(f"--stage-layers {text}: every stage needs at least one layer")
-    return split
 
 
 def layer_ranges(n_layers: int, n_stages: int, split: tuple[int, ...] | None = None) -> list[range]:

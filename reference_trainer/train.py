@@ -19,9 +19,8 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 if __name__ == "__main__":  # a rank launched by torchrun: mfuscope's own process, imports kept lean
     from mfuscope.lean_imports import jsonschema_without_iri
@@ -32,41 +31,16 @@ import torch.distributed as dist
 
 from mfuscope.collectors.session import ProfileSession
 from mfuscope.errors import UserInputError
+from mfuscope.layout import virtual_stages
+from mfuscope.trainer_options import TrainerOptions, add_arguments
 
 from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
 from .checks import check_run, reshard_after_forward
-from .config import TrainConfig, load_config, parse_overrides
+from .config import TrainConfig, load_config
 from .data import global_batch, shard_rows
 from .inject import Injector, apply_paced, parse_faults, parse_paced
 from .model import Experts, cross_entropy
 from .parallel_dims import ParallelDims
-
-
-@dataclass
-class RunOptions:
-    config: str = "tiny_dense"
-    layout: str = ""
-    schedule: str = "1f1b"
-    dp_mode: str = "fsdp"          # fsdp | ddp
-    reshard_after_forward: bool | None = None  # None: on without pp, off with pp (checks.reshard_after_forward)
-    prefetch: bool = False         # FSDP2 explicit prefetch, gathers async (data_parallel.apply_fsdp)
-    keep_last_gathered: bool = False  # FSDP2: the last block is not resharded after forward
-    async_tp: bool = False         # micro-pipelined TP (CUDA, torch.compile, symmetric memory)
-    kernels: str = "eager"         # fused: mfuscope.kernels (RMSNorm, SwiGLU, RoPE, LM head + loss, MoE routing)
-    ddp_bucket_mb: float | None = None  # DDP's gradient bucket, MiB (None: DDP's 25)
-    grad_as_bucket_view: bool = False   # DDP's gradient_as_bucket_view
-    steps: int | None = None
-    microbatches: int | None = None
-    inject: str | None = None
-    paced: str | None = None
-    stage_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: an even cut
-    out: str | None = None         # run directory: steps, communication, GPU samples (the collectors)
-    window: str | None = None      # Kineto window "START:STEPS" into RUN_DIR/traces; None: no traces
-    force: bool = False            # replace an earlier run directory at ``out``
-    result: str | None = None      # tests: where each rank saves losses and every step's full gradients
-    # benchmarks: rank -> a context manager with .step(tokens, loss), used instead of the collectors
-    instrument: Any = None
-    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def _device() -> torch.device:
@@ -83,15 +57,14 @@ def _strip(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def run_rank(opts: RunOptions) -> dict[str, Any]:
-    """Train on this rank; returns {'losses': [...], 'step_times': [...]} (rank-local)."""
+def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """Train on this rank; returns {'losses': [...], 'step_times': [...]} (rank-local).
+    ``instrument`` (benchmarks): rank -> a context manager with ``.step(tokens, loss)``, used
+    instead of the collectors."""
     cfg: TrainConfig = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     dims = ParallelDims.parse(opts.layout, world)
-    check_run(cfg, dims, schedule=opts.schedule, dp_mode=opts.dp_mode, reshard=opts.reshard_after_forward,
-              stage_layers=opts.stage_layers, prefetch=opts.prefetch or opts.keep_last_gathered,
-              ddp_buckets=opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, bucket_mb=opts.ddp_bucket_mb,
-              async_tp=opts.async_tp)
+    check_run(cfg, dims, opts)
     device = _device()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -116,7 +89,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     local_experts: list = []  # experts no other rank holds: outside FSDP, averaged by the trainer
     expert_mesh = None         # where other ranks hold the same experts: FSDP shards them over these
     extra_groups = {}
-    if cfg.model.n_experts and dims.dp * dims.tp > 1:
+    if cfg.model.n_experts and dims.grad_ranks * dims.tp > 1:
         # The balance loss counts the tokens of every rank that routes different ones: data, context
         # and (each on its own sequence shard) tensor-parallel ranks.  Labelled as what it is.
         extra_groups["moe_aux"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("moe_aux").get_group()
@@ -158,7 +131,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
             for name, block in list(m.layers.items()):
                 m.layers[name] = torch.compile(block, mode=mode)
     param_dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
-    if dims.dp > 1:
+    if dims.grad_ranks > 1:
         if opts.dp_mode == "ddp":
             modules = [data_parallel.apply_ddp(m, dims, bucket_mb=opts.ddp_bucket_mb,
                                                as_bucket_view=opts.grad_as_bucket_view) for m in modules]
@@ -202,7 +175,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     chunks = cfg.microbatches if dims.pp > 1 else cfg.grad_accum
     losses, step_times = [], []
     tokens_per_step = cfg.global_batch * cfg.seq_len
-    session = (opts.instrument(rank) if opts.instrument else
+    session = (instrument(rank) if instrument else
                _session(opts, cfg, dims, modules[0], extra_groups, tokens_per_step))
     loop_starts, grads = [], []
     with session:
@@ -244,7 +217,7 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
                             if p.grad is not None:
                                 p.grad.div_(micro)
                 if local_experts:
-                    expert_parallel.scale_local_expert_grads(local_experts, dims.dp)
+                    expert_parallel.scale_local_expert_grads(local_experts, dims.grad_ranks)
                 if tp_moe_params:
                     tensor_parallel.reduce_moe_grads(tp_moe_params, mesh["tp"].get_group())
                 if opts.result:
@@ -270,25 +243,18 @@ def run_rank(opts: RunOptions) -> dict[str, Any]:
     return result
 
 
-def _session(opts: RunOptions, cfg: TrainConfig, dims: ParallelDims, model, extra_groups: dict,
+def _session(opts: TrainerOptions, cfg: TrainConfig, dims: ParallelDims, model, extra_groups: dict,
              tokens_per_step: int):
     """The collectors' session for a run with ``--out``; otherwise a stand-in that does nothing."""
     if not opts.out:
         return _NoSession()
     train = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
     schedule = ({"name": opts.schedule, "microbatches": cfg.microbatches,
-                 "virtual_stages": pipeline_parallel.virtual_stages(opts.schedule)} if dims.pp > 1 else None)
+                 "virtual_stages": virtual_stages(opts.schedule)} if dims.pp > 1 else None)
     return ProfileSession(opts.out, model=model, mesh=dims, window=opts.window, tokens_per_step=tokens_per_step,
                           extra_groups=extra_groups, dtype=cfg.dtype, force=opts.force,
                           manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
-                                    "trainer": {"dp_mode": opts.dp_mode, "paced": opts.paced, "inject": opts.inject,
-                                                "reshard_after_forward": opts.reshard_after_forward,
-                                                "stage_layers": list(opts.stage_layers) if opts.stage_layers else None,
-                                                "prefetch": opts.prefetch, "keep_last_gathered": opts.keep_last_gathered,
-                                                "async_tp": opts.async_tp, "kernels": opts.kernels,
-                                                "ddp_bucket_mb": opts.ddp_bucket_mb,
-                                                "grad_as_bucket_view": opts.grad_as_bucket_view,
-                                                "window": opts.window, "schedule": opts.schedule},
+                                    "trainer": opts.to_manifest(),
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
 
 
@@ -366,39 +332,10 @@ def _full_grads(modules) -> dict[str, torch.Tensor]:
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> RunOptions:
+def parse_args(argv: list[str] | None = None) -> TrainerOptions:
     p = argparse.ArgumentParser(prog="mfuscope.reference_trainer.train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="tiny_dense")
-    p.add_argument("--layout", default="")
-    p.add_argument("--schedule", default="1f1b", choices=pipeline_parallel.SCHEDULES)
-    p.add_argument("--dp-mode", default="fsdp", choices=("fsdp", "ddp"))
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSDP2: free gathered weights after each forward (default: on without pp, off with pp)")
-    p.add_argument("--prefetch", action="store_true", help="FSDP2: explicit forward/backward prefetch, async gathers")
-    p.add_argument("--keep-last-gathered", action="store_true", help="FSDP2: no reshard after forward for the last block")
-    p.add_argument("--async-tp", action="store_true", help="micro-pipelined TP (CUDA, with compile=true)")
-    p.add_argument("--kernels", default="eager", choices=("eager", "fused"), help="fused: mfuscope.kernels")
-    p.add_argument("--ddp-bucket-mb", type=float, help="DDP: gradient bucket size in MiB (default 25)")
-    p.add_argument("--grad-as-bucket-view", action="store_true", help="DDP: gradient_as_bucket_view")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--microbatches", type=int)
-    p.add_argument("--inject")
-    p.add_argument("--paced")
-    p.add_argument("--stage-layers", help="layers per pipeline stage, e.g. 5,3 (default: an even cut)")
-    p.add_argument("--out", help="run directory (steps, communication, GPU samples)")
-    p.add_argument("--window", help="Kineto trace window START:STEPS into RUN_DIR/traces, e.g. 1:3")
-    p.add_argument("--force", action="store_true", help="replace an earlier run directory at --out")
-    p.add_argument("--result")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a train setting, e.g. --set recompute=full --set dtype=bf16")
-    a = p.parse_args(argv)
-    return RunOptions(config=a.config, layout=a.layout, schedule=a.schedule, dp_mode=a.dp_mode,
-                      reshard_after_forward=a.reshard_after_forward, prefetch=a.prefetch,
-                      keep_last_gathered=a.keep_last_gathered, async_tp=a.async_tp, kernels=a.kernels,
-                      ddp_bucket_mb=a.ddp_bucket_mb, grad_as_bucket_view=a.grad_as_bucket_view, steps=a.steps,
-                      microbatches=a.microbatches, inject=a.inject, paced=a.paced,
-                      stage_layers=pipeline_parallel.parse_stage_layers(a.stage_layers), out=a.out, window=a.window, force=a.force,
-                      result=a.result, overrides=parse_overrides(a.set))
+    add_arguments(p)
+    return TrainerOptions.from_args(p.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

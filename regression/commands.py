@@ -15,6 +15,7 @@ from typing import Any
 
 from mfuscope import atomic, run_dir
 from mfuscope.errors import UserInputError
+from mfuscope.manifest import Manifest
 
 from . import check as check_mod
 from . import history as hist
@@ -132,8 +133,8 @@ def check(path: Path, history: Path, workload: str | None, branch: str | None, m
 
 def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None):
     """Run the workload again into a fresh run directory beside ``path``; return its record."""
-    manifest = run_dir.read_manifest(path) if run_dir.is_run_dir(path) else None
-    if rerun_command is None and not (manifest and manifest.get("trainer")):
+    manifest = Manifest.read(path) if run_dir.is_run_dir(path) else Manifest()
+    if rerun_command is None and not manifest.is_reference_trainer_run:
         raise UserInputError("--confirm-runs reruns a reference-trainer run by itself; for another job give "
                              "--rerun-command 'CMD {out}' (it must write a run directory at {out})", path)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mfuscope.errors import UserInputError
+from mfuscope.manifest import Manifest
 
 REFERENCE_GPU = "H100"
 
@@ -21,7 +22,7 @@ REFERENCE_GPU = "H100"
 def predicted(report: dict[str, Any], manifest: dict[str, Any] | None, where: Path) -> dict[str, Any] | None:
     """``{"predicted_mfu", "predicted_on", "predicted_leaves"}``, or None for a run the cost model
     cannot read (a trace set, a run without a model spec, a layout it does not model)."""
-    if not manifest or not manifest.get("model"):
+    if not Manifest.of(manifest).model:
         return None
     from mfuscope.optimizers import measured
     from mfuscope.optimizers.model import predict

@@ -54,7 +54,7 @@ SEVERAL_RANKS_ONE_GPU = (
 # Paths one process cannot exercise: (path, the smallest layout that exercises it, why one rank cannot).
 NEEDS_TWO = (
     ("fsdp2_bf16", "dp_shard=2",
-     "one rank is dp=1, where train.py applies no FSDP (it wraps only when dims.dp > 1); sharding and "
+     "one rank is dp=1, where train.py applies no FSDP (it wraps only when dims.grad_ranks > 1); sharding and "
      "FSDP2's all-gather and reduce-scatter need 2 ranks"),
     ("tp", "tp=2",
      "tp=1 applies no tensor parallelism (apply_tp runs only when dims.tp > 1): DTensor sharding, the "
@@ -199,11 +199,13 @@ def _worker(args) -> int:
 def _train_rank(args) -> dict:
     import torch
 
-    from mfuscope.reference_trainer.train import RunOptions, run_rank
+    from mfuscope.reference_trainer.train import run_rank
+
+    from mfuscope.trainer_options import TrainerOptions
 
     # The profiled window is the last two steps, out of the way of the timed ones.
-    result = run_rank(RunOptions(config=args.config, steps=args.steps, out=args.run_dir,
-                                 window=f"{args.steps - 2}:2", force=True))
+    result = run_rank(TrainerOptions(config=args.config, steps=args.steps, out=args.run_dir,
+                                     window=f"{args.steps - 2}:2", force=True))
     result["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return result
 
@@ -232,7 +234,7 @@ def _fsdp2_rank(args) -> dict:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     cfg = load_config(args.config, steps=args.steps)
-    dims = ParallelDims(world_size=1)
+    dims = ParallelDims()
     torch.manual_seed(cfg.seed)
     model = apply_fsdp(Transformer(cfg.model, cfg.seq_len).to(device), dims, param_dtype=torch.bfloat16)
     seen: dict[str, str] = {}

@@ -49,12 +49,13 @@ def _ok(proc: subprocess.CompletedProcess, what: str) -> subprocess.CompletedPro
 def train_forked(out: Path, world: int, **options) -> Path:
     """The reference trainer on ``world`` forked gloo ranks into the run directory ``out``, with
     the collectors: what ``mfuscope train --nproc WORLD --out OUT`` writes, without an interpreter
-    start and torch import per rank (``options`` are :class:`RunOptions` fields; ``--profile`` is
+    start and torch import per rank (``options`` are :class:`TrainerOptions` fields; ``--profile`` is
     ``window="1:"``).  For tests about what reads a run, not about how it was launched."""
     from mfuscope.reference_trainer.launch import fork_ranks
-    from mfuscope.reference_trainer.train import RunOptions, run_rank
+    from mfuscope.reference_trainer.train import run_rank
+    from mfuscope.trainer_options import TrainerOptions
 
-    fork_ranks(run_rank, world, RunOptions(**options, out=str(out)))
+    fork_ranks(run_rank, world, TrainerOptions(**options, out=str(out)))
     return out
 
 

@@ -133,7 +133,8 @@ def test_dlrm_stragglers_compared_with_hta(monkeypatch):
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402
+from mfuscope.reference_trainer.train import run_rank  # noqa: E402
+from mfuscope.trainer_options import TrainerOptions  # noqa: E402
 
 
 def _run(tmp_path, name, layout, layers=4, world=8, **kw):
@@ -147,7 +148,7 @@ def _run(tmp_path, name, layout, layers=4, world=8, **kw):
     opts.update(kw)
     if "pp=" in layout:  # a pipeline's microbatches are its accumulation
         opts["overrides"] = {"grad_accum": 1, **opts.get("overrides", {})}
-    fork_ranks(run_rank, world, RunOptions(**opts))
+    fork_ranks(run_rank, world, TrainerOptions(**opts))
     events = trace_set.load(out, use_cache=False).events
     report = overview.build_report(events, source=str(out), files=[], run=out)
     _assert_leaves_add_up(out, report, world)

@@ -27,7 +27,8 @@ torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not in
 pytestmark = pytest.mark.paced
 
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402
+from mfuscope.reference_trainer.train import run_rank  # noqa: E402
+from mfuscope.trainer_options import TrainerOptions  # noqa: E402
 
 P, FWD_MS, BWD_MS, GLOBAL_BATCH = 4, 40.0, 80.0, 8
 
@@ -36,7 +37,7 @@ def _train(tmp_path, name, schedule, m):
     config = tmp_path / "micro.toml"
     config.write_text(micro_config(n_layers=8, global_batch=GLOBAL_BATCH, grad_accum=1, microbatches=m))
     out = tmp_path / name
-    fork_ranks(run_rank, P, RunOptions(config=str(config), layout=f"pp={P}", schedule=schedule, steps=3,
+    fork_ranks(run_rank, P, TrainerOptions(config=str(config), layout=f"pp={P}", schedule=schedule, steps=3,
                                        window="1:", out=str(out), microbatches=m,
                                        paced=f"fwd_ms={FWD_MS:g},bwd_ms={BWD_MS:g},per=sample"))
     events = trace_set.load(out, use_cache=False).events
@@ -89,7 +90,7 @@ def test_a_cpu_run_calibrates_and_predicts_itself(tmp_path):
     config = tmp_path / "micro.toml"
     config.write_text(micro_config(n_layers=2, global_batch=8, grad_accum=2, microbatches=1))
     out = tmp_path / "dp2"
-    fork_ranks(run_rank, 2, RunOptions(config=str(config), layout="dp_shard=2", steps=3, window="1:", out=str(out)))
+    fork_ranks(run_rank, 2, TrainerOptions(config=str(config), layout="dp_shard=2", steps=3, window="1:", out=str(out)))
     events = trace_set.load(out, use_cache=False).events
     report = overview.build_report(events, source=str(out), files=[], run=out)
     (out / "report.json").write_text(json.dumps(report))

@@ -55,7 +55,8 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe) -> Path:
     ``gpipe`` with the ``gpipe-opt-*`` runs `mfuscope optimize --apply` made of it."""
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.reference_trainer.launch import fork_ranks
-    from mfuscope.reference_trainer.train import RunOptions, run_rank
+    from mfuscope.reference_trainer.train import run_rank
+    from mfuscope.trainer_options import TrainerOptions
     from mfuscope.tests.shared_runs import RUN_3D, RUN_3D_WORLD
 
     root = tmp_path_factory.mktemp("runs")
@@ -65,7 +66,7 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe) -> Path:
     # of a stage's 4 ranks scatters by up to 0.2 s a step over their real compute (3 scaled MADs,
     # the detection threshold, reached 0.56 s), so rank 5 sleeps 250 ms in each of its 4 microbatch
     # forwards, 1 s a step.
-    fork_ranks(run_rank, RUN_3D_WORLD, RunOptions(**RUN_3D, paced="fwd_ms=40,bwd_ms=80",
+    fork_ranks(run_rank, RUN_3D_WORLD, TrainerOptions(**RUN_3D, paced="fwd_ms=40,bwd_ms=80",
                                                   inject="compute:rank=5:ms=250", out=str(root / "pp8-straggler")))
     for run in sorted(optimized_gpipe["base"].parent.glob("gpipe*")):  # the poor start, and what optimize made
         (root / run.name).symlink_to(run, target_is_directory=True)

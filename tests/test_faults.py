@@ -14,7 +14,8 @@ from mfuscope.analyzers import breakdown, overview, trace_set
 from mfuscope.errors import UserInputError
 from mfuscope.reference_trainer.inject import Injector, parse_faults, parse_paced
 from mfuscope.reference_trainer.launch import fork_ranks
-from mfuscope.reference_trainer.train import RunOptions, run_rank
+from mfuscope.reference_trainer.train import run_rank
+from mfuscope.trainer_options import TrainerOptions
 from mfuscope.tests.helpers import WAKE_S, micro_config
 
 #: Wall time is what these tests assert: make test runs them in its paced lane (tests/lanes.py).
@@ -26,7 +27,7 @@ def _profiled(tmp_path, name, layout, world, steps=5, **kw):
     config = tmp_path / "micro.toml"
     config.write_text(MICRO)
     out = tmp_path / name
-    fork_ranks(run_rank, world, RunOptions(config=str(config), layout=layout, steps=steps, window="1:", out=str(out), **kw))
+    fork_ranks(run_rank, world, TrainerOptions(config=str(config), layout=layout, steps=steps, window="1:", out=str(out), **kw))
     events = trace_set.load(out, use_cache=False).events
     leaves = breakdown.step_leaves(events)
     return out, events, leaves.pivot_table(index=["rank", "step"], columns="leaf", values="seconds", fill_value=0.0)

@@ -89,19 +89,20 @@ def test_the_trainer_refuses_cuda_graphs_it_cannot_capture():
     from mfuscope.reference_trainer.config import load_config
     from mfuscope.reference_trainer.parallel_dims import ParallelDims
 
+    from mfuscope.trainer_options import TrainerOptions
+
     dims = ParallelDims.parse("dp_replicate=2", 2)
-    args = {"schedule": "1f1b", "dp_mode": "ddp", "reshard": None, "stage_layers": None, "prefetch": False,
-            "ddp_buckets": False, "bucket_mb": None, "async_tp": False}
+    ddp = TrainerOptions(dp_mode="ddp")
     with pytest.raises(UserInputError, match="compile=true"):
-        check_run(load_config("tiny_dense", cuda_graphs=True), dims, **args)
+        check_run(load_config("tiny_dense", cuda_graphs=True), dims, ddp)
     import torch
     graphs = load_config("tiny_dense", cuda_graphs=True, compile=True)
     if torch.cuda.is_available():
         with pytest.raises(UserInputError, match="FSDP"):
-            check_run(graphs, ParallelDims.parse("dp_shard=2", 2), **{**args, "dp_mode": "fsdp"})
+            check_run(graphs, ParallelDims.parse("dp_shard=2", 2), TrainerOptions(dp_mode="fsdp"))
     else:
         with pytest.raises(UserInputError, match="no CUDA GPU"):
-            check_run(graphs, dims, **args)
+            check_run(graphs, dims, ddp)
 
 
 def test_ddp_buckets_are_proposed_only_when_everything_waits_for_the_end():

@@ -28,8 +28,9 @@ from mfuscope.reference_trainer import (context_parallel, data_parallel, expert_
                                         model as model_mod, pipeline_parallel, tensor_parallel)
 from mfuscope.reference_trainer.config import load_config  # noqa: E402
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.pipeline_parallel import SCHEDULES  # noqa: E402
-from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402
+from mfuscope.layout import SCHEDULES  # noqa: E402
+from mfuscope.reference_trainer.train import run_rank  # noqa: E402
+from mfuscope.trainer_options import TrainerOptions  # noqa: E402
 
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 1.0}
@@ -57,7 +58,7 @@ def fp32_tolerance(config: str) -> float:
 def _run(tmp_path, world, name, steps=STEPS, **kw):
     out = tmp_path / name
     kw["overrides"] = {**SGD, **kw.get("overrides", {})}
-    fork_ranks(run_rank, world, RunOptions(steps=steps, result=str(out), **kw))
+    fork_ranks(run_rank, world, TrainerOptions(steps=steps, result=str(out), **kw))
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     grads: list[dict[str, torch.Tensor]] = [{} for _ in range(steps)]
     for res in ranks:
@@ -284,7 +285,7 @@ def test_default_data_is_learnable(tmp_path):
     """The shipped text has structure: 12 AdamW steps take the loss well below ln(vocab), where
     uniform tokens would keep it."""
     out = tmp_path / "learn"
-    fork_ranks(run_rank, 1, RunOptions(config="tiny_dense", steps=12, result=str(out),
+    fork_ranks(run_rank, 1, TrainerOptions(config="tiny_dense", steps=12, result=str(out),
                                        overrides={"lr": 1e-2}))
     losses = torch.load(out / "rank0.pt")["losses"]
     assert losses[0] == pytest.approx(math.log(256), rel=0.05)
@@ -336,10 +337,12 @@ def test_a_combination_that_cannot_work_is_refused(name, config, world, layout, 
 
     cfg = load_config(config, **opts.get("overrides", {}))
     with pytest.raises(UserInputError, match=words.replace("*", r"\*")):
-        check_run(cfg, ParallelDims.parse(layout, world), schedule=opts.get("schedule", "1f1b"),
-                  dp_mode=opts.get("dp_mode", "fsdp"), reshard=opts.get("reshard"),
-                  stage_layers=opts.get("stage_layers"), prefetch=opts.get("prefetch", False),
-                  ddp_buckets=opts.get("ddp_buckets", False), async_tp=opts.get("async_tp", False))
+        # the table's "reshard" is --reshard-after-forward; "ddp_buckets" any DDP bucket switch
+        check_run(cfg, ParallelDims.parse(layout, world), TrainerOptions(
+            schedule=opts.get("schedule", "1f1b"), dp_mode=opts.get("dp_mode", "fsdp"),
+            reshard_after_forward=opts.get("reshard"), stage_layers=opts.get("stage_layers"),
+            prefetch=opts.get("prefetch", False), grad_as_bucket_view=opts.get("ddp_buckets", False),
+            async_tp=opts.get("async_tp", False)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
@@ -349,8 +352,7 @@ def test_async_tp_without_a_gpu_is_refused():
     from mfuscope.reference_trainer.parallel_dims import ParallelDims
 
     with pytest.raises(UserInputError, match="no CUDA GPU"):
-        check_run(load_config("tiny_dense", compile=True), ParallelDims.parse("tp=2", 2), schedule="1f1b",
-                  dp_mode="fsdp", reshard=None, async_tp=True)
+        check_run(load_config("tiny_dense", compile=True), ParallelDims.parse("tp=2", 2), TrainerOptions(async_tp=True))
 
 
 def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path):

@@ -15,7 +15,8 @@ from mfuscope import run_dir  # noqa: E402
 from mfuscope.errors import UserInputError  # noqa: E402
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
 from mfuscope.reference_trainer.parallel_dims import ParallelDims  # noqa: E402
-from mfuscope.reference_trainer.train import RunOptions, run_rank  # noqa: E402
+from mfuscope.reference_trainer.train import run_rank  # noqa: E402
+from mfuscope.trainer_options import TrainerOptions  # noqa: E402
 
 
 def test_mfuscope_train_through_torchrun_writes_a_valid_run_directory(torchrun_run):
@@ -53,7 +54,7 @@ grad_accum = 2
 def _rank3_step_times(config, inject):
     # 4 data ranks (DDP), 2 accumulation forwards per step; a micro model and paced stages, so the
     # sleeps, not CPU sharing between 4 ranks on few cores, decide the timing.
-    opts = RunOptions(config=str(config), layout="dp_shard=4", dp_mode="ddp", steps=8, inject=inject,
+    opts = TrainerOptions(config=str(config), layout="dp_shard=4", dp_mode="ddp", steps=8, inject=inject,
                       paced="fwd_ms=40,bwd_ms=80")
     results = fork_ranks(run_rank, 4, opts)
     return results[3]["step_times"][1:]  # step 0 includes warm-up
@@ -91,7 +92,7 @@ def test_coordinates_are_row_major_over_pp_dp_cp_tp():
 
 
 def _median_step(world, layout, inject, rank, stat=statistics.median, **kw):
-    opts = RunOptions(config="tiny_dense", layout=layout, steps=6, inject=inject, paced="fwd_ms=30,bwd_ms=60", **kw)
+    opts = TrainerOptions(config="tiny_dense", layout=layout, steps=6, inject=inject, paced="fwd_ms=30,bwd_ms=60", **kw)
     return stat(fork_ranks(run_rank, world, opts)[rank]["step_times"][1:])
 
 

@@ -1,0 +1,114 @@
+"""One record per fix: when it applies, what it is estimated to save, what it changes, and the
+switches that make it in the frameworks people train with.
+
+Findings (:mod:`mfuscope.analyzers.findings`) and the optimize catalogue
+(:mod:`mfuscope.optimizers.fixes`) both read these records, so a fix's threshold is one number:
+the analyzers raise a finding where the optimizer would propose a change.  How much a change
+would really gain is the cost model's call (optimize); the ``gain`` here is the analyzers' quick
+estimate from the trace alone, for jobs with no model spec.
+
+Thresholds are shares of the step (the evidence's seconds over the step time) unless the record's
+``evidence`` says otherwise.  Where it said so, a threshold that findings and the catalogue held
+apart was set to the catalogue's (``fuse_elementwise`` 15% -> 10%; ``cuda_graphs`` 10% -> 5%) or
+the findings' (exposed data-, tensor-, context- and expert-parallel communication, 1% -> 5%).
+
+Sources of the flags: torchtitan's job config (``torchtitan/config``), Megatron-LM's
+``arguments.py``, PyTorch's FSDP2 / DDP / pipelining / inductor documentation.  Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Fix:
+    id: str
+    evidence: str                    # what in the report it reads
+    threshold: float | None          # the evidence's level from which it applies; None: no threshold of its own
+    gain: str                        # how the analyzers estimate the seconds it saves
+    gain_share: float | None         # that estimate as a share of the evidence's seconds, where it is one
+    changes: str                     # what it changes in the reference trainer (trainer options, settings)
+    flags: Mapping[str, str] = field(default_factory=dict)   # torchtitan / megatron / pytorch
+
+    def applies(self, share: float) -> bool:
+        """The evidence reaches this fix's threshold."""
+        return self.threshold is None or share >= self.threshold
+
+
+_FIXES = (
+    Fix("overlap_dp_grads", "an exposed data-parallel communication leaf (dp*, fsdp), share of the step", 0.05,
+        "the exposed time", 1.0,
+        "FSDP: --prefetch (async gathers a block ahead); DDP: --ddp-bucket-mb of one layer's gradients",
+        {"torchtitan": "--parallelism.fsdp_reshard_after_forward never (weights stay gathered into backward, "
+                       "memory permitting); HSDP: --parallelism.data_parallel_replicate_degree R to shard inside a node",
+         "megatron": "--overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer",
+         "pytorch": "fully_shard: block.set_modules_to_forward_prefetch([next_block]) and "
+                    "set_modules_to_backward_prefetch([prev_block]); DDP(bucket_cap_mb=..., gradient_as_bucket_view=True)"}),
+    Fix("keep_weights_gathered", "exposed FSDP all-gathers (comm/dp/all_gather) without a pipeline, share of the "
+        "step", 0.05, "the backward's gathers it saves (the cost model's)", None,
+        "--keep-last-gathered, or --no-reshard-after-forward (memory permitting)",
+        {"torchtitan": "--parallelism.fsdp_reshard_after_forward never",
+         "megatron": "(distributed optimizer: --overlap-param-gather)",
+         "pytorch": "fully_shard(block, reshard_after_forward=False)"}),
+    Fix("overlap_tp_comm", "an exposed tensor-, context- or expert-parallel communication leaf, share of the "
+        "step", 0.05, "half the exposed time (async TP overlaps about that much)", 0.5,
+        "--async-tp with --set compile=true (GPU runs)",
+        {"torchtitan": "--parallelism.enable_async_tensor_parallel --compile.enable",
+         "megatron": "--tp-comm-overlap (Transformer Engine userbuffers) with --sequence-parallel",
+         "pytorch": "torch._inductor.config._micro_pipeline_tp = True; enable_symm_mem_for_group(tp_group); "
+                    "torch.compile"}),
+    Fix("more_microbatches", "the pipeline bubble, share of the step", 0.05,
+        "the bubble minus the theory's at twice the microbatches (both over the pipeline's time)", None,
+        "--microbatches m x 2, m x 4 (the micro-batch / 2, / 4)",
+        {"torchtitan": "a smaller --parallelism.pipeline_parallel_microbatch_size (more microbatches per step)",
+         "megatron": "a smaller --micro-batch-size at the same --global-batch-size",
+         "pytorch": "Schedule*(stage, n_microbatches=<larger>)"}),
+    Fix("interleaved_schedule", "the pipeline bubble of GPipe or 1F1B, share of the step", 0.05,
+        "half the bubble", 0.5, "--schedule interleaved_1f1b or zbv (two chunks a rank)",
+        {"torchtitan": "--parallelism.pipeline_parallel_schedule Interleaved1F1B (or ZBVZeroBubble)",
+         "megatron": "--num-layers-per-virtual-pipeline-stage N",
+         "pytorch": "ScheduleInterleaved1F1B(stages, n_microbatches) with 2+ stages per rank"}),
+    Fix("rebalance_stages", "pipeline stage imbalance: the busiest stage's excess over the mean (findings) or "
+        "the lightest (the catalogue's measured compute)", 0.10, "the busiest stage's excess", None,
+        "--stage-layers: layers moved off the busiest stage",
+        {"torchtitan": "--parallelism.pipeline_parallel_split_points layers.N,... (fewer layers on the busiest stage)",
+         "megatron": "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, "
+                     "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+         "pytorch": "cut the PipelineStage modules at other layer boundaries"}),
+    Fix("less_recompute", "activation recomputation on (the layout)", None, "the recomputed forward (the cost "
+        "model's)", None, "--set recompute=selective or none",
+        {"torchtitan": "--activation_checkpoint.mode selective (or none)",
+         "megatron": "--recompute-granularity selective (or drop it)",
+         "pytorch": "checkpoint_wrapper with a selective policy (or none)"}),
+    Fix("straggler_rank", "a rank whose steps hold the others up (stragglers' cost)", None, "its cost", 1.0,
+        "none: a machine's problem, not the job's",
+        {"torchtitan": "(no flag) check the rank's GPU clocks, thermals and NIC; exclude the node",
+         "megatron": "(no flag) --log-straggler to track it; exclude the node",
+         "pytorch": "(no flag) nvidia-smi -q -d PERFORMANCE,CLOCK on the rank's host"}),
+    Fix("fuse_elementwise", "compute/norm_elementwise of an eager job, share of the step", 0.10,
+        "half of it (fused kernels read memory once)", 0.5, "--kernels fused, or --set compile=true",
+        {"torchtitan": "--compile.enable",
+         "megatron": "keep the fusions on (drop --no-bias-swiglu-fusion, --no-masked-softmax-fusion); "
+                     "--apply-rope-fusion",
+         "pytorch": "torch.compile(block) per transformer block"}),
+    Fix("reduce_host_overhead", "host_bound: the device idle while the host works, share of the step (not in "
+        "steps that capture CUDA graphs)", 0.10, "that time", 1.0, "none of its own: cuda_graphs, compile",
+        {"torchtitan": "--compile.enable; a larger local batch",
+         "megatron": "--enable-cuda-graph; a larger --micro-batch-size",
+         "pytorch": "no .item()/.cpu() inside the step, pin_memory=True and non_blocking copies, torch.compile"}),
+    Fix("cuda_graphs", "host_bound, share of the step, on launch-bound ranks (median kernel shorter than a "
+        "launch) of a job that replays no graphs yet", 0.05, "the host-bound time (graphs launch once)", 1.0,
+        "--set compile=true --set cuda_graphs=true (no FSDP, no MoE)",
+        {"torchtitan": "--compile.enable (inductor's cudagraph trees need static shapes)",
+         "megatron": "--enable-cuda-graph",
+         "pytorch": "torch.compile(mode='reduce-overhead') or torch.cuda.graphs around the step"}),
+    Fix("better_layout", "the planner finds a faster layout that fits (model spec, GPUs, global batch)", None,
+        "the cost model's", None, "--layout, --schedule, --microbatches",
+        {"torchtitan": "the --parallelism.* degrees of the layout",
+         "megatron": "the --*-model-parallel-size of the layout",
+         "pytorch": "init_device_mesh with the layout"}),
+)
+
+#: Every fix, by id.
+FIXES: dict[str, Fix] = {f.id: f for f in _FIXES}
