@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import pandas as pd
 
+from mfuscope import labels
 from mfuscope.event_table import EventTable
 
 from . import collectives
@@ -62,7 +63,6 @@ _OP_RULES = [
     ("gemm", re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|addmv|mv)$")),
     ("norm_elementwise", re.compile(r"^aten::")),
 ]
-_COMM_LABEL = re.compile(r"^mfuscope\.(comm|wait)/([^/]+)/([^/]+)$")
 _COMM_OP = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::|gloo:|nccl:|record_param_comms)")
 
 
@@ -165,29 +165,29 @@ def blocked_in_comm(events: pd.DataFrame) -> pd.Series:
     """Which training-thread events are the thread blocked in communication: mfuscope's call
     and wait labels, and c10d / gloo / nccl operators (``name`` and ``kind`` as strings)."""
     name = events["name"]
-    return name.str.match(_COMM_LABEL) | (name.str.match(_COMM_OP) & events["kind"].isin(["cpu_op", "annotation"]))
+    return name.str.match(labels.COMM_RE) | (name.str.match(_COMM_OP) & events["kind"].isin(["cpu_op", "annotation"]))
 
 
 def _cpu_plan(rdf: pd.DataFrame, steps: pd.DataFrame):
     main = rdf[rdf["lane"] == steps["lane"].iloc[0]]
     name = main["name"]
-    label = name.str.extract(_COMM_LABEL)
-    labelled = main[label[1].notna()]
-    raw_comm = main[blocked_in_comm(main) & label[1].isna()]
+    label = name.str.extract(labels.COMM_RE)
+    labelled = main[label["dim"].notna()]
+    raw_comm = main[blocked_in_comm(main) & label["dim"].isna()]
     categories = []
     if len(labelled):
         lab = label.loc[labelled.index]
-        leaves = [_comm_leaf(d, o) for d, o in zip(lab[1], lab[2])]
+        leaves = [_comm_leaf(d, o) for d, o in zip(lab["dim"], lab["op"])]
         categories += _sets(labelled, pd.Series(leaves, index=labelled.index))
     if len(raw_comm):
         categories += _sets(raw_comm, pd.Series("comm/unknown/unknown", index=raw_comm.index))
     optimizer = main[name.str.startswith("Optimizer.step#")]
     if len(optimizer):
         categories += _sets(optimizer, pd.Series("compute/optimizer", index=optimizer.index))
-    simulated = name.str.startswith(("mfuscope.paced", "mfuscope.inject"))
+    simulated = name.str.startswith(labels.SIMULATED)
     ops = main[(main["kind"] == "cpu_op") | simulated]
     if len(ops):
-        kind_of = {n: ("other" if n.startswith("mfuscope.") else op_kind(n)) for n in ops["name"].unique()}
+        kind_of = {n: ("other" if n.startswith(labels.NAMESPACE) else op_kind(n)) for n in ops["name"].unique()}
         by_kind = dict(_sets(ops, ops["name"].map(kind_of)))
         categories += [(f"compute/{k}", by_kind[k]) for k in COMPUTE_KINDS if k in by_kind]
     loading = main[name.str.contains("DataLoader", regex=False)]

@@ -4,14 +4,17 @@ Names come from many eras and layers -- NCCL kernels (``ncclKernel_*``,
 ``ncclDevKernel_*``, ``ncclSymk*``, RCCL's ``ncclDevKernel_Generic``), c10d ops
 (``c10d::allreduce_``), profiler annotations (``nccl:all_reduce``,
 ``gloo:all_reduce``), ``record_param_comms`` fields (``Collective name``) and
-mfuscope's own labels (``mfuscope.comm/<dim>/<op>``).  They all map to one
-small vocabulary of ops here.
+mfuscope's own call labels (``mfuscope.comm/<dim>/<op>``, :mod:`mfuscope.labels`).  They all
+map to one small vocabulary of ops here.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+from typing import Optional
+
+from mfuscope import labels
 
 #: Canonical op names, matched in this order against the letters of a name
 #: (so ``reducescatter`` wins over ``reduce`` and ``allgather`` over ``gather``).
@@ -30,10 +33,15 @@ _OP_TOKENS = (
     ("recv", "recv"),
 )
 
-_COMM_LABEL = re.compile(r"^mfuscope\.comm/(?P<dim>[^/]+)/(?P<op>[^/]+)")
-
-
 _EP_KERNEL = re.compile(r"deep_ep::|nvshmem", re.I)
+
+
+def _call_label(name: str) -> Optional[labels.CommLabel]:
+    """mfuscope's label of a collective call; not its wait form (``mfuscope.wait/<dim>/<op>``), which
+    is the thread blocked on a call made earlier: taken for a call, it would count that call twice,
+    and a gloo worker's orphan work could be given the wait for its issuing call."""
+    label = labels.parse_comm(name)
+    return label if label is not None and not label.wait else None
 
 
 def is_comm_kernel(name: str) -> bool:
@@ -52,16 +60,16 @@ def kernel_dim(name: str) -> str | None:
 
 def is_comm_cpu_name(name: str) -> bool:
     """CPU-side names that stand for a collective call (not the device work)."""
-    return (name == "record_param_comms" or name.startswith(("nccl:", "gloo:", "c10d::", "mfuscope.comm/")))
+    return name == "record_param_comms" or name.startswith(("nccl:", "gloo:", "c10d::")) or bool(_call_label(name))
 
 
 def normalize_op(name: str | None) -> str | None:
     """Canonical collective op for any name above, or None if it names none."""
     if not name:
         return None
-    label = _COMM_LABEL.match(name)
+    label = _call_label(name)
     if label:
-        return normalize_op(label.group("op"))
+        return normalize_op(label.op)
     base = name.split("(", 1)[0]
     if base.startswith(("nccl:", "gloo:", "c10d::")):
         base = base.split(":")[-1]
@@ -76,8 +84,8 @@ def normalize_op(name: str | None) -> str | None:
 
 def label_dim(name: str) -> str | None:
     """Parallel dimension from an ``mfuscope.comm/<dim>/<op>`` label, or an expert-parallel kernel."""
-    m = _COMM_LABEL.match(name)
-    return m.group("dim") if m else kernel_dim(name)
+    label = _call_label(name)
+    return label.dim if label else kernel_dim(name)
 
 
 def dim_from_group_desc(desc: str | None) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mfuscope import run_dir
+from mfuscope import labels, run_dir
 from mfuscope.event_table import EventTable
 from mfuscope.report import new_report
 
@@ -149,7 +149,7 @@ def _comm_by_op(events: EventTable, calls: bool = False) -> list[dict[str, Any]]
     ``calls`` the labelled call regions on the training thread (``mfuscope.comm/<dim>/<op>``)."""
     df = events.to_pandas(["rank", "kind", "name", "op", "dim", "bytes", "dur_ns"])
     if calls:
-        df = df[df["name"].str.startswith("mfuscope.comm/")]
+        df = df[df["name"].str.startswith(labels.COMM)]
     else:
         df = df[df["kind"] == "comm"]
     if df.empty:

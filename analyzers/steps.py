@@ -19,10 +19,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mfuscope import labels
 from mfuscope.errors import UserInputError
 from mfuscope.event_table import build_table
 
-STEP_RE = re.compile(r"^(ProfilerStep|mfuscope\.step)#(\d+)$")
 WHOLE_TRACE = "whole trace"
 WHOLE_TRACE_MARKER = "mfuscope.whole_trace"
 
@@ -56,9 +56,9 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
         rows = rows[np.argsort(ts_ns[rows], kind="stable")]
         numbers, source = np.arange(len(rows)), f"annotation {step_annotation!r}"
     else:
-        parsed = [STEP_RE.match(s) for s in name_values]
-        for prefix in ("mfuscope.step", "ProfilerStep"):
-            step_num = np.array([int(m.group(2)) if m and m.group(1) == prefix else -1 for m in parsed] or [-1])
+        parsed = [labels.parse_step(s) for s in name_values]
+        for prefix in (labels.STEP, labels.PROFILER_STEP):
+            step_num = np.array([p[1] if p and p[0] == prefix else -1 for p in parsed] or [-1])
             rows = np.flatnonzero((step_num[name_idx] >= 0) & np.isin(kind, markers))
             if len(rows):
                 break

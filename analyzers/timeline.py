@@ -10,15 +10,15 @@ browser can draw for any zoom, server-side.
 
 ``microbatches``: the executed pipeline schedule -- every stage's forward,
 backward and weight-gradient chunk per microbatch, from PyTorch's action labels
-(``PP:0F1``), the collectors' (``mfuscope.pp/0F1``) or GPipe's ``Forward 3``.
+(``PP:0F1``), the collectors' (``mfuscope.pp/0F1``) or GPipe's ``Forward 3``
+(:func:`mfuscope.labels.parse_pp`).
 """
 from __future__ import annotations
-
-import re
 
 import numpy as np
 import pandas as pd
 
+from mfuscope import labels
 from mfuscope.event_table import EventTable
 
 from . import intervals as iv
@@ -27,9 +27,6 @@ from .breakdown import step_plans
 RESOLUTION = 10_000
 SEGMENT_COLUMNS = ["rank", "step", "start_ns", "end_ns", "leaf"]
 MICROBATCH_COLUMNS = ["rank", "step", "stage", "action", "microbatch", "start_ns", "end_ns"]
-
-_ACTION = re.compile(r"^(?:PP:|mfuscope\.pp/)(\d+)(F|B|I|W)(\d+)$")
-_GPIPE = re.compile(r"^(Forward|Backward) (\d+)$")
 
 
 def segments(events: EventTable) -> pd.DataFrame:
@@ -52,17 +49,11 @@ def segments(events: EventTable) -> pd.DataFrame:
 
 def microbatches(events: EventTable, stage_of_rank: dict[int, int] | None = None) -> pd.DataFrame:
     df = events.to_pandas(["rank", "name", "ts_ns", "dur_ns", "step"])
-    names = pd.Series(df["name"].unique())
-    labelled = names[names.str.match(_ACTION) | names.str.match(_GPIPE)]
-    df = df[df["name"].isin(labelled) & (df["step"] >= 0)]
+    actions = {n: a for n in df["name"].unique() if isinstance(n, str) and (a := labels.parse_pp(n)) is not None}
+    df = df[df["name"].isin(list(actions)) & (df["step"] >= 0)]
     rows = []
     for name, g in df.groupby("name", observed=True, sort=False):
-        m = _ACTION.match(name)
-        if m:
-            stage, action, mb = int(m.group(1)), m.group(2), int(m.group(3))
-        else:
-            m = _GPIPE.match(name)
-            stage, action, mb = None, m.group(1)[0], int(m.group(2))
+        stage, action, mb = actions[name]
         for r in g.itertuples():
             st = stage if stage is not None else (stage_of_rank or {}).get(int(r.rank), 0)
             rows.append((int(r.rank), int(r.step), st, "B" if action == "I" else action, mb,

@@ -48,6 +48,8 @@ import torch.distributed as dist
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
+from mfuscope import labels
+
 from .group_dims import GroupDims
 from .step_timer import DeviceClock
 
@@ -211,10 +213,10 @@ class CommTimer:
                _message_bytes(value, how, len(info["ranks"])), seq, 0, None, None]
         labelled = _profiler_enabled()
         if labelled:
-            region = record_function(f"mfuscope.comm/{info['dim']}/{op}")
+            region = record_function(labels.comm_label(info["dim"], op))
             region.__enter__()
         if self.cuda:
-            torch.cuda.nvtx.range_push(f"mfuscope.comm/{info['dim']}/{op}")
+            torch.cuda.nvtx.range_push(labels.comm_label(info["dim"], op))
             row[START] = self.clock.event()
         row[ENQUEUE] = time.time_ns()
         try:
@@ -271,7 +273,7 @@ class CommTimer:
             return wait(*args, **kwargs)
         row = entry[1]
         if _profiler_enabled():
-            with record_function(f"mfuscope.wait/{row[DIM]}/{row[OP]}"):
+            with record_function(labels.wait_label(row[DIM], row[OP])):
                 out = wait(*args, **kwargs)
         else:
             out = wait(*args, **kwargs)

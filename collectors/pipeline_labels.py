@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 from torch.profiler import record_function
 
-PREFIX = "mfuscope.pp/"
+from mfuscope import labels
+
 _METHODS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
 
@@ -53,7 +54,7 @@ def _labelled(fn: Callable, action: str) -> Callable:
     @functools.wraps(fn)
     def run(self, *args, **kwargs):
         chunk = kwargs.get(chunk_param, args[0] if args else "?")
-        label = f"{PREFIX}{getattr(self, 'stage_index', '?')}{action}{chunk}"
+        label = labels.pp_label(getattr(self, "stage_index", "?"), action, chunk)
         nvtx = torch.cuda.nvtx.range(label) if torch.cuda.is_available() else contextlib.nullcontext()
         with record_function(label), nvtx:
             return fn(self, *args, **kwargs)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mfuscope import hardware, run_dir
+from mfuscope import hardware, labels, run_dir
 from mfuscope.errors import UserInputError
 
 from .comm_timer import COLUMNS as COMM_COLUMNS
@@ -114,7 +114,7 @@ class ProfileSession:
         self.running = True
         self.steps.begin()
         if cuda:
-            torch.cuda.nvtx.range_push("mfuscope.step#0")
+            torch.cuda.nvtx.range_push(labels.step_label(0))
         return self
 
     def step(self, tokens: int | None = None, loss: Any = None) -> int:
@@ -126,7 +126,7 @@ class ProfileSession:
             self.kineto.step()
         if self.clock is not None:
             torch.cuda.nvtx.range_pop()
-            torch.cuda.nvtx.range_push(f"mfuscope.step#{index + 1}")
+            torch.cuda.nvtx.range_push(labels.step_label(index + 1))
         if (index + 1) % self.flush_every == 0:
             self.flush(upto_step=index + 1)
         return index

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from mfuscope import labels
 from mfuscope.errors import UserInputError
 from mfuscope.pacing import Pacing, parse_paced  # noqa: F401  (re-exported for the trainer)
 
@@ -158,7 +159,7 @@ class Injector:
         self.step = step
         for f in self.of("loader"):
             if seconds := self.seconds(f):
-                with record_function("enumerate(DataLoader)#mfuscope.inject/loader"):
+                with record_function(f"enumerate(DataLoader)#{labels.inject_label('loader')}"):
                     time.sleep(seconds)
         for f in self.of("gc"):
             time.sleep(self.seconds(f))  # no region: a collector pass shows as a gap between operators
@@ -171,11 +172,11 @@ class Injector:
         for f in self.faults:
             if f.kind == "compute":
                 for m in modules:
-                    _delay(m, f.phase, lambda f=f: self.seconds(f), "mfuscope.inject/compute")
+                    _delay(m, f.phase, lambda f=f: self.seconds(f), labels.inject_label("compute"))
             elif f.kind == "stage":
                 for m, sid in zip(modules, stage_ids):
                     if sid == f.stage:
-                        _delay(m, f.phase, lambda f=f: self.seconds(f), "mfuscope.inject/stage")
+                        _delay(m, f.phase, lambda f=f: self.seconds(f), labels.inject_label("stage"))
             elif f.kind == "comm":
                 # Late to the sequence-parallel all-gathers in front of attention and MLP: the sleep
                 # runs before tensor parallelism's own input hook (prepend), which starts the gather.
@@ -183,8 +184,8 @@ class Injector:
                 for m in modules:
                     for block in m.layers.values():
                         for part in (block.attention, block.feed_forward):
-                            part.register_forward_pre_hook(_sleep_hook(lambda f=f: self.seconds(f), "mfuscope.inject/late"),
-                                                           prepend=True)
+                            late = _sleep_hook(lambda f=f: self.seconds(f), labels.inject_label("late"))
+                            part.register_forward_pre_hook(late, prepend=True)
             elif f.kind == "sync":
                 for m in modules:
                     for block in m.layers.values():
@@ -257,7 +258,7 @@ class _SleepInWeightGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with record_function("mfuscope.paced/weight"):
+        with record_function(labels.paced_label("weight")):
             time.sleep(ctx.seconds)
         return grad.new_zeros(ctx.shape), None
 
@@ -268,8 +269,8 @@ def apply_paced(modules: list[nn.Module], pacing: Pacing) -> None:
     each transformer block of the stage does."""
     targets = [block for m in modules for block in m.layers.values()] if pacing.per_layer else modules
     for m in targets:
-        _delay(m, "fwd", lambda: pacing.fwd_ms / 1e3, "mfuscope.paced/forward", pacing.per_sample)
-        _delay(m, "bwd", lambda: pacing.bwd_ms / 1e3, "mfuscope.paced/backward", pacing.per_sample)
+        _delay(m, "fwd", lambda: pacing.fwd_ms / 1e3, labels.paced_label("forward"), pacing.per_sample)
+        _delay(m, "bwd", lambda: pacing.bwd_ms / 1e3, labels.paced_label("backward"), pacing.per_sample)
         if pacing.w_ms:
             # Registered before data parallelism wraps the module, so it is sharded and reduced like
             # any weight; its gradient is zero, so training is unchanged.
@@ -341,7 +342,7 @@ def _hold_works(deadlines: dict[int, tuple[float, str, str]]) -> None:
             return fut
         deadline, dim, name = held
         if fut.done():
-            with record_function(f"mfuscope.comm/{dim}/{name}"):
+            with record_function(labels.comm_label(dim, name)):
                 time.sleep(max(deadline - time.monotonic(), 0.0))
             return fut
 

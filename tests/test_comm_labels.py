@@ -60,3 +60,23 @@ def test_manifest_maps_every_group_to_its_dimension(profiled_run):
     assert groups["tp"] == [0, 1] and groups["pp"] == [0, 4] and groups["dp_shard"] == [0, 2]
     assert groups["dp_shard_cp"] == [0, 2]
     assert manifest["rank_coords"]["5"] == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
+
+
+def test_every_label_in_the_traces_parses(profiled_run):
+    """The labels a real run writes (trainer, comm timer, pipeline labels) are the grammar of
+    mfuscope/labels.py: every ``mfuscope.*`` name in a first- and a last-stage rank's trace parses, and
+    the run has each kind: training steps, collective calls, waits on async calls, pipeline actions."""
+    from mfuscope import labels
+
+    from .helpers import read_raw
+
+    for rank in (0, 7):
+        raw = read_raw(profiled_run / "traces" / f"rank{rank}.pt.trace.json.gz")
+        names = {e["name"] for e in raw["traceEvents"] if str(e.get("name", "")).startswith(labels.NAMESPACE)}
+        steps = {labels.parse_step(n) for n in names} - {None}
+        comm = {labels.parse_comm(n) for n in names} - {None}
+        actions = {labels.parse_pp(n) for n in names} - {None}
+        assert len(steps) + len(comm) + len(actions) == len(names), (rank, sorted(names))
+        assert {source for source, _ in steps} == {labels.STEP}
+        assert {c.wait for c in comm} == {False, True}, (rank, sorted(comm))
+        assert {a.stage for a in actions} == {rank // 4} and {a.action for a in actions} >= {"F", "B"}
