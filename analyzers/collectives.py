@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Optional
 
 from mfuscope import labels
 
@@ -36,7 +35,7 @@ _OP_TOKENS = (
 _EP_KERNEL = re.compile(r"deep_ep::|nvshmem", re.I)
 
 
-def _call_label(name: str) -> Optional[labels.CommLabel]:
+def _call_label(name: str) -> labels.CommLabel | None:
     """mfuscope's label of a collective call; not its wait form (``mfuscope.wait/<dim>/<op>``), which
     is the thread blocked on a call made earlier: taken for a call, it would count that call twice,
     and a gloo worker's orphan work could be given the wait for its issuing call."""

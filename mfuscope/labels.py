@@ -28,7 +28,7 @@ Torch-free and free of mfuscope's other modules: the collectors (with torch) and
 from __future__ import annotations
 
 import re
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 #: Every label mfuscope writes starts with this (the analyzers' own rows too: ``mfuscope.whole_trace``).
 NAMESPACE = "mfuscope."
@@ -55,7 +55,7 @@ def step_label(step: int) -> str:
     return f"{STEP}#{step}"
 
 
-def parse_step(name: str) -> Optional[tuple[str, int]]:
+def parse_step(name: str) -> tuple[str, int] | None:
     """(source, step) of a step marker -- source ``mfuscope.step`` or ``ProfilerStep`` -- else None.
     The source matters: a trace can hold both, and mfuscope's numbering is the training step."""
     m = _STEP_RE.match(name)
@@ -79,14 +79,14 @@ def wait_label(dim: str, op: str) -> str:
     return f"{WAIT}{dim}/{op}"
 
 
-def parse_comm(name: str) -> Optional[CommLabel]:
+def parse_comm(name: str) -> CommLabel | None:
     """The call or wait label's dimension and op (``wait`` tells which form), else None."""
     m = COMM_RE.match(name)
     return CommLabel(m.group("dim"), m.group("op"), m.group("kind") == WAIT) if m else None
 
 
 class PipelineAction(NamedTuple):
-    stage: Optional[int]  # None: GPipe's labels do not name the stage
+    stage: int | None  # None: GPipe's labels do not name the stage
     action: str           # F, B, W, or I (PyTorch's backward of the input)
     microbatch: int
 
@@ -97,7 +97,7 @@ def pp_label(stage: int, action: str, microbatch: int) -> str:
     return f"{PP}{stage}{action}{microbatch}"
 
 
-def parse_pp(name: str) -> Optional[PipelineAction]:
+def parse_pp(name: str) -> PipelineAction | None:
     """The pipeline action a label names, ours or PyTorch's (``PP:0F1``, ``Forward 3``), else None."""
     m = _PP_RE.match(name)
     if m:
