@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mfuscope import hardware, labels, run_dir
+from mfuscope.run_dir import ENV_PREPARED
 from mfuscope.errors import UserInputError
 
 from .comm_timer import COLUMNS as COMM_COLUMNS
@@ -42,12 +43,13 @@ from .comm_timer import CommTimer
 from .pipeline_labels import PipelineLabels
 from .cpu_peak import measured_matmul_peak
 from .group_dims import GroupDims, mesh_groups
-from .kineto_window import KinetoWindow, parse_window
+from mfuscope.window import parse_window
+
+from .kineto_window import KinetoWindow
 from .nvml_sampler import NvmlSampler
 from .step_timer import DeviceClock, StepTimer
 
 # Set by ``mfuscope profile`` for the ranks it launches: the directory is already checked.
-ENV_PREPARED = "MFUSCOPE_RUN_PREPARED"
 
 
 class ProfileSession:

@@ -24,7 +24,7 @@ from mfuscope import run_dir
 from mfuscope.errors import UserInputError
 
 from . import autowrap
-from .kineto_window import parse_window
+from mfuscope.window import parse_window
 from .session import ENV_PREPARED
 
 SITE_DIR = Path(__file__).parent / "_site"

@@ -335,12 +335,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _check_train(opts, world_size: int) -> None:
-    """Everything the ranks would check, checked here first: one message instead of one per rank."""
-    from mfuscope.collectors.kineto_window import parse_window
+    """Everything the ranks would check, checked here first: one message instead of one per rank.
+    Torch-free (a second of CPU per run saved): torch is imported by the ranks, not here."""
     from mfuscope.layout import Degrees
+    from mfuscope.pacing import parse_paced
     from mfuscope.reference_trainer.checks import check_run
     from mfuscope.reference_trainer.config import load_config
-    from mfuscope.reference_trainer.inject import parse_faults, parse_paced
+    from mfuscope.reference_trainer.faults import parse_faults
+    from mfuscope.window import parse_window
 
     parse_window(opts.window)
     parse_faults(opts.inject)
@@ -353,7 +355,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     import subprocess
 
     from mfuscope import run_dir
-    from mfuscope.collectors.session import ENV_PREPARED
     from mfuscope.reference_trainer.launch import torchrun_command
     from mfuscope.trainer_options import TrainerOptions
 
@@ -365,7 +366,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir.prepare(args.out, args.force)
     cmd = torchrun_command(args.nproc, opts.to_argv(), nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    rc = subprocess.call(cmd, env={**os.environ, ENV_PREPARED: str(args.out.resolve())})
+    rc = subprocess.call(cmd, env={**os.environ, run_dir.ENV_PREPARED: str(args.out.resolve())})
     if rc != 0:
         print(f"mfuscope: error: training failed (torchrun exit {rc})", file=sys.stderr)
         return rc

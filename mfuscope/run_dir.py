@@ -125,6 +125,10 @@ def mark_ended_early(run_dir: str | Path, reason: str) -> None:
     update_manifest(run_dir, change)
 
 
+#: Set by ``mfuscope train`` for its ranks to the run directory it has prepared (checked, emptied with
+#: --force), so that the ranks' sessions write into it instead of refusing a directory that exists.
+ENV_PREPARED = "MFUSCOPE_RUN_PREPARED"
+
 RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, TRACES, "nsys", REPORT, VIEWS, ".manifest.lock")
 
 

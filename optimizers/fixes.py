@@ -199,7 +199,7 @@ def cuda_graphs(run: MeasuredRun) -> list[Change]:
     recorded again each time), nor for MoE blocks, whose per-expert split sizes are read to the
     host (inductor runs such graphs eagerly)."""
     lay, training = run.layout, run.training
-    fsdp = lay.dp * lay.cp > 1 and run.dp_mode != "ddp"
+    fsdp = lay.data_ranks * lay.cp > 1 and run.dp_mode != "ddp"
     if training.cuda_graphs or run.system.key == "CPU" or fsdp or run.model.n_experts:
         return []
     if not _applies(run, "cuda_graphs", "host_bound"):
@@ -241,7 +241,7 @@ def better_layout(run: MeasuredRun, profile=None) -> list[Change]:
     """The planner's fastest layouts for the same model, GPUs and global batch that the reference
     trainer can run (FSDP, HSDP or plain DDP: it has no ZeRO-1)."""
     lay = run.layout
-    global_batch = lay.dp * lay.micro_batch * lay.microbatches
+    global_batch = lay.data_ranks * lay.micro_batch * lay.microbatches
     result = planner.plan(run.model, lay.gpus, run.system, global_batch, run.training, profile, top=20)
     out = []
     for new, _ in result.ranked:

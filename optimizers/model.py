@@ -164,13 +164,13 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     params = memory_model.params_per_gpu(model, layout)
     _data_parallel(layout, training, links, ledger, params, stage, m, _first_gathers(model, layout, layers),
                    units=layers)
-    shard = layout.dp_shard if layout.dp_shard > 1 else (layout.dp if layout.zero >= 1 else 1)
+    shard = layout.dp_shard if layout.dp_shard > 1 else (layout.data_ranks if layout.zero >= 1 else 1)
     ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
     ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
 
     step = sum(ledger.leaves.values())
     bubble = ledger.leaves.get("bubble", 0.0)
-    global_tokens = layout.dp * layout.micro_batch * m * training.seq_len
+    global_tokens = layout.data_ranks * layout.micro_batch * m * training.seq_len
     tps = global_tokens / step / layout.gpus
     model_flops, _ = train_flops_per_token(spec_dict(model, training.causal), training.seq_len, layout.recompute)
     peak = system.accelerator.peak_flops("bf16")
@@ -289,7 +289,7 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         if layout.dp_replicate > 1:
             reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)
-    elif layout.dp > 1:
+    elif layout.data_ranks > 1:
         # Buckets are reduced as their gradients are ready: all but the last can hide behind the
         # rest of the backward; the last (the first layers' gradients) is reduced after it.
         last = min(training.grad_bucket_bytes or DDP_BUCKET_BYTES, grads) / grads if grads else 1.0

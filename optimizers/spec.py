@@ -96,7 +96,9 @@ class Layout:
     split: tuple[int, ...] = ()
 
     @property
-    def dp(self) -> int:
+    def data_ranks(self) -> int:
+        """Ranks that take different rows of the batch (dp_replicate x dp_shard; context ranks
+        split the same rows' tokens: :attr:`mfuscope.layout.Degrees.data_ranks`)."""
         return self.dp_replicate * self.dp_shard
 
     def stage_layers(self, model: ModelSpec) -> int:
@@ -122,7 +124,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
+        return self.tp * self.pp * self.data_ranks * self.cp
 
     def problems(self, model: ModelSpec, seq_len: int) -> list[str]:
         """Every rule the layout breaks for ``model`` (empty when it is legal)."""
@@ -149,8 +151,8 @@ class Layout:
             out.append(f"ep={self.ep} on a dense model")
         if model.n_experts and model.n_experts % self.ep:
             out.append(f"ep={self.ep} must divide the {model.n_experts} experts")
-        if (self.dp * self.cp) % self.ep:
-            out.append(f"ep={self.ep} must divide the data x context ranks ({self.dp * self.cp})")
+        if (self.data_ranks * self.cp) % self.ep:
+            out.append(f"ep={self.ep} must divide the data x context ranks ({self.data_ranks * self.cp})")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         elif (self.vpp > 1) != (self.schedule in ("interleaved_1f1b", "zero_bubble", "zbv")):

@@ -1,36 +1,7 @@
 """Known faults, injected on purpose, so tests can check that analysis finds exactly them.
 
-``--inject`` takes one or more specs, separated by ``;``, each ``kind:key=value:...``:
-
-==========  =====================================  ===================================================
-kind        keys                                   what happens
-==========  =====================================  ===================================================
-compute     ms, rank, pass=fwd|bwd                 every forward (or backward) of the rank's stage
-                                                   modules takes ``ms`` more (per microbatch)
-stage       ms, stage, pass=fwd|bwd                pipeline stage ``stage`` is that much heavier
-comm        dim=tp, ms, rank (default 0)           global rank R arrives ``ms`` late at every
-                                                   sequence-parallel all-gather in front of attention
-                                                   and the MLP: its tp peers wait there
-link        dim=dp|pp|cp|ep, gbps                  a slow link: every collective on that dimension's
-                                                   groups moves its bytes at ``gbps`` gigabits/s: it
-                                                   completes no sooner than bytes/bandwidth after it
-                                                   was issued (a blocking call returns then; an async
-                                                   one's wait or future is held to it, so work issued
-                                                   early overlaps it) -- the whole group sees long
-                                                   collectives, nobody arrives late
-loader      ms, rank                               a data-loader stall at the start of each step (a
-                                                   ``DataLoader`` region, as PyTorch names real ones)
-gc          ms, rank                               the training thread pauses with no operator running,
-                                                   which is what a garbage-collection pass looks like
-optimizer   ms, rank                               a slow optimizer step (inside ``Optimizer.step``)
-sync        rank                                   a device-to-host sync (``.item()``) after every
-                                                   transformer block's forward
-==========  =====================================  ===================================================
-
-Every kind also takes ``every=N`` (only on steps divisible by N: an intermittent
-fault) and ``jitter_ms=J`` (each occurrence lasts ``ms`` plus a uniform draw in
-[-J, J], from a generator seeded by rank, so a run repeats).  ``rank`` is the
-global rank; without it a fault hits every rank (``comm`` defaults to rank 0).
+The faults ``--inject`` names, and how a spec is read, are :mod:`.faults`'s; this module makes
+them happen in a running rank.
 
 ``--paced fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample][,scope=layer]`` makes every stage's
 forward, input-gradient backward and weight-gradient pass take a fixed time (a
@@ -47,7 +18,6 @@ from __future__ import annotations
 import functools
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,81 +25,14 @@ from torch import nn
 from torch.profiler import record_function
 
 from mfuscope import labels
-from mfuscope.errors import UserInputError
-from mfuscope.pacing import Pacing, parse_paced  # noqa: F401  (re-exported for the trainer)
+from mfuscope.pacing import Pacing
 
-_KEYS = {  # kind -> (required keys, optional keys)
-    "compute": ({"ms"}, {"rank", "pass"}),
-    "stage": ({"ms", "stage"}, {"pass"}),
-    "comm": ({"ms", "dim"}, {"rank"}),
-    "link": ({"dim", "gbps"}, set()),
-    "loader": ({"ms"}, {"rank"}),
-    "gc": ({"ms"}, {"rank"}),
-    "optimizer": ({"ms"}, {"rank"}),
-    "sync": (set(), {"rank"}),
-}
-_COMMON = {"every", "jitter_ms"}
-LINK_DIMS = ("dp", "pp", "cp", "ep")
+from .faults import Fault
+
 # The c10d entry points data, pipeline, context and expert parallelism reach the process group by.
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                 "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
                 "send", "recv", "batch_isend_irecv")
-_EXAMPLES = ("e.g. compute:rank=3:ms=50, compute:rank=1:ms=30:pass=bwd, comm:dim=tp:ms=20, "
-             "stage:stage=1:ms=30, link:dim=dp:gbps=1, loader:ms=200:every=4, gc:ms=80:rank=2, "
-             "optimizer:ms=40, sync:rank=0")
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    ms: float = 0.0
-    rank: int | None = None    # global rank; None: every rank
-    dim: str | None = None
-    stage: int | None = None
-    phase: str = "fwd"         # compute/stage: the forward or the backward
-    gbps: float | None = None  # link
-    every: int = 1
-    jitter_ms: float = 0.0
-
-    def hits(self, rank: int) -> bool:
-        return self.rank is None or self.rank == rank
-
-
-def parse_faults(text: str | None) -> list[Fault]:
-    return [_parse_one(s) for s in filter(None, (s.strip() for s in (text or "").split(";")))]
-
-
-def _parse_one(spec: str) -> Fault:
-    kind, *fields = spec.split(":")
-    if kind not in _KEYS:
-        raise UserInputError(f"--inject: unknown fault kind {kind!r} in {spec!r}; kinds: {', '.join(_KEYS)}; {_EXAMPLES}")
-    try:
-        kv = dict(f.split("=", 1) for f in fields)
-    except ValueError:
-        raise UserInputError(f"--inject: cannot read {spec!r} (fields are key=value); {_EXAMPLES}") from None
-    required, optional = _KEYS[kind]
-    if missing := required - set(kv):
-        raise UserInputError(f"--inject: {spec!r} needs {', '.join(sorted(missing))}; {_EXAMPLES}")
-    if unknown := set(kv) - required - optional - _COMMON:
-        raise UserInputError(f"--inject: {spec!r}: {kind} takes no {', '.join(sorted(unknown))} "
-                             f"(it takes {', '.join(sorted(required | optional | _COMMON))})")
-    try:
-        fault = Fault(kind, ms=float(kv.get("ms", 0)), rank=int(kv["rank"]) if "rank" in kv else (0 if kind == "comm" else None),
-                      dim=kv.get("dim"), stage=int(kv["stage"]) if "stage" in kv else None, phase=kv.get("pass", "fwd"),
-                      gbps=float(kv["gbps"]) if "gbps" in kv else None, every=int(kv.get("every", 1)),
-                      jitter_ms=float(kv.get("jitter_ms", 0)))
-    except ValueError:
-        raise UserInputError(f"--inject: cannot read the numbers in {spec!r}; {_EXAMPLES}") from None
-    if fault.phase not in ("fwd", "bwd"):
-        raise UserInputError(f"--inject: {spec!r}: pass is fwd or bwd")
-    if fault.every < 1 or fault.ms < 0 or fault.jitter_ms < 0 or (fault.gbps is not None and fault.gbps <= 0):
-        raise UserInputError(f"--inject: {spec!r}: every must be >= 1, ms and jitter_ms >= 0, gbps > 0")
-    if kind == "comm" and fault.dim != "tp":
-        raise UserInputError(f"--inject: {spec!r}: late arrival is injected on tp (a slow link on other "
-                             f"dimensions is link:dim=...:gbps=...)")
-    if kind == "link" and fault.dim not in LINK_DIMS:
-        raise UserInputError(f"--inject: {spec!r}: link dim is one of {', '.join(LINK_DIMS)}")
-    return fault
 
 
 class Injector:

@@ -29,16 +29,19 @@ if __name__ == "__main__":  # a rank launched by torchrun: mfuscope's own proces
 import torch
 import torch.distributed as dist
 
+from mfuscope import labels
 from mfuscope.collectors.session import ProfileSession
 from mfuscope.errors import UserInputError
 from mfuscope.layout import virtual_stages
+from mfuscope.pacing import parse_paced
 from mfuscope.trainer_options import TrainerOptions, add_arguments
 
 from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
 from .checks import check_run, reshard_after_forward
 from .config import TrainConfig, load_config
 from .data import global_batch, shard_rows
-from .inject import Injector, apply_paced, parse_faults, parse_paced
+from .faults import parse_faults
+from .inject import Injector, apply_paced
 from .model import Experts, cross_entropy
 from .parallel_dims import ParallelDims
 
@@ -191,7 +194,7 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
             start = time.time_ns()
             if cfg.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()  # a new iteration: last step's graph outputs are free
-            with torch.profiler.record_function(f"mfuscope.step#{step}"), loss_context(), autocast():
+            with torch.profiler.record_function(labels.step_label(step)), loss_context(), autocast():
                 injector.begin_step(step)
                 opt.zero_grad(set_to_none=True)
                 if schedule is not None:

@@ -389,4 +389,4 @@ def test_memory_of_a_prediction_is_the_memory_model():
     layout = Layout(tp=2, dp_shard=4, micro_batch=2, microbatches=2)
     p = predict(TOY, layout, Training(seq_len=1024), system("H100"))
     assert p.memory.total_bytes == memory.estimate(TOY, layout, 1024, device_bytes=80e9).total_bytes
-    assert math.isclose(p.tokens_per_s_per_gpu * p.step_s * layout.gpus, layout.dp * 2 * 2 * 1024)
+    assert math.isclose(p.tokens_per_s_per_gpu * p.step_s * layout.gpus, layout.data_ranks * 2 * 2 * 1024)

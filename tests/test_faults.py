@@ -12,7 +12,9 @@ import pytest
 
 from mfuscope.analyzers import breakdown, overview, trace_set
 from mfuscope.errors import UserInputError
-from mfuscope.reference_trainer.inject import Injector, parse_faults, parse_paced
+from mfuscope.pacing import parse_paced
+from mfuscope.reference_trainer.faults import parse_faults
+from mfuscope.reference_trainer.inject import Injector
 from mfuscope.reference_trainer.launch import fork_ranks
 from mfuscope.reference_trainer.train import run_rank
 from mfuscope.trainer_options import TrainerOptions

@@ -44,10 +44,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mfuscope.layout import MESH_DIMS
+
 from ..spec import Layout
 from ..system import LinkTier, Profile, System
 
-MESH_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+#: The mesh's dimensions innermost first: tp gets the fastest tier, then cp, the data dimensions, pp.
+MESH_ORDER = tuple(reversed(MESH_DIMS))
 RINGS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -93,7 +96,7 @@ def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
         out[dim] = place(stride, size)
         stride *= size
     out["ep"] = place(layout.tp, layout.ep)
-    out["dp"] = place(layout.tp * layout.cp, layout.dp)
+    out["dp"] = place(layout.tp * layout.cp, layout.data_ranks)
     return out
 
 
@@ -114,7 +117,7 @@ class Links:
         return {dim: p.tier for dim, p in self.placement.items()}
 
     def size(self, dim: str) -> int:
-        return self.layout.dp if dim == "dp" else getattr(self.layout, dim)
+        return self.layout.data_ranks if dim == "dp" else getattr(self.layout, dim)
 
     def seconds(self, dim: str, op: str, size_bytes: float, n: int | None = None, calls: float = 1) -> float:
         """``size_bytes`` moved by ``op`` over ``dim``'s group (or ``n`` of its ranks), split into

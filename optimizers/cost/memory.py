@@ -141,7 +141,7 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
         assumptions.append("FSDP keeps " + ("every layer of the stage gathered (no resharding after forward)"
                                             if keep_all else "two layers gathered (one computing, one prefetched)"))
     else:
-        dp = layout.dp
+        dp = layout.data_ranks
         weights = weight_b * n
         grads = grad_b * n / (dp if layout.zero >= 2 else 1)
         optimizer = opt_b * n / (dp if layout.zero >= 1 else 1)

@@ -1,0 +1,111 @@
+"""Known faults, injected on purpose, so tests can check that analysis finds exactly them.
+
+``--inject`` takes one or more specs, separated by ``;``, each ``kind:key=value:...``:
+
+==========  =====================================  ===================================================
+kind        keys                                   what happens
+==========  =====================================  ===================================================
+compute     ms, rank, pass=fwd|bwd                 every forward (or backward) of the rank's stage
+                                                   modules takes ``ms`` more (per microbatch)
+stage       ms, stage, pass=fwd|bwd                pipeline stage ``stage`` is that much heavier
+comm        dim=tp, ms, rank (default 0)           global rank R arrives ``ms`` late at every
+                                                   sequence-parallel all-gather in front of attention
+                                                   and the MLP: its tp peers wait there
+link        dim=dp|pp|cp|ep, gbps                  a slow link: every collective on that dimension's
+                                                   groups moves its bytes at ``gbps`` gigabits/s: it
+                                                   completes no sooner than bytes/bandwidth after it
+                                                   was issued (a blocking call returns then; an async
+                                                   one's wait or future is held to it, so work issued
+                                                   early overlaps it) -- the whole group sees long
+                                                   collectives, nobody arrives late
+loader      ms, rank                               a data-loader stall at the start of each step (a
+                                                   ``DataLoader`` region, as PyTorch names real ones)
+gc          ms, rank                               the training thread pauses with no operator running,
+                                                   which is what a garbage-collection pass looks like
+optimizer   ms, rank                               a slow optimizer step (inside ``Optimizer.step``)
+sync        rank                                   a device-to-host sync (``.item()``) after every
+                                                   transformer block's forward
+==========  =====================================  ===================================================
+
+Every kind also takes ``every=N`` (only on steps divisible by N: an intermittent
+fault) and ``jitter_ms=J`` (each occurrence lasts ``ms`` plus a uniform draw in
+[-J, J], from a generator seeded by rank, so a run repeats).  ``rank`` is the
+global rank; without it a fault hits every rank (``comm`` defaults to rank 0).
+
+Parsing is torch-free: ``mfuscope train`` checks a spec in the launching process before any
+rank starts; :mod:`.inject` makes the faults happen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mfuscope.errors import UserInputError
+
+_KEYS = {  # kind -> (required keys, optional keys)
+    "compute": ({"ms"}, {"rank", "pass"}),
+    "stage": ({"ms", "stage"}, {"pass"}),
+    "comm": ({"ms", "dim"}, {"rank"}),
+    "link": ({"dim", "gbps"}, set()),
+    "loader": ({"ms"}, {"rank"}),
+    "gc": ({"ms"}, {"rank"}),
+    "optimizer": ({"ms"}, {"rank"}),
+    "sync": (set(), {"rank"}),
+}
+_COMMON = {"every", "jitter_ms"}
+LINK_DIMS = ("dp", "pp", "cp", "ep")
+_EXAMPLES = ("e.g. compute:rank=3:ms=50, compute:rank=1:ms=30:pass=bwd, comm:dim=tp:ms=20, "
+             "stage:stage=1:ms=30, link:dim=dp:gbps=1, loader:ms=200:every=4, gc:ms=80:rank=2, "
+             "optimizer:ms=40, sync:rank=0")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    ms: float = 0.0
+    rank: int | None = None    # global rank; None: every rank
+    dim: str | None = None
+    stage: int | None = None
+    phase: str = "fwd"         # compute/stage: the forward or the backward
+    gbps: float | None = None  # link
+    every: int = 1
+    jitter_ms: float = 0.0
+
+    def hits(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
+
+def parse_faults(text: str | None) -> list[Fault]:
+    return [_parse_one(s) for s in filter(None, (s.strip() for s in (text or "").split(";")))]
+
+
+def _parse_one(spec: str) -> Fault:
+    kind, *fields = spec.split(":")
+    if kind not in _KEYS:
+        raise UserInputError(f"--inject: unknown fault kind {kind!r} in {spec!r}; kinds: {', '.join(_KEYS)}; {_EXAMPLES}")
+    try:
+        kv = dict(f.split("=", 1) for f in fields)
+    except ValueError:
+        raise UserInputError(f"--inject: cannot read {spec!r} (fields are key=value); {_EXAMPLES}") from None
+    required, optional = _KEYS[kind]
+    if missing := required - set(kv):
+        raise UserInputError(f"--inject: {spec!r} needs {', '.join(sorted(missing))}; {_EXAMPLES}")
+    if unknown := set(kv) - required - optional - _COMMON:
+        raise UserInputError(f"--inject: {spec!r}: {kind} takes no {', '.join(sorted(unknown))} "
+                             f"(it takes {', '.join(sorted(required | optional | _COMMON))})")
+    try:
+        fault = Fault(kind, ms=float(kv.get("ms", 0)), rank=int(kv["rank"]) if "rank" in kv else (0 if kind == "comm" else None),
+                      dim=kv.get("dim"), stage=int(kv["stage"]) if "stage" in kv else None, phase=kv.get("pass", "fwd"),
+                      gbps=float(kv["gbps"]) if "gbps" in kv else None, every=int(kv.get("every", 1)),
+                      jitter_ms=float(kv.get("jitter_ms", 0)))
+    except ValueError:
+        raise UserInputError(f"--inject: cannot read the numbers in {spec!r}; {_EXAMPLES}") from None
+    if fault.phase not in ("fwd", "bwd"):
+        raise UserInputError(f"--inject: {spec!r}: pass is fwd or bwd")
+    if fault.every < 1 or fault.ms < 0 or fault.jitter_ms < 0 or (fault.gbps is not None and fault.gbps <= 0):
+        raise UserInputError(f"--inject: {spec!r}: every must be >= 1, ms and jitter_ms >= 0, gbps > 0")
+    if kind == "comm" and fault.dim != "tp":
+        raise UserInputError(f"--inject: {spec!r}: late arrival is injected on tp (a slow link on other "
+                             f"dimensions is link:dim=...:gbps=...)")
+    if kind == "link" and fault.dim not in LINK_DIMS:
+        raise UserInputError(f"--inject: {spec!r}: link dim is one of {', '.join(LINK_DIMS)}")
+    return fault
