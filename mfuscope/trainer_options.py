@@ -65,11 +65,14 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _flag(default: Any, help: str, *, record: bool = False, launcher: bool = True, **argparse_kw: Any) -> Any:
+def _flag(default: Any, help: str, *, record: bool = False, launcher: bool = True, requires: str | None = None,
+          **argparse_kw: Any) -> Any:
     """A trainer flag: ``record``: the run manifest's ``trainer`` section keeps it (the others are
     recorded elsewhere, resolved -- the layout, the train settings -- or say nothing about the run);
-    ``launcher``: ``mfuscope train`` takes it too (it has its own ``--out``)."""
-    meta = {"help": help, "record": record, "launcher": launcher, "argparse": argparse_kw}
+    ``launcher``: ``mfuscope train`` takes it too (it has its own ``--out``); ``requires``: what the
+    layout must have for the flag to mean anything (``fsdp``, ``ddp``, ``tp``, or ``same_stages``:
+    the pipeline stages it was made for), see :meth:`TrainerOptions.carried_over`."""
+    meta = {"help": help, "record": record, "launcher": launcher, "requires": requires, "argparse": argparse_kw}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=meta)
     return field(default=default, metadata=meta)
@@ -87,16 +90,16 @@ class TrainerOptions:
         None, "FSDP2: free the gathered weights after each forward (default: on without pp, off with pp, where it "
               "would re-gather them for every microbatch)", record=True)
     prefetch: bool = _flag(False, "FSDP2: explicit prefetch (each block gathers the next one's weights early, async)",
-                           record=True)
+                           record=True, requires="fsdp")
     keep_last_gathered: bool = _flag(False, "FSDP2: the last block keeps its weights gathered after forward "
-                                            "(its backward is next)", record=True)
+                                            "(its backward is next)", record=True, requires="fsdp")
     async_tp: bool = _flag(False, "micro-pipelined TP: tp collectives overlap their GEMMs (CUDA, with "
-                                  "--set compile=true)", record=True)
+                                  "--set compile=true)", record=True, requires="tp")
     kernels: str = _flag("eager", "fused: the model's RMSNorm, SwiGLU, RoPE, LM head + loss and MoE routing run "
                                   "mfuscope's Triton kernels (docs/kernels.md)", record=True, choices=("eager", "fused"))
     ddp_bucket_mb: float | None = _flag(None, "DDP: gradient bucket size in MiB (default 25); smaller buckets start "
-                                              "reducing during backward", record=True)
-    grad_as_bucket_view: bool = _flag(False, "DDP: gradients live in the buckets", record=True)
+                                              "reducing during backward", record=True, requires="ddp", metavar="MIB")
+    grad_as_bucket_view: bool = _flag(False, "DDP: gradients live in the buckets", record=True, requires="ddp")
     inject: str | None = _flag(
         None, "faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
               "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, jitter_ms=J "
@@ -105,11 +108,13 @@ class TrainerOptions:
                               record=True)
     stage_layers: tuple[int, ...] | None = _flag(
         None, "layers per pipeline stage, in stage order, e.g. 5,3 (default: an even cut)", record=True,
-        metavar="N,N,...")
+        requires="same_stages", metavar="N,N,...")
     overrides: dict[str, Any] = _flag({}, "override a train setting, e.g. --set recompute=full --set dtype=bf16",
                                       metavar="KEY=VALUE")
     window: str | None = _flag(None, "record torch.profiler traces of these steps, e.g. 5:3", record=True,
                                metavar="START:STEPS")
+    profile_memory: bool = _flag(False, "record allocations in the traced window (Kineto's [memory] events)",
+                                 record=True)
     out: str | None = _flag(None, "run directory (steps, communication, GPU samples)", launcher=False)
     force: bool = _flag(False, "replace an earlier run directory at --out", launcher=False)
     result: str | None = _flag(None, "tests: where each rank saves its losses and every step's full gradients",
@@ -164,6 +169,16 @@ class TrainerOptions:
         values["schedule"] = values.get("schedule") or m.schedule_name or "1f1b"
         return cls(config=config, layout=Degrees.from_sizes(m.layout).text(), microbatches=m.microbatches,
                    **values)
+
+    def carried_over(self, base: "TrainerOptions") -> "TrainerOptions":
+        """These options, made from ``base`` by a change, less each switch whose ``requires`` the new
+        layout lacks (the trainer would refuse it): a stage split made for other stages, FSDP's
+        switches without FSDP, DDP's without DDP, async TP without tp."""
+        degrees = Degrees.parse(self.layout)
+        have = {"fsdp": degrees.dp_shard > 1 and self.dp_mode == "fsdp", "ddp": self.dp_mode == "ddp",
+                "tp": degrees.tp > 1, "same_stages": (self.layout, self.schedule) == (base.layout, base.schedule)}
+        return dataclasses.replace(self, **{f.name: f.default for f in fields(self)
+                                            if f.metadata["requires"] and not have[f.metadata["requires"]]})
 
     # ------------------------------------------------------------------ changes, as optimize records them
     @classmethod

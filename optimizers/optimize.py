@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mfuscope.errors import UserInputError
-from mfuscope.layout import Degrees
 from mfuscope.manifest import Manifest
 from mfuscope.trainer_options import TrainerOptions
 
@@ -116,23 +115,9 @@ def trainer_command(manifest: Manifest | dict[str, Any], config: Path, out: Path
     without the switches the changed layout cannot take."""
     m = Manifest.of(manifest)
     base = TrainerOptions.from_manifest(m, config=str(config))
-    opts = _carry_over(base.changed(change), base)
+    opts = base.changed(change).carried_over(base)
     opts = replace(opts, window=opts.window or "1:", out=str(out), force=True)
     return [sys.executable, "-m", "mfuscope", "train", "--nproc", str(m.world_size), *opts.to_argv()]
-
-
-def _carry_over(opts: TrainerOptions, base: TrainerOptions) -> TrainerOptions:
-    """What the trainer would refuse after a change, dropped: a stage split made for other stages
-    (the new layout cuts evenly), FSDP's switches without FSDP, DDP's without DDP, async TP
-    without tp."""
-    degrees = Degrees.parse(opts.layout)
-    fsdp = degrees.dp_shard > 1 and opts.dp_mode == "fsdp"
-    ddp = opts.dp_mode == "ddp"
-    moved = opts.layout != base.layout or opts.schedule != base.schedule
-    return replace(opts, stage_layers=None if moved else opts.stage_layers,
-                   prefetch=opts.prefetch and fsdp, keep_last_gathered=opts.keep_last_gathered and fsdp,
-                   ddp_bucket_mb=opts.ddp_bucket_mb if ddp else None,
-                   grad_as_bucket_view=opts.grad_as_bucket_view and ddp, async_tp=opts.async_tp and degrees.tp > 1)
 
 
 def write_config(manifest: Manifest | dict[str, Any], path: Path) -> Path:

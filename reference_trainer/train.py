@@ -254,7 +254,8 @@ def _session(opts: TrainerOptions, cfg: TrainConfig, dims: ParallelDims, model, 
     train = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
     schedule = ({"name": opts.schedule, "microbatches": cfg.microbatches,
                  "virtual_stages": virtual_stages(opts.schedule)} if dims.pp > 1 else None)
-    return ProfileSession(opts.out, model=model, mesh=dims, window=opts.window, tokens_per_step=tokens_per_step,
+    return ProfileSession(opts.out, model=model, mesh=dims, window=opts.window, profile_memory=opts.profile_memory,
+                          tokens_per_step=tokens_per_step,
                           extra_groups=extra_groups, dtype=cfg.dtype, force=opts.force,
                           manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
                                     "trainer": opts.to_manifest(),
