@@ -4,7 +4,8 @@ The views (``views/timeline.parquet``: every rank's step as time-ordered
 breakdown segments; ``views/microbatches.parquet``: the executed pipeline
 schedule) exist so the dashboard never parses a trace per request.  A run
 directory keeps both inside itself; ``mfuscope analyze`` and the dashboard
-write them the same way.
+write them the same way.  The report and the views read one analysis
+:class:`~.context.Context`, so what they share (the step plans, the schedule) is made once.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mfuscope import atomic, run_dir
 from mfuscope.report import write_report
 
 from . import overview, timeline, trace_set
+from .context import Context
 
 TIMELINE = "timeline.parquet"
 MICROBATCHES = "microbatches.parquet"
@@ -35,25 +37,24 @@ def analyze(path: str | Path, report_path: str | Path, views_dir: str | Path | N
                                                                   f"loading traces: {done}/{total} files"),
                             **load_options)
     say(0.7, "analyzing")
-    report = overview.build_report(result.events, source=str(path), files=[str(f) for f in result.files],
+    context = Context.of(result.events, path if is_run else None)
+    report = overview.build_report(context, source=str(path), files=[str(f) for f in result.files],
                                    run=path if is_run else None)
     if views_dir is not None:
         say(0.9, "building timelines")
-        manifest = run_dir.read_manifest(path) if is_run else None
-        write_views(views_dir, result.events, manifest)
+        write_views(views_dir, context)
     write_report(report_path, report)  # last: a report on disk means the views are there too
     say(1.0, "done")
     return report, result
 
 
-def write_views(views_dir: str | Path, events, manifest: dict | None) -> None:
+def write_views(views_dir: str | Path, context: Context) -> None:
+    """The timeline segments and the executed schedule, from the analysis's own step plans."""
     views_dir = Path(views_dir)
     views_dir.mkdir(parents=True, exist_ok=True)
-    coords = (manifest or {}).get("rank_coords") or {}
-    stage_of = {int(r): int(c.get("pp", 0)) for r, c in coords.items()}
-    atomic.write_parquet(views_dir / TIMELINE, pa.Table.from_pandas(timeline.segments(events), preserve_index=False))
-    atomic.write_parquet(views_dir / MICROBATCHES,
-                         pa.Table.from_pandas(timeline.microbatches(events, stage_of), preserve_index=False))
+    segments = timeline.segments(context.events, context.plans)
+    atomic.write_parquet(views_dir / TIMELINE, pa.Table.from_pandas(segments, preserve_index=False))
+    atomic.write_parquet(views_dir / MICROBATCHES, pa.Table.from_pandas(context.microbatches, preserve_index=False))
 
 
 def read_views(views_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

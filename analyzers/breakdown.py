@@ -98,17 +98,22 @@ def _sets(frame: pd.DataFrame, keys: pd.Series) -> list[tuple[str, tuple[np.ndar
     return out
 
 
-def step_leaves(events: EventTable) -> pd.DataFrame:
-    """Leaves of every (rank, step); see the module docstring."""
+#: (rank, step, the step's [start, end) ns, the rank's plan): one step as :func:`step_plans` gives it.
+StepPlan = tuple[int, int, tuple[int, int], list]
+
+
+def step_leaves(events: EventTable, plans: Iterable[StepPlan] | None = None) -> pd.DataFrame:
+    """Leaves of every (rank, step); see the module docstring.  ``plans``: :func:`step_plans` of
+    ``events`` where the caller has made them (an analysis context makes them once for all readers)."""
     rows = []
-    for rank, step, window, plan in step_plans(events):
+    for rank, step, window, plan in step_plans(events) if plans is None else plans:
         for leaf, ns in iv.assign_by_priority(window, plan, rest="idle").items():
             if ns > 0:
                 rows.append((rank, step, leaf, ns / 1e9))
     return pd.DataFrame(rows, columns=["rank", "step", "leaf", "seconds"])
 
 
-def step_plans(events: EventTable) -> Iterator[tuple[int, int, tuple[int, int], list]]:
+def step_plans(events: EventTable) -> Iterator[StepPlan]:
     """(rank, step, the step's [start, end) ns, the rank's plan -- see :func:`rank_plan`) for every
     step marker: what the breakdown and the timelines split."""
     cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim", "step"]

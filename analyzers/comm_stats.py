@@ -18,6 +18,7 @@ all_to_all, 1 for broadcast and point-to-point.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -61,13 +62,15 @@ def calls_from_trace(events: EventTable) -> pd.DataFrame:
         "end_ns": df["ts_ns"] + df["dur_ns"]}).reset_index(drop=True)
 
 
-def exposure_sets(events: EventTable) -> dict[int, tuple[tuple, tuple]]:
+def exposure_sets(events: EventTable,
+                  plans: Iterable[breakdown.StepPlan] | None = None) -> dict[int, tuple[tuple, tuple]]:
     """rank -> (exposed, steps): the instants the breakdown gives to communication or bubble
     (exposed communication: on a GPU rank nothing but communication runs, on a CPU rank the
     training thread waits for a collective), and the rank's step windows.  The table takes its
-    exposed time from these, so it counts what the breakdown counts."""
+    exposed time from these, so it counts what the breakdown counts.  ``plans``:
+    :func:`breakdown.step_plans` of ``events`` where the caller has made them."""
     parts: dict[int, list] = {}
-    for rank, _, (lo, hi), plan in breakdown.step_plans(events):
+    for rank, _, (lo, hi), plan in breakdown.step_plans(events) if plans is None else plans:
         s, e, names = iv.segments_by_priority((lo, hi), plan, rest="idle")
         waiting = np.array([n.startswith("comm/") or n == "bubble" for n in names], dtype=bool)
         parts.setdefault(rank, []).append((s[waiting], e[waiting], lo, hi))

@@ -20,11 +20,16 @@ from mfuscope import labels, run_dir
 from mfuscope.event_table import EventTable
 from mfuscope.report import new_report
 
-from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, stragglers, timeline
+from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, stragglers
+from .context import Context
 
 
-def build_report(events: EventTable, *, source: str, files: list[str], run: str | Path | None = None) -> dict[str, Any]:
-    manifest = run_dir.read_manifest(run) if run is not None else None
+def build_report(events: EventTable | Context, *, source: str, files: list[str],
+                 run: str | Path | None = None) -> dict[str, Any]:
+    """``events``: the traces, or the analysis context that holds them with the run's manifest
+    (``mfuscope analyze`` shares one with the timeline views); ``run``: the run directory, if any."""
+    ctx = events if isinstance(events, Context) else Context.of(events, run)
+    events, manifest = ctx.events, ctx.manifest
     step_s, tokens, step_source = _step_times(events, run)
     metas = events.ranks
     device = next((m.get("device_name") for m in metas.values() if m.get("device_name")), None)
@@ -32,14 +37,13 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         device = (manifest.get("hardware") or {}).get("device_name")
     world = (manifest or {}).get("world_size") or max((m.get("world_size") or 0 for m in metas.values()),
                                                       default=0) or None
-    leaves = breakdown.step_leaves(events)
+    leaves = ctx.leaves
     tree = breakdown.tree(leaves)
     rank_steps = breakdown.per_rank_step(leaves)
     flops = mfu.compute(step_s, tokens, manifest, events, devices=world, rank_step_times=_rank_step_times(run))
     strag, matrix = stragglers.find(rank_steps, (manifest or {}).get("rank_coords"))
     pp = int(((manifest or {}).get("layout") or {}).get("pp") or 1)
-    stage_of = {int(r): int(c.get("pp", 0)) for r, c in ((manifest or {}).get("rank_coords") or {}).items()}
-    bub = bubbles.analyze(leaves, rank_steps, manifest, timeline.microbatches(events, stage_of) if pp > 1 else None)
+    bub = bubbles.analyze(leaves, rank_steps, manifest, ctx.microbatches if pp > 1 else None)
 
     if run is not None and (Path(run) / run_dir.COMM).exists():
         calls = comm_stats.calls_from_run(run_dir.read_table(run, run_dir.COMM).to_pandas())
@@ -49,7 +53,7 @@ def build_report(events: EventTable, *, source: str, files: list[str], run: str 
         calls = comm_stats.calls_from_trace(events)
         calls_source = "the traces' communication work"
     counted_steps = sorted(int(s) for s in (leaves["step"] if not leaves.empty else calls["step"]).unique() if s >= 0)
-    calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(events))
+    calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(events, ctx.plans))
     skew, offsets = comm_stats.matched(calls)
 
     step_time = float(step_s.mean()) if len(step_s) else None

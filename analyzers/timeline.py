@@ -15,6 +15,8 @@ backward and weight-gradient chunk per microbatch, from PyTorch's action labels
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import pandas as pd
 
@@ -22,16 +24,18 @@ from mfuscope import labels
 from mfuscope.event_table import EventTable
 
 from . import intervals as iv
-from .breakdown import step_plans
+from .breakdown import StepPlan, step_plans
 
 RESOLUTION = 10_000
 SEGMENT_COLUMNS = ["rank", "step", "start_ns", "end_ns", "leaf"]
 MICROBATCH_COLUMNS = ["rank", "step", "stage", "action", "microbatch", "start_ns", "end_ns"]
 
 
-def segments(events: EventTable) -> pd.DataFrame:
+def segments(events: EventTable, plans: Iterable[StepPlan] | None = None) -> pd.DataFrame:
+    """Every rank's steps as time-ordered leaf segments (see the module docstring).  ``plans``:
+    :func:`step_plans` of ``events`` where the caller has made them."""
     parts = []
-    for rank, step, (lo, hi), plan in step_plans(events):
+    for rank, step, (lo, hi), plan in step_plans(events) if plans is None else plans:
         s, e, names = iv.segments_by_priority((lo, hi), plan, rest="idle")
         if s.size == 0:
             continue

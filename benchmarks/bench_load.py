@@ -127,15 +127,15 @@ def measure(variant: str, trace_dir: Path, cache: Path, script: str = __file__) 
     return result
 
 
-def timed(run):
-    """Run ``run()`` and print its wall and CPU time (children included) as the child's answer;
-    returns what ``run`` returned."""
+def timed(run, phases: dict | None = None):
+    """Run ``run()`` and print its wall and CPU time (children included) as the child's answer,
+    with ``phases`` (seconds of parts of it that ``run`` filled in); returns what ``run`` returned."""
     r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     result = run()
     wall = time.perf_counter() - t0
     r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = sum(getattr(b, f) - getattr(a, f) for a, b in ((r0, r1), (c0, c1)) for f in ("ru_utime", "ru_stime"))
-    print(json.dumps({"wall": wall, "cpu": cpu}), flush=True)
+    print(json.dumps({"wall": wall, "cpu": cpu, **(phases or {})}), flush=True)
     return result
 
 
@@ -155,13 +155,13 @@ def make_big8(root: Path) -> Path:
 
 def medians(name: str, rounds: int, variants, run_one) -> dict:
     """``rounds`` rounds of every variant, interleaved (so drift hits all alike); per variant the
-    median wall, CPU and peak PSS of ``run_one(variant)``."""
+    median of each figure of ``run_one(variant)`` (wall, CPU, peak PSS and any phase times)."""
     runs: dict = {v: [] for v in variants}
     for i in range(rounds):
         for v in variants:
             runs[v].append(run_one(v))
         print(f"  {name}: round {i + 1}/{rounds} done", file=sys.stderr, flush=True)
-    return {v: {k: statistics.median(r[k] for r in rs) for k in ("wall", "cpu", "peak_pss")} for v, rs in runs.items()}
+    return {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in runs.items()}
 
 
 def print_table(results: dict, variants, rounds: int, what: str) -> None:

@@ -10,6 +10,7 @@ on disk).  A failure inside a page becomes an error panel, never a dead app.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode
@@ -121,8 +122,10 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
                                   html.A("Try again", href=f"/run/{quote(run_id)}?retry=1")]), True
         return top, pages.progress_panel(run, job.fraction, job.message), False
     a = store.load(run)
-    builders = {"": pages.overview_page, "pipeline": pages.pipeline_page, "comm": pages.comm_page,
-                "stragglers": pages.stragglers_page, "kernels": pages.kernels_page, "optimize": pages.optimize_page}
+    # The Overview and Optimize pages show the run's calibrated cost model, which the store keeps.
+    builders = {"": partial(pages.overview_page, store), "pipeline": pages.pipeline_page, "comm": pages.comm_page,
+                "stragglers": pages.stragglers_page, "kernels": pages.kernels_page,
+                "optimize": partial(pages.optimize_page, store)}
     if slug == "timeline":
         return top, pages.timeline_page(run, a, query), True
     if slug not in builders:

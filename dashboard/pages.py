@@ -21,7 +21,7 @@ from mfuscope.analyzers import run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 
 from mfuscope.errors import UserInputError
-from mfuscope.optimizers import measured, optimize, planner, presets, run_prediction
+from mfuscope.optimizers import planner, presets, run_prediction
 from mfuscope.optimizers.spec import Training
 from mfuscope.optimizers.system import SYSTEMS, default_profile, system
 
@@ -139,7 +139,7 @@ def runs_page(store: Store) -> html.Div:
 
 
 # ----------------------------------------------------------------------------- overview
-def overview_page(run: Run, a: Analysis) -> html.Div:
+def overview_page(store: Store, run: Run, a: Analysis) -> html.Div:
     r = a.report
     s = r["summary"]
     peak = f"peak {style.rate(s.get('peak_flops'), 'FLOP/s')} ({s.get('peak_source')})" if s.get("peak_flops") else ""
@@ -155,7 +155,7 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
         card("steps timed", f"{s.get('steps')}", f"{_traced_steps(r)} in the trace window · "
              + (f"run {s['status']}" if s.get("status") else "from traces")),
     ]
-    model = _model_gains(run, a)
+    model = _model_gains(store, run)
     findings = [{"gain_ms": f["gain_s"] * 1e3, "gain": f["gain_fraction"], "title": f["title"], "fix": f["fix"],
                  "model_gain": model[f["fix"]].predicted_gain if f["fix"] in model else None,
                  "model_change": model[f["fix"]].change.summary if f["fix"] in model else None}
@@ -170,7 +170,7 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
                                config={"displaylogo": False})),
         ], className="row"),
         html.Div(info_panel("Click a box of the breakdown to see it per rank."), id="node-detail"),
-        _prediction_section(run, a),
+        _prediction_section(store, run),
         html.H3("Top findings (estimated gain per step if fixed)"),
         html.P("The estimate bounds what the finding's time could give back; where the run has a model spec, "
                "the cost model's predicted gain for the fix's best change (calibrated on this run) stands beside "
@@ -189,22 +189,23 @@ def overview_page(run: Run, a: Analysis) -> html.Div:
     ])
 
 
-def _model_gains(run: Run, a: Analysis) -> dict:
+def _model_gains(store: Store, run: Run) -> dict:
     """Fix id -> the cost model's best proposal, for a run with a model spec (else empty)."""
     if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
         return {}
     try:
-        return optimize.best_by_fix(measured.from_documents(a.report, run.manifest, run.path))
+        return store.cost_model(run).best_by_fix()
     except (UserInputError, ValueError, KeyError):
         return {}
 
 
-def _prediction_section(run: Run, a: Analysis) -> html.Div | None:
+def _prediction_section(store: Store, run: Run) -> html.Div | None:
     """Predicted against measured leaves, for a run whose manifest has the model spec."""
     if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
         return None
     try:
-        c = run_prediction.compare_run(measured.from_documents(a.report, run.manifest, run.path))
+        model = store.cost_model(run)
+        c = run_prediction.compare_run(model.run, fitted=model.profile)
     except (UserInputError, ValueError, KeyError) as e:
         return info_panel(f"No cost-model prediction for this run: {e}")
     rows = [{**r, "ratio": r["predicted_s"] / r["measured_s"] if r["measured_s"] and r["predicted_s"] else None}
@@ -286,7 +287,7 @@ def planner_page(query: dict[str, str]) -> html.Div:
 
 
 # ----------------------------------------------------------------------------- optimize
-def optimize_page(run: Run, a: Analysis) -> html.Div:
+def optimize_page(store: Store, run: Run, a: Analysis) -> html.Div:
     """The fix catalogue's proposals for this run, ranked by predicted gain; once `mfuscope optimize
     --apply` has run (its optimize.json beside the run), predicted against measured per fix."""
     head = [html.H2(f"Optimize: {run.id}")]
@@ -294,15 +295,15 @@ def optimize_page(run: Run, a: Analysis) -> html.Div:
         return html.Div(head + [info_panel("No model spec in this run's manifest: the cost model cannot predict "
                                            "its fixes. Runs of the reference trainer (mfuscope train) have one.")])
     try:
-        base, _, proposals = optimize.propose(measured.from_documents(a.report, run.manifest, run.path))
+        model = store.cost_model(run)
     except (UserInputError, ValueError, KeyError) as e:
         return html.Div(head + [error_panel(f"No proposals for this run: {e}")])
     rows = [{"fix": p.change.fix, "change": p.change.summary, "predicted_step_s": p.predicted_step_s,
              "predicted_gain": p.predicted_gain, "memory_gib": p.memory_gib, "note": p.note,
-             "trainer": " ".join(f"{k}={v}" for k, v in p.change.trainer.items())} for p in proposals]
+             "trainer": " ".join(f"{k}={v}" for k, v in p.change.trainer.items())} for p in model.proposals]
     body = head + [
         html.P(f"Measured step {style.seconds(a.report['summary'].get('step_time_s'))}; predicted "
-               f"{style.seconds(base.step_s)} with the cost model calibrated on this run. Apply with "
+               f"{style.seconds(model.base.step_s)} with the cost model calibrated on this run. Apply with "
                f"`mfuscope optimize {run.path} --apply`.", className="note"),
         grid("optimize-grid", rows, [
             {"field": "fix", "maxWidth": 200}, {"field": "change", "minWidth": 320, **WRAP},

@@ -11,6 +11,11 @@ analysis is analyzed once, in a background thread (one at a time: analysis
 already uses every core), and pages show its progress.  Anything wrong with a
 run -- an unreadable manifest, a bad trace, a failed analysis -- is kept as
 that run's error message; other runs are unaffected.
+
+The cost model calibrated on a run (its fitted profile, predicted step and
+the fixes' proposals) is fitted once per version of the run's report and
+kept: the Overview and the Optimize page both show it, and a re-analyzed run
+is fitted again.
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ import pandas as pd
 from mfuscope import run_dir
 from mfuscope.analyzers import analysis, trace_cache, trace_set
 from mfuscope.errors import UserInputError
+from mfuscope.optimizers import measured, optimize
+from mfuscope.optimizers.model import Prediction
+from mfuscope.optimizers.system import Profile
 from mfuscope.report import read_report
 
 log = logging.getLogger("mfuscope.dashboard")
@@ -84,6 +92,26 @@ class Analysis:
     microbatches: pd.DataFrame
 
 
+@dataclass(frozen=True)
+class CostModel:
+    """The cost model calibrated on one run (``optimize.propose``): the measured run, its base
+    prediction, the profile fitted to it and the fixes' proposals, best first."""
+
+    run: measured.MeasuredRun
+    base: Prediction
+    profile: Profile
+    proposals: tuple[optimize.Proposal, ...]
+
+    def best_by_fix(self) -> dict[str, optimize.Proposal]:
+        """Each fix id's most promising change that fits (``optimize.best_by_fix``'s rule, on the
+        proposals made once)."""
+        best: dict[str, optimize.Proposal] = {}
+        for p in self.proposals:
+            if p.fits is not False:
+                best.setdefault(p.change.fix, p)
+        return best
+
+
 @dataclass
 class Job:
     fraction: float = 0.0
@@ -98,7 +126,9 @@ class Store:
     jobs: dict[str, Job] = field(default_factory=dict)
     _loaded: OrderedDict[str, tuple[float, Analysis]] = field(default_factory=OrderedDict)
     _reports: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    _models: dict[str, tuple[float, CostModel]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _fitting: threading.Lock = field(default_factory=threading.Lock)
     _one_at_a_time: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -185,6 +215,19 @@ class Store:
             while len(self._loaded) > KEEP_LOADED:
                 self._loaded.popitem(last=False)
         return loaded
+
+    def cost_model(self, run: Run) -> CostModel:
+        """The cost model calibrated on ``run`` (a run whose manifest has the model spec), fitted
+        once per version of its report.  Raises what ``measured.from_documents`` and
+        ``optimize.propose`` raise for a run they cannot model."""
+        mtime = run.report_path.stat().st_mtime
+        with self._fitting:  # pages rendered at once wait for one fit rather than each making it
+            hit = self._models.get(run.id)
+            if hit is None or hit[0] != mtime:
+                measured_run = measured.from_documents(self.report(run), run.manifest, run.path)
+                base, profile, proposals = optimize.propose(measured_run)
+                hit = self._models[run.id] = (mtime, CostModel(measured_run, base, profile, tuple(proposals)))
+        return hit[1]
 
     def ensure_analysis(self, run: Run) -> Job | None:
         """None when the analysis is on disk; else the (started) job producing it."""

@@ -29,11 +29,15 @@ def compare(path: str | Path, hardware: str | Path | None = None) -> Comparison:
     return compare_run(measured.load(path), hardware)
 
 
-def compare_run(run: measured.MeasuredRun, hardware: str | Path | None = None) -> Comparison:
+def compare_run(run: measured.MeasuredRun, hardware: str | Path | None = None,
+                fitted: Profile | None = None) -> Comparison:
+    """``fitted``: ``calibrate.fit_run(run)`` where the caller has it already (the dashboard keeps
+    one per run), so a CPU run is not fitted again."""
     if hardware:
         profile, note = Profile.load(hardware), f"profile {hardware}"
     elif run.system.key == "CPU":
-        profile, note = calibrate.fit_run(run), "profile fitted to this run (CPU: no published profile applies)"
+        profile = fitted or calibrate.fit_run(run)
+        note = "profile fitted to this run (CPU: no published profile applies)"
     else:
         profile = default_profile()
         note = f"profile fitted on {profile.provenance.get('source', 'defaults')}"
