@@ -43,7 +43,9 @@ from typing import Any
 
 import pandas as pd
 
-ZERO_BUBBLE = ("zero_bubble", "zbv")
+from mfuscope.layout import ZERO_BUBBLE
+from mfuscope.manifest import Manifest
+
 BASIS = "of the pipeline's time (the step minus other exposed communication)"
 
 
@@ -80,18 +82,16 @@ def phase_times(microbatches: pd.DataFrame | None) -> dict[str, float] | None:
     return {a: float(per[a].median()) if a in per else 0.0 for a in ("F", "B", "W")}
 
 
-def analyze(leaves: pd.DataFrame, per_rank_step: pd.DataFrame, manifest: dict | None,
+def analyze(leaves: pd.DataFrame, per_rank_step: pd.DataFrame, manifest: Manifest | dict | None,
             microbatches: pd.DataFrame | None = None) -> dict[str, Any] | None:
-    manifest = manifest or {}
-    layout = manifest.get("layout") or {}
-    p = int(layout.get("pp") or 1)
+    manifest = Manifest.of(manifest)
+    p = manifest.pp
     if p <= 1 or leaves.empty:
         return None
-    sched = manifest.get("schedule") or {}
+    sched = manifest.schedule
     name = sched.get("name")
     m, v = int(sched.get("microbatches") or 1), int(sched.get("virtual_stages") or 1)
-    coords = manifest.get("rank_coords") or {}
-    stage_of = {int(r): int(c.get("pp", 0)) for r, c in coords.items()}
+    stage_of = manifest.stages
     bubble = leaves[leaves["leaf"] == "bubble"].groupby(["rank", "step"])["seconds"].sum()
     df = per_rank_step.set_index(["rank", "step"]).assign(bubble_s=bubble).fillna({"bubble_s": 0.0}).reset_index()
     df["stage"] = df["rank"].map(stage_of)

@@ -25,6 +25,7 @@ import pandas as pd
 
 from mfuscope import run_dir
 from mfuscope.event_table import EventTable
+from mfuscope.manifest import Manifest
 
 from . import breakdown, timeline
 
@@ -63,8 +64,7 @@ class Context:
     @property
     def stage_of(self) -> dict[int, int]:
         """Rank -> pipeline stage, from the manifest's rank coordinates (empty without them)."""
-        coords = (self.manifest or {}).get("rank_coords") or {}
-        return {int(r): int(c.get("pp", 0)) for r, c in coords.items()}
+        return Manifest.of(self.manifest).stages
 
     @cached_property
     def plans(self) -> tuple[breakdown.StepPlan, ...]:

@@ -24,6 +24,7 @@ import pandas as pd
 from mfuscope import hardware
 from mfuscope.event_table import EventTable
 from mfuscope.flops import train_flops_per_token
+from mfuscope.manifest import Manifest
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 _ATTENTION = "aten::_scaled_dot_product_"  # the fused kernels (the public op is their parent)
@@ -51,15 +52,15 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
     FLOPs from the model spec are the job's (global tokens), so they are shared over the job's
     world size; FLOPs from trace shapes are the loaded ranks' own, so they are shared over the
     ranks loaded -- one rank of an 8-rank job is one device's work, not an eighth of it."""
-    manifest = manifest or {}
-    hw = manifest.get("hardware") or {}
+    manifest = Manifest.of(manifest)
+    hw = manifest.hardware
     peak, peak_source = hw.get("peak_flops"), hw.get("peak_source")
     if peak is None and events is not None:  # a trace set: the device the traces name
         peak, peak_source = _table_peak(events)
-    devices = devices or manifest.get("world_size")
+    devices = devices or manifest.raw.get("world_size")
     loaded = len(events.ranks) if events is not None else None
-    spec = manifest.get("model") or {}
-    train = manifest.get("train") or {}
+    spec = manifest.model or {}
+    train = manifest.train
     seq_len = train.get("seq_len") or spec.get("max_seq_len")
     out: dict[str, Any] = {"mfu": None, "hfu": None, "tokens_per_s": None, "tflops_per_device": None,
                            "flops_source": None, "peak_flops": peak, "peak_source": peak_source,

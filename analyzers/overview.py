@@ -18,6 +18,7 @@ import pandas as pd
 
 from mfuscope import labels, run_dir
 from mfuscope.event_table import EventTable
+from mfuscope.manifest import Manifest
 from mfuscope.report import new_report
 
 from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, stragglers
@@ -32,17 +33,17 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
     events, manifest = ctx.events, ctx.manifest
     step_s, tokens, step_source = _step_times(events, run)
     metas = events.ranks
+    recorded = Manifest.of(manifest)
     device = next((m.get("device_name") for m in metas.values() if m.get("device_name")), None)
-    if device is None and manifest:
-        device = (manifest.get("hardware") or {}).get("device_name")
-    world = (manifest or {}).get("world_size") or max((m.get("world_size") or 0 for m in metas.values()),
-                                                      default=0) or None
+    device = device or recorded.device_name
+    world = recorded.raw.get("world_size") or max((m.get("world_size") or 0 for m in metas.values()),
+                                                  default=0) or None
     leaves = ctx.leaves
     tree = breakdown.tree(leaves)
     rank_steps = breakdown.per_rank_step(leaves)
     flops = mfu.compute(step_s, tokens, manifest, events, devices=world, rank_step_times=_rank_step_times(run))
-    strag, matrix = stragglers.find(rank_steps, (manifest or {}).get("rank_coords"))
-    pp = int(((manifest or {}).get("layout") or {}).get("pp") or 1)
+    strag, matrix = stragglers.find(rank_steps, recorded.stages)
+    pp = recorded.pp
     bub = bubbles.analyze(leaves, rank_steps, manifest, ctx.microbatches if pp > 1 else None)
 
     if run is not None and (Path(run) / run_dir.COMM).exists():
@@ -65,7 +66,7 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
         "step_time_p90_s": float(np.percentile(step_s, 90)) if len(step_s) else None,
         "tokens_per_s": flops["tokens_per_s"], "tflops_per_device": flops["tflops_per_device"],
         "device": device, "world_size": world, "ranks": len(metas), "steps": int(len(step_s)),
-        "status": (manifest or {}).get("status"),
+        "status": recorded.raw.get("status"),
         "cuda_graphs": kernel_time.graph_activity(events),
     }
     kernels = kernel_time.top_kernels(events, n=20)

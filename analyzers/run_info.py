@@ -11,16 +11,16 @@ from typing import Any
 import pyarrow.compute as pc
 
 from mfuscope import run_dir
+from mfuscope.manifest import Manifest
 
 
 def summarize(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    m = run_dir.read_manifest(path)
+    m = Manifest.read(path)
     info: dict[str, Any] = {
-        "run_id": m["run_id"], "status": m["status"], "ended_reason": m.get("ended_reason"),
-        "start_time": m["start_time"], "end_time": m.get("end_time"), "world_size": m["world_size"],
-        "layout": m.get("layout"), "window": m.get("window"),
-        "device": (m.get("hardware") or {}).get("device_name"),
+        "run_id": m.raw["run_id"], "status": m.status, "ended_reason": m.ended_reason,
+        "start_time": m.start_time, "end_time": m.raw.get("end_time"), "world_size": m.world_size,
+        "layout": m.raw.get("layout"), "window": m.raw.get("window"), "device": m.device_name,
         "tables": {}, "steps": None, "comm_by_dim": {},
     }
     for name in (run_dir.STEPS, run_dir.COMM, run_dir.NVML):

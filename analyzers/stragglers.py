@@ -22,12 +22,14 @@ from typing import Any
 import pandas as pd
 
 
-def find(per_rank_step: pd.DataFrame, rank_coords: dict | None = None) -> tuple[list[dict[str, Any]], pd.DataFrame]:
-    """(stragglers [{rank, cost_s, steps}], the rank x step matrix of busy and wait seconds)."""
+def find(per_rank_step: pd.DataFrame, stage_of: dict[int, int] | None = None) -> tuple[list[dict[str, Any]], pd.DataFrame]:
+    """(stragglers [{rank, cost_s, steps}], the rank x step matrix of busy and wait seconds).
+    ``stage_of``: rank -> pipeline stage (:attr:`Manifest.stages <mfuscope.manifest.Manifest.stages>`);
+    a rank is compared with its stage's."""
     df = per_rank_step.copy()
     if df.empty:
         return [], df
-    stage = {int(r): c.get("pp", 0) for r, c in (rank_coords or {}).items()}
+    stage = stage_of or {}
     df["cohort"] = df["rank"].map(lambda r: stage.get(int(r), 0))
     med, mad = _others(df)
     df["excess_s"] = df["busy_s"] - med

@@ -21,6 +21,7 @@ from mfuscope.analyzers import run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 
 from mfuscope.errors import UserInputError
+from mfuscope.manifest import Manifest
 from mfuscope.optimizers import planner, presets, run_prediction
 from mfuscope.optimizers.spec import Training
 from mfuscope.optimizers.system import SYSTEMS, default_profile, system
@@ -75,12 +76,12 @@ def progress_panel(run: Run, fraction: float, message: str) -> html.Div:
 
 
 def rank_labels(manifest: dict | None, ranks) -> dict[int, str]:
-    coords = (manifest or {}).get("rank_coords") or {}
-    layout = (manifest or {}).get("layout") or {}
-    shown = [d for d, n in layout.items() if n and n > 1]
+    m = Manifest.of(manifest)
+    coords = m.rank_coords
+    shown = [d for d, n in m.layout.items() if n > 1]
     out = {}
     for r in sorted(int(x) for x in ranks):
-        c = coords.get(str(r)) or {}
+        c = coords.get(r) or {}
         extra = " ".join(f"{d}{c[d]}" for d in shown if d in c)
         out[r] = f"rank {r}" + (f" · {extra}" if extra else "")
     return out
@@ -108,7 +109,7 @@ def runs_page(store: Store) -> html.Div:
         text = manifest_text(run.manifest) if run.kind == "run" else trace_set_text(run)
         rows.append({
             "run": f"[{_md_escape(run.id)}](/run/{quote(run.id)})", "id": run.id, **text,
-            "world": (run.manifest or {}).get("world_size") or (summary or {}).get("world_size"),
+            "world": Manifest.of(run.manifest).raw.get("world_size") or (summary or {}).get("world_size"),
             "mfu": (summary or {}).get("mfu"), "step_ms": ((summary or {}).get("step_time_s") or 0) * 1e3 or None,
             "status": status_text(run, run.manifest) + ("" if summary or run.error else " (not analyzed yet)"),
         })
@@ -191,7 +192,7 @@ def overview_page(store: Store, run: Run, a: Analysis) -> html.Div:
 
 def _model_gains(store: Store, run: Run) -> dict:
     """Fix id -> the cost model's best proposal, for a run with a model spec (else empty)."""
-    if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
+    if not Manifest.of(run.manifest).has_model_spec:
         return {}
     try:
         return store.cost_model(run).best_by_fix()
@@ -201,7 +202,7 @@ def _model_gains(store: Store, run: Run) -> dict:
 
 def _prediction_section(store: Store, run: Run) -> html.Div | None:
     """Predicted against measured leaves, for a run whose manifest has the model spec."""
-    if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
+    if not Manifest.of(run.manifest).has_model_spec:
         return None
     try:
         model = store.cost_model(run)
@@ -291,7 +292,7 @@ def optimize_page(store: Store, run: Run, a: Analysis) -> html.Div:
     """The fix catalogue's proposals for this run, ranked by predicted gain; once `mfuscope optimize
     --apply` has run (its optimize.json beside the run), predicted against measured per fix."""
     head = [html.H2(f"Optimize: {run.id}")]
-    if not run.manifest or not run.manifest.get("model") or not (run.manifest.get("train") or {}).get("seq_len"):
+    if not Manifest.of(run.manifest).has_model_spec:
         return html.Div(head + [info_panel("No model spec in this run's manifest: the cost model cannot predict "
                                            "its fixes. Runs of the reference trainer (mfuscope train) have one.")])
     try:

@@ -36,6 +36,7 @@ import pandas as pd
 from mfuscope import run_dir
 from mfuscope.analyzers import analysis, trace_cache, trace_set
 from mfuscope.errors import UserInputError
+from mfuscope.manifest import Manifest
 from mfuscope.optimizers import measured, optimize
 from mfuscope.optimizers.model import Prediction
 from mfuscope.optimizers.system import Profile
@@ -295,17 +296,18 @@ def manifest_text(manifest: dict | None) -> dict[str, str]:
     """Date, config and layout of a run, for the runs table."""
     if not manifest:
         return {"date": "", "config": "", "layout": ""}
-    model = manifest.get("model") or {}
+    m = Manifest.of(manifest)
+    model = m.model or {}
     config = model.get("family") or ""
     if model.get("dim"):
         config += f" d{model['dim']}×{model.get('n_layers', '?')}L"
         if model.get("n_experts"):
             config += f" {model['n_experts']}E"
-    layout = ", ".join(f"{k}={v}" for k, v in (manifest.get("layout") or {}).items() if v not in (1, None))
-    sched = manifest.get("schedule") or {}
+    layout = ", ".join(f"{k}={v}" for k, v in m.layout.items() if v != 1)  # any mesh's names, as recorded
+    sched = m.schedule
     if sched.get("name"):
         layout += f" ({sched['name']}, m={sched.get('microbatches')})"
-    return {"date": (manifest.get("start_time") or "").replace("T", " ")[:19], "config": config.strip(),
+    return {"date": m.start_time.replace("T", " ")[:19], "config": config.strip(),
             "layout": layout or "single rank"}
 
 
@@ -322,5 +324,5 @@ def status_text(run: Run, manifest: dict | None) -> str:
         return "error"
     if manifest is None:
         return "traces"
-    status = manifest.get("status", "?")
-    return status.replace("_", " ") + (f": {manifest['ended_reason']}" if manifest.get("ended_reason") else "")
+    m = Manifest.of(manifest)
+    return m.status.replace("_", " ") + (f": {m.ended_reason}" if m.ended_reason else "")

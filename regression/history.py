@@ -26,6 +26,7 @@ from typing import Any
 
 from mfuscope.analyzers.compare import leaves
 from mfuscope.errors import UserInputError
+from mfuscope.manifest import Manifest
 
 RECORD_SCHEMA = 1
 SUFFIX = ".jsonl"
@@ -33,18 +34,18 @@ SUFFIX = ".jsonl"
 
 def fingerprint(report: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
     """What must be equal for two runs' timings to be comparable."""
-    m = manifest or {}
+    m = Manifest.of(manifest)
     s = report.get("summary") or {}
-    hw = m.get("hardware") or {}
-    sw = m.get("software") or {}
+    hw = m.hardware
+    sw = m.raw.get("software") or {}
     peak_measured = "measured" in str(hw.get("peak_source") or s.get("peak_source") or "")
     return {
         "device": hw.get("device_name") or s.get("device"),
         "device_count": hw.get("device_count"),
         # CPU runs: the host's model (runners of one label mix them); GPU runs: their device says it
         "host_cpu": hw.get("host_cpu") if peak_measured else None,
-        "world_size": m.get("world_size") or s.get("world_size"),
-        "layout": {k: v for k, v in (m.get("layout") or {}).items() if v not in (None, 1)},
+        "world_size": m.raw.get("world_size") or s.get("world_size"),
+        "layout": {k: v for k, v in m.layout.items() if v != 1},
         "torch": sw.get("torch"),
         "triton": sw.get("triton"),
         # A table peak names the hardware; a measured (CPU) peak varies run to run and is not part
@@ -65,7 +66,7 @@ def make_record(report: dict[str, Any], manifest: dict[str, Any] | None, *, work
     return {
         "schema": RECORD_SCHEMA, "workload": workload, "commit": commit, "branch": branch, "time": time,
         "fingerprint": fp, "fingerprint_id": fingerprint_id(fp),
-        "run": {"source": source, "id": (manifest or {}).get("run_id"),
+        "run": {"source": source, "id": Manifest.of(manifest).raw.get("run_id"),
                 "report_created": (report.get("provenance") or {}).get("created")},
         "metrics": {k: s.get(k) for k in ("mfu", "hfu", "step_time_s", "tokens_per_s", "peak_flops")},
         "samples": {"step_time_s": [r["step_time_s"] for r in per_step if r.get("step_time_s") is not None],
