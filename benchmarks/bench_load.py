@@ -129,7 +129,7 @@ def measure(variant: str, trace_dir: Path, cache: Path, script: str = __file__) 
 
 def timed(run, phases: dict | None = None):
     """Run ``run()`` and print its wall and CPU time (children included) as the child's answer,
-    with ``phases`` (seconds of parts of it that ``run`` filled in); returns what ``run`` returned."""
+    with ``phases`` (what ``run`` measured of its parts: seconds, memory); returns what ``run`` returned."""
     r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     result = run()
     wall = time.perf_counter() - t0
@@ -140,11 +140,13 @@ def timed(run, phases: dict | None = None):
 
 
 def make_big8(root: Path) -> Path:
-    """Eight copies of the 54 MB trace as ranks 0-7 (rank rewritten in the header)."""
+    """Eight copies of the 54 MB trace as ranks 0-7 of one job (rank and world size rewritten in the
+    header: the loader refuses ranks that claim different jobs)."""
     out = root / "big8"
     out.mkdir(parents=True, exist_ok=True)
     raw = gzip.decompress(BIG.read_bytes())
     head, rest = raw[:4096], raw[4096:]
+    head = re.sub(rb'("distributedInfo"\s*:\s*\{[^}]*?"world_size"\s*:\s*)\d+', rb"\g<1>8", head, count=1)
     for r in range(8):
         new_head = re.sub(rb'("distributedInfo"\s*:\s*\{[^}]*?"rank"\s*:\s*)\d+',
                           lambda m: m.group(1) + str(r).encode(), head, count=1)
