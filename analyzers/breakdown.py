@@ -28,7 +28,8 @@ Output of :func:`step_leaves`: rank, step, leaf, seconds (a row per non-zero lea
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -47,13 +48,14 @@ COMPUTE_KINDS = ("gemm", "conv", "attention", "norm_elementwise", "optimizer", "
 # both (flash kernels are built from GEMM tiles).
 _W = r"(?<![a-z])"  # a word starts here
 _KERNEL_RULES = [
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|" + _W + r"mha(?![a-z])|softmax_warp_forward.*causal", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|" + _W + r"mha(?![a-z])|softmax_warp_forward.*causal",
+                             re.I)),
     ("conv", re.compile(r"conv|" + _W + r"(fprop|dgrad|wgrad)(?![a-z])|winograd|implicit_gemm.*(nhwc|nchw)|"
                         r"dgrad_engine|wgrad_alg|igemm_(fwd|bwd|wrw)", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|wgmma|matmul|" + _W + r"cijk_|" + _W + r"(mm|bmm|addmm)(?![a-z])",
-                        re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|optimizer|" + _W + r"(sgd|lamb|lars|adagrad|rmsprop)(?![a-z])",
-                             re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|wgmma|matmul|" + _W + r"cijk_|"
+                        + _W + r"(mm|bmm|addmm)(?![a-z])", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|optimizer|"
+                             + _W + r"(sgd|lamb|lars|adagrad|rmsprop)(?![a-z])", re.I)),
     ("norm_elementwise", re.compile(r"norm|" + _W + r"bn_|elementwise|vectorized|reduce|softmax|silu|gelu|relu|swiglu|"
                                     r"rope|rotary|triton_|unrolled|index|cat|copy|fill|where|cross_entropy|embedding",
                                     re.I)),

@@ -111,7 +111,8 @@ def add_exposure(calls: pd.DataFrame, sets: dict) -> pd.DataFrame:
         inflight[ok] = _owned(s, e, points, np.diff(iv.covered_before(windows, points)).astype(np.float64))
         # The breakdown's waits before the first or after the last call too: the points must span them.
         wpoints = np.unique(np.concatenate([points, waiting[0], waiting[1]]))
-        exposed[ok] = _owned(s, e, wpoints, np.diff(iv.covered_before(waiting, wpoints)).astype(np.float64), nearest=True)
+        exposed[ok] = _owned(s, e, wpoints, np.diff(iv.covered_before(waiting, wpoints)).astype(np.float64),
+                             nearest=True)
     calls["dur_ns"] = (calls["end_ns"] - calls["start_ns"]).astype("float64")
     calls["inflight_ns"] = inflight
     calls["exposed_ns"] = exposed
@@ -156,7 +157,8 @@ def summarize(calls: pd.DataFrame) -> list[dict[str, Any]]:
     c = calls.assign(bytes=known, bucket=bucket)
     rows = []
     for (dim, op, bucket), g in c.groupby(["dim", "op", "bucket"], observed=True):
-        total = (g["inflight_ns"] if "inflight_ns" in g else g["dur_ns"]).sum() / 1e9  # in flight, one owner per instant
+        # in flight, one owner per instant
+        total = (g["inflight_ns"] if "inflight_ns" in g else g["dur_ns"]).sum() / 1e9
         exposed = g["exposed_ns"].sum() / 1e9 if g["exposed_ns"].notna().any() else None
         timed = g[(g["dur_ns"] > 0) & g["bytes"].notna()]
         algbw = float((timed["bytes"] / (timed["dur_ns"] / 1e9)).median()) if len(timed) else None
@@ -218,7 +220,8 @@ def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, A
         culprits = lw.groupby("rank")["waited"].sum().sort_values(ascending=False)
         skew.append({"dim": dim, "instances": int(len(lags)), "median_skew_s": float(lags.median()),
                      "p90_skew_s": float(lags.quantile(0.9)),
-                     "waited_for": [{"rank": int(r), "seconds": float(s)} for r, s in culprits.head(3).items() if s > 0]})
+                     "waited_for": [{"rank": int(r), "seconds": float(s)}
+                                    for r, s in culprits.head(3).items() if s > 0]})
     ends = c.dropna(subset=["end_ns"])
     offsets = []
     if len(ends):

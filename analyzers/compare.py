@@ -35,7 +35,8 @@ def compare(base: dict, new: dict, fail_on_mfu_drop: float | None = None) -> dic
     for key in ("mfu", "hfu", "step_time_s", "tokens_per_s", "tflops_per_device"):
         rows.append({"metric": key, "base": b.get(key), "new": n.get(key), "change": _change(b.get(key), n.get(key))})
     lb, ln = leaves(base.get("breakdown")), leaves(new.get("breakdown"))
-    by_leaf = [{"leaf": k, "base_s": lb.get(k, 0.0), "new_s": ln.get(k, 0.0), "delta_s": ln.get(k, 0.0) - lb.get(k, 0.0)}
+    by_leaf = [{"leaf": k, "base_s": lb.get(k, 0.0), "new_s": ln.get(k, 0.0),
+                "delta_s": ln.get(k, 0.0) - lb.get(k, 0.0)}
                for k in sorted(set(lb) | set(ln))]
     by_leaf.sort(key=lambda r: -abs(r["delta_s"]))
     gate = None
@@ -111,7 +112,8 @@ def render(result: dict[str, Any], fmt: str) -> str:
         lines += [f"| {r['metric']} | {_fmt(r['base'], r['metric'])} | {_fmt(r['new'], r['metric'])} | "
                   f"{_pct_change(r['change'])} |" for r in result["summary"]]
         lines += ["", "| leaf | base | new | delta |", "|---|---|---|---|"]
-        lines += [f"| {r['leaf']} | {r['base_s'] * 1e3:.1f} ms | {r['new_s'] * 1e3:.1f} ms | {r['delta_s'] * 1e3:+.1f} ms |"
+        lines += [f"| {r['leaf']} | {r['base_s'] * 1e3:.1f} ms | {r['new_s'] * 1e3:.1f} ms | "
+                  f"{r['delta_s'] * 1e3:+.1f} ms |"
                   for r in result["leaves"][:12]]
     else:
         lines += [f"base {result['base']}", f"new  {result['new']}", "",

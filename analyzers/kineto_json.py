@@ -20,9 +20,10 @@ import gc
 import os
 import re
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -48,63 +49,63 @@ _field = msgspec.field
 
 
 class _Args(msgspec.Struct, gc=False):
-    external_id: Optional[int] = _field(name="External id", default=None)
-    correlation: Optional[int] = None
-    stream: Union[int, str, None] = None  # ROCm traces write strings
-    device: Union[int, str, None] = None
-    collective: Optional[str] = _field(name="Collective name", default=None)
-    pg_name: Optional[str] = _field(name="Process Group Name", default=None)
-    pg_desc: Optional[str] = _field(name="Process Group Description", default=None)
+    external_id: int | None = _field(name="External id", default=None)
+    correlation: int | None = None
+    stream: int | str | None = None  # ROCm traces write strings
+    device: int | str | None = None
+    collective: str | None = _field(name="Collective name", default=None)
+    pg_name: str | None = _field(name="Process Group Name", default=None)
+    pg_desc: str | None = _field(name="Process Group Description", default=None)
     pg_ranks: msgspec.Raw = _field(name="Process Group Ranks", default=msgspec.Raw())
-    in_nelems: Optional[int] = _field(name="In msg nelems", default=None)
-    dtype: Optional[str] = None
-    seq: Optional[int] = _field(name="Seq", default=None)
+    in_nelems: int | None = _field(name="In msg nelems", default=None)
+    dtype: str | None = None
+    seq: int | None = _field(name="Seq", default=None)
     input_dims: msgspec.Raw = _field(name="Input Dims", default=msgspec.Raw())
     input_type: msgspec.Raw = _field(name="Input type", default=msgspec.Raw())
-    name: Optional[str] = None  # thread_name / process_name metadata
+    name: str | None = None  # thread_name / process_name metadata
 
 
 class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     name: str = ""
     cat: str = ""
-    ts: Optional[float] = None
+    ts: float | None = None
     dur: float = 0.0
-    pid: Union[int, str] = 0
-    tid: Union[int, str] = 0
-    args: Optional[_Args] = None
+    pid: int | str = 0
+    tid: int | str = 0
+    args: _Args | None = None
 
 
 class _PgConfig(msgspec.Struct, gc=False):
-    pg_name: Optional[str] = None
-    pg_desc: Optional[str] = None
-    pg_size: Optional[int] = None
-    ranks: Union[list[int], str, None] = None
-    backend_config: Optional[str] = None
+    pg_name: str | None = None
+    pg_desc: str | None = None
+    pg_size: int | None = None
+    ranks: list[int] | str | None = None
+    backend_config: str | None = None
 
 
 class _DistInfo(msgspec.Struct, gc=False):
-    rank: Optional[int] = None
-    world_size: Optional[int] = None
-    backend: Optional[str] = None
-    pg_config: Optional[list[_PgConfig]] = None
-    nccl_version: Optional[str] = None
+    rank: int | None = None
+    world_size: int | None = None
+    backend: str | None = None
+    pg_config: list[_PgConfig] | None = None
+    nccl_version: str | None = None
 
 
 class _DeviceProps(msgspec.Struct, gc=False):
-    id: Optional[int] = None
-    name: Optional[str] = None
-    totalGlobalMem: Optional[int] = None
-    numSms: Optional[int] = None
+    id: int | None = None
+    name: str | None = None
+    totalGlobalMem: int | None = None
+    numSms: int | None = None
 
 
 class _Trace(msgspec.Struct, gc=False):
     # Events stay raw JSON here and are decoded in batches (see _collect_events):
     # decoding all of them at once costs ~2x the file size in Python objects.
-    traceEvents: Optional[list[msgspec.Raw]] = None
-    distributedInfo: Optional[_DistInfo] = None
-    deviceProperties: Optional[list[_DeviceProps]] = None
-    baseTimeNanoseconds: Optional[int] = None
+    traceEvents: list[msgspec.Raw] | None = None
+    distributedInfo: _DistInfo | None = None
+    deviceProperties: list[_DeviceProps] | None = None
+    baseTimeNanoseconds: int | None = None
 
 
 _DECODER = msgspec.json.Decoder(_Trace)
@@ -206,8 +207,9 @@ def _dist_info(text: bytes) -> dict[str, Any] | None:
         return None
     info = text[m.end():]
     out: dict[str, Any] = {}
+    head = info[:info.find(b'"pg_config"')] if b'"pg_config"' in info else info
     for key in ("rank", "world_size"):
-        km = re.search(rb'"%s"\s*:\s*(\d+)' % key.encode(), info[:info.find(b'"pg_config"')] if b'"pg_config"' in info else info)
+        km = re.search(rb'"%s"\s*:\s*(\d+)' % key.encode(), head)
         if km:
             out[key] = int(km.group(1))
     return out
@@ -435,7 +437,7 @@ class _Work:
     cats: pa.DictionaryArray
     pid: np.ndarray
     tid: np.ndarray
-    tid_labels: Optional[np.ndarray]  # per row, only when some thread ids are strings
+    tid_labels: np.ndarray | None  # per row, only when some thread ids are strings
     ts_us: np.ndarray
     dur_us: np.ndarray
     arg_device: np.ndarray
@@ -452,13 +454,13 @@ class _KeptArgs(NamedTuple):
     (A ``msgspec.Raw`` keeps its whole decode buffer alive; bytes copies do not.)
     """
 
-    collective: Optional[str]
-    pg_name: Optional[str]
-    pg_desc: Optional[str]
+    collective: str | None
+    pg_name: str | None
+    pg_desc: str | None
     pg_ranks: bytes
-    in_nelems: Optional[int]
-    dtype: Optional[str]
-    seq: Optional[int]
+    in_nelems: int | None
+    dtype: str | None
+    seq: int | None
     input_dims: bytes
     input_type: bytes
 
@@ -490,7 +492,7 @@ def _collect_events(batches: Iterable[bytes], path: Path) -> _Work:
         try:
             batch = _EVENTS_DECODER.decode(data)
         except msgspec.ValidationError as e:
-            where = re.sub(r"`\$\[(\d+)\]", lambda m: f"`$.traceEvents[{seen + int(m.group(1))}]", str(e))
+            where = re.sub(r"`\$\[(\d+)\]", lambda m, seen=seen: f"`$.traceEvents[{seen + int(m.group(1))}]", str(e))
             raise UserInputError(f"unexpected trace content: {where}", path) from None
         del data
         seen += len(batch)
@@ -671,7 +673,7 @@ def _ints(values: list) -> np.ndarray:
         return np.array([_as_int(v) for v in values], dtype=np.int64)
 
 
-def _as_int(v: Union[int, str, None]) -> int:
+def _as_int(v: int | str | None) -> int:
     if isinstance(v, int):
         return v
     if v is None:
@@ -683,7 +685,7 @@ def _as_int(v: Union[int, str, None]) -> int:
 
 
 def _lane_labels(on_device: np.ndarray, device: np.ndarray, stream: np.ndarray, tid: np.ndarray,
-                 tid_labels: Optional[np.ndarray]) -> np.ndarray:
+                 tid_labels: np.ndarray | None) -> np.ndarray:
     """``gpu<D>/stream<S>`` or ``cpu/<tid>``; built once per distinct lane, not per row."""
     out = np.empty(len(tid), dtype=object)
     if on_device.any():

@@ -138,7 +138,7 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
             kinds = _enum(con, tables, "ENUM_CUDA_MEMCPY_OPER")
             extra = "copyKind" if "copyKind" in tcols else "NULL"
             rows = con.execute(f"SELECT start, end, deviceId, streamId, correlationId, {extra} FROM {table}")
-            add(kind, rows, device_lane, lambda r: f"Memcpy {kinds.get(r[5], r[5])}".strip())
+            add(kind, rows, device_lane, lambda r, kinds=kinds: f"Memcpy {kinds.get(r[5], r[5])}".strip())
         elif kind == "memset":
             rows = con.execute(f"SELECT start, end, deviceId, streamId, correlationId FROM {table}")
             add(kind, rows, device_lane, lambda r: "Memset")
@@ -146,7 +146,7 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
             types = _enum(con, tables, "ENUM_CUPTI_SYNC_TYPE")
             extra = "syncType" if "syncType" in tcols else "NULL"
             rows = con.execute(f"SELECT start, end, deviceId, streamId, correlationId, {extra} FROM {table}")
-            add(kind, rows, device_lane, lambda r: f"Sync {types.get(r[5], r[5])}")
+            add(kind, rows, device_lane, lambda r, types=types: f"Sync {types.get(r[5], r[5])}")
 
     if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables:
         _require(con, "CUPTI_ACTIVITY_KIND_RUNTIME", ("start", "end", "globalTid", "correlationId", "nameId"), path)

@@ -194,7 +194,8 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"  {c['name']:<28} {c['seconds'] * 1e3:9.1f} ms  {c['seconds'] / tree['seconds']:6.1%}")
             for g in c["children"][:4]:
                 if g["name"] != c["name"]:
-                    lines.append(f"    {g['name']:<26} {g['seconds'] * 1e3:9.1f} ms  {g['seconds'] / tree['seconds']:6.1%}")
+                    lines.append(f"    {g['name']:<26} {g['seconds'] * 1e3:9.1f} ms  "
+                                 f"{g['seconds'] / tree['seconds']:6.1%}")
     for b in report.get("bubbles") or []:
         lines.append(f"pipeline      bubble {b['bubble_fraction']:.1%} of the pipeline's time (theory "
                      f"{b['theory_fraction']:.1%}: {b['theory_formula']}, {b['schedule'] or 'schedule unknown'} "

@@ -54,7 +54,8 @@ def format_text(info: dict[str, Any]) -> str:
         last = s["last_step_by_rank"]
         span = f"{min(last.values()) + 1}" if len(set(last.values())) == 1 else \
             f"{min(last.values()) + 1}..{max(last.values()) + 1} (ranks differ)"
-        lines.append(f"steps        {span} recorded on {len(s['ranks'])} rank(s), median {s['median_step_s'] * 1e3:.1f} ms")
+        lines.append(f"steps        {span} recorded on {len(s['ranks'])} rank(s), "
+                     f"median {s['median_step_s'] * 1e3:.1f} ms")
     for dim, c in sorted(info["comm_by_dim"].items()):
         lines.append(f"  comm {dim:<12} {c['calls']:>8,} calls {c['bytes'] / 2**20:>12,.2f} MiB")
     w = info.get("window")

@@ -48,7 +48,8 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
         try:
             pattern = re.compile(step_annotation)
         except re.error as e:
-            raise UserInputError(f"--step-annotation {step_annotation!r} is not a valid regular expression: {e}") from None
+            raise UserInputError(f"--step-annotation {step_annotation!r} "
+                                 f"is not a valid regular expression: {e}") from None
         match = np.array([bool(pattern.search(s)) for s in name_values] or [False])
         rows = np.flatnonzero(match[name_idx] & np.isin(kind, markers))
         if len(rows) == 0:
@@ -101,7 +102,8 @@ def with_whole_trace_marker(table: pa.Table, rank: int) -> pa.Table:
     start = pc.min(ts).as_py()
     end = pc.max(pc.add(ts, dur)).as_py()
     host = table.filter(pc.and_(pc.equal(table.column("device"), -1),
-                                pc.is_in(table.column("kind").cast(pa.string()), pa.array(["cpu_op", "annotation", "python"]))))
+                                pc.is_in(table.column("kind").cast(pa.string()),
+                                         pa.array(["cpu_op", "annotation", "python"]))))
     if host.num_rows:
         busy = host.group_by("lane").aggregate([("dur_ns", "sum")]).sort_by([("dur_ns_sum", "descending")])
         lane = busy.column("lane")[0].as_py()

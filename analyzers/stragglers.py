@@ -22,7 +22,8 @@ from typing import Any
 import pandas as pd
 
 
-def find(per_rank_step: pd.DataFrame, stage_of: dict[int, int] | None = None) -> tuple[list[dict[str, Any]], pd.DataFrame]:
+def find(per_rank_step: pd.DataFrame,
+         stage_of: dict[int, int] | None = None) -> tuple[list[dict[str, Any]], pd.DataFrame]:
     """(stragglers [{rank, cost_s, steps}], the rank x step matrix of busy and wait seconds).
     ``stage_of``: rank -> pipeline stage (:attr:`Manifest.stages <mfuscope.manifest.Manifest.stages>`);
     a rank is compared with its stage's."""

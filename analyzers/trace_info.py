@@ -54,7 +54,8 @@ def format_text(info: dict[str, Any]) -> str:
         f"world size   {info['world_size'] if info['world_size'] is not None else 'unknown'}",
         f"device       {', '.join(info['devices']) or 'unknown (CPU-only or not recorded)'}",
         f"steps        {_steps(info['steps'])}  ({info['per_rank'][0]['steps_source'] if info['per_rank'] else '-'})",
-        f"time span    {info['time_span']['seconds']:.6f} s" if info["time_span"]["seconds"] is not None else "time span    -",
+        (f"time span    {info['time_span']['seconds']:.6f} s" if info["time_span"]["seconds"] is not None
+         else "time span    -"),
         f"events       {info['events']:,}",
     ]
     for k, v in info["events_by_kind"].items():

@@ -19,7 +19,6 @@ from dash import dcc, html
 from mfuscope.analyzers import compare as compare_reports
 from mfuscope.analyzers import run_info
 from mfuscope.analyzers.breakdown import kernel_kind
-
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
 from mfuscope.optimizers import planner, presets, run_prediction
@@ -365,7 +364,8 @@ def _per_step(report: dict) -> list[dict[str, Any]]:
 def node_detail(a: Analysis, node: str) -> html.Div:
     """A clicked breakdown node: its time per step, and per rank."""
     by_rank = pd.DataFrame(a.report.get("breakdown_by_rank") or [], columns=["rank", "leaf", "seconds"])
-    inside = by_rank[(by_rank["leaf"] == node) | by_rank["leaf"].str.startswith(node + "/")] if node != "step" else by_rank
+    inside = (by_rank[(by_rank["leaf"] == node) | by_rank["leaf"].str.startswith(node + "/")] if node != "step"
+              else by_rank)
     per_rank = inside.groupby("rank", as_index=False)["seconds"].sum()
     tree = a.report.get("breakdown") or {}
     total = tree.get("seconds") or 0.0
@@ -477,7 +477,8 @@ def _executed_schedule(a: Analysis, mb: pd.DataFrame, bubbles: dict | None) -> h
     bub = bub.assign(lane=[lane(first_stage[int(r)], r) for r in bub["rank"]])
     schedule = (bubbles or {}).get("schedule") or "1f1b"
     fig = figures.pipeline(executed, bub, t0, schedule, p, m, v)
-    return html.Div([html.P(f"Step {step}: p={p} stages, m={m} microbatches" + (f", v={v} chunks per rank" if v > 1 else "")
+    return html.Div([html.P(f"Step {step}: p={p} stages, m={m} microbatches"
+                            + (f", v={v} chunks per rank" if v > 1 else "")
                             + "; ranks " + ", ".join(f"{r} (stage {s})" for s, r in rep.items()), className="muted"),
                      dcc.Graph(id="pipeline-graph", figure=fig, config={"displaylogo": False})])
 
@@ -485,7 +486,8 @@ def _executed_schedule(a: Analysis, mb: pd.DataFrame, bubbles: dict | None) -> h
 # ----------------------------------------------------------------------------- communication
 def comm_page(run: Run, a: Analysis) -> html.Div:
     r = a.report
-    rows = [{"dim": c["dim"], "op": c["op"], "size": c["size"], "count": c["count"], "bytes": None if c["bytes"] is None else c["bytes"] / 2**20,
+    rows = [{"dim": c["dim"], "op": c["op"], "size": c["size"], "count": c["count"],
+             "bytes": None if c["bytes"] is None else c["bytes"] / 2**20,
              "total_ms": c["total_s"] * 1e3, "exposed_ms": None if c["exposed_s"] is None else c["exposed_s"] * 1e3,
              "overlap": c.get("overlap"), "algbw": c.get("algbw_gbps"), "busbw": c.get("busbw_gbps")}
             for c in r.get("comm") or []]
@@ -494,7 +496,8 @@ def comm_page(run: Run, a: Analysis) -> html.Div:
                                      for d, col in style.DIM_COLORS.items()]}
     table = grid("comm-grid", rows, [
         {"field": "dim", "cellStyle": dim_style, "maxWidth": 140}, {"field": "op"},
-        {"field": "size", "headerName": "message size"}, {"field": "count", "headerName": "calls", "valueFormatter": NUM},
+        {"field": "size", "headerName": "message size"},
+        {"field": "count", "headerName": "calls", "valueFormatter": NUM},
         {"field": "bytes", "headerName": "MiB", "valueFormatter": NUM},
         {"field": "total_ms", "headerName": "total (ms)", "valueFormatter": NUM},
         {"field": "exposed_ms", "headerName": "exposed (ms)", "valueFormatter": NUM, "sort": "desc"},
@@ -505,8 +508,9 @@ def comm_page(run: Run, a: Analysis) -> html.Div:
     skew = r.get("comm_skew") or []
     skew_text = [html.Li(f"{k['dim']}: {k['instances']} matched calls, arrival skew median "
                          f"{style.seconds(k['median_skew_s'])}, p90 {style.seconds(k['p90_skew_s'])}"
-                         + (("; everyone waited most for " + ", ".join(f"rank {w['rank']} ({style.seconds(w['seconds'])})"
-                                                                     for w in k["waited_for"])) if k["waited_for"] else ""))
+                         + (("; everyone waited most for "
+                             + ", ".join(f"rank {w['rank']} ({style.seconds(w['seconds'])})" for w in k["waited_for"]))
+                            if k["waited_for"] else ""))
                  for k in skew]
     arrival = pd.DataFrame(r.get("comm_arrival") or [])
     heat = figures.heatmap(arrival, "collective", "rank", "median_lag_s", scale=1e3, y_prefix="rank ",
@@ -549,7 +553,8 @@ def stragglers_page(run: Run, a: Analysis) -> html.Div:
 # ----------------------------------------------------------------------------- kernels
 def kernels_page(run: Run, a: Analysis) -> html.Div:
     r = a.report
-    rows = [{"name": k["name"], "kind": kernel_kind(k["name"]) if k["kind"] == "kernel" else k["kind"], "count": k["count"], "total_ms": k["total_s"] * 1e3,
+    rows = [{"name": k["name"], "kind": kernel_kind(k["name"]) if k["kind"] == "kernel" else k["kind"],
+             "count": k["count"], "total_ms": k["total_s"] * 1e3,
              "mean_us": k["mean_us"], "median_us": k["median_us"], "share": k["share"]} for k in r.get("kernels") or []]
     launch = r.get("kernel_launch") or []
     parts = [html.H2(f"Kernels: {run.id}")]
@@ -561,7 +566,8 @@ def kernels_page(run: Run, a: Analysis) -> html.Div:
                   grid("kernels-grid", rows, defaultColDef={"sortable": True, "filter": True, "resizable": True,
                                                             "floatingFilter": True, "minWidth": 80}, columnDefs=[
                       {"field": "name", "minWidth": 420, "filter": "agTextColumnFilter", "tooltipField": "name"},
-                      {"field": "kind", "headerName": "kind (breakdown leaf)", "maxWidth": 190}, {"field": "count", "valueFormatter": NUM, "maxWidth": 110},
+                      {"field": "kind", "headerName": "kind (breakdown leaf)", "maxWidth": 190},
+                      {"field": "count", "valueFormatter": NUM, "maxWidth": 110},
                       {"field": "total_ms", "headerName": "total (ms)", "valueFormatter": NUM, "sort": "desc"},
                       {"field": "mean_us", "headerName": "mean (µs)", "valueFormatter": NUM},
                       {"field": "median_us", "headerName": "median (µs)", "valueFormatter": NUM},

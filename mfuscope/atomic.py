@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def _write_via_temp(path: Path, write: Callable[[str], None]) -> None:
@@ -40,10 +41,11 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     # Strict JSON (no NaN/Infinity, which JSON.parse and most readers reject): callers write null.
-    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=_json_default, allow_nan=False) + "\n").encode())
+    text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default, allow_nan=False) + "\n"
+    write_bytes(path, text.encode())
 
 
-def write_parquet(path: str | os.PathLike, table: "Any", **options: Any) -> None:
+def write_parquet(path: str | os.PathLike, table: Any, **options: Any) -> None:
     """Write a pyarrow Table as parquet (zstd unless ``options`` say otherwise) atomically."""
     import pyarrow.parquet as pq
 

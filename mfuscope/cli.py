@@ -9,20 +9,22 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from mfuscope import __version__
 from mfuscope.errors import UserInputError
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="a trace file (.json, .json.gz, nsys .sqlite), a directory of rank traces, or a run directory")
+    p.add_argument("path",
+                   help="a trace file (.json, .json.gz, nsys .sqlite), a directory of rank traces, or a run directory")
     p.add_argument("--no-cache", action="store_true", help="parse the traces again instead of using the parquet cache")
     p.add_argument("--rank", type=int, default=None, help="rank of a single trace file that does not say it")
     p.add_argument("--step-annotation", metavar="REGEX", default=None,
                    help="annotation that marks a step, for traces without ProfilerStep#N")
-    p.add_argument("--skip-bad", action="store_true", help="with several ranks, load the good files and list the bad ones")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="with several ranks, load the good files and list the bad ones")
     p.add_argument("--allow-mixed", action="store_true",
                    help="load traces that disagree on world size or device as one job anyway (with a warning)")
     p.add_argument("--workers", type=int, default=None, help="parallel parse processes (default: CPU count)")
@@ -179,8 +181,10 @@ def _add_ci(sub) -> None:
                                     "(docs/ci.md).")
     cisub = ci.add_subparsers(dest="ci_command", metavar="CI_COMMAND")
     cisub.required = True
-    where = ("run", {"type": Path, "metavar": "RUN_OR_REPORT", "help": "a run directory (analyzed if needed) or a report.json"})
-    hist_opt = {"type": Path, "required": True, "metavar": "DIR", "help": "the history: one <workload>.jsonl per workload"}
+    where = ("run", {"type": Path, "metavar": "RUN_OR_REPORT",
+                     "help": "a run directory (analyzed if needed) or a report.json"})
+    hist_opt = {"type": Path, "required": True, "metavar": "DIR",
+                "help": "the history: one <workload>.jsonl per workload"}
     workload = {"default": None, "help": "the workload's name (default: the run directory's name)"}
 
     p = cisub.add_parser("record", help="append a run to the history",
@@ -380,7 +384,7 @@ def _load(args: argparse.Namespace):
     result = trace_set.load(args.path, rank=args.rank, step_annotation=args.step_annotation,
                             use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers,
                             allow_mixed=args.allow_mixed)
-    for f, reason in result.skipped:
+    for _, reason in result.skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     return result
 
@@ -405,7 +409,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         if run is not None:
             print(run_info.format_text(run))
         print(trace_info.format_text(info))
-        for f, r in result.skipped:
+        for _, r in result.skipped:
             print(f"skipped      {r}")
     return 0
 
@@ -422,7 +426,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     report, result = analyze(args.path, out, Path(args.path) / VIEWS if run else None, rank=args.rank,
                              step_annotation=args.step_annotation, use_cache=not args.no_cache,
                              skip_bad=args.skip_bad, workers=args.workers, allow_mixed=args.allow_mixed)
-    for f, reason in result.skipped:
+    for _, reason in result.skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -17,8 +17,8 @@ Sources of the flags: torchtitan's job config (``torchtitan/config``), Megatron-
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,12 @@ _FIXES = (
     Fix("overlap_dp_grads", "an exposed data-parallel communication leaf (dp*, fsdp), share of the step", 0.05,
         "the exposed time", 1.0,
         "FSDP: --prefetch (async gathers a block ahead); DDP: --ddp-bucket-mb of one layer's gradients",
-        {"torchtitan": "--parallelism.fsdp_reshard_after_forward never (weights stay gathered into backward, "
-                       "memory permitting); HSDP: --parallelism.data_parallel_replicate_degree R to shard inside a node",
+        {"torchtitan": "--parallelism.fsdp_reshard_after_forward never (weights stay gathered into backward, memory "
+                       "permitting); HSDP: --parallelism.data_parallel_replicate_degree R to shard inside a node",
          "megatron": "--overlap-grad-reduce --overlap-param-gather --use-distributed-optimizer",
          "pytorch": "fully_shard: block.set_modules_to_forward_prefetch([next_block]) and "
-                    "set_modules_to_backward_prefetch([prev_block]); DDP(bucket_cap_mb=..., gradient_as_bucket_view=True)"}),
+                    "set_modules_to_backward_prefetch([prev_block]); "
+                    "DDP(bucket_cap_mb=..., gradient_as_bucket_view=True)"}),
     Fix("keep_weights_gathered", "exposed FSDP all-gathers (comm/dp/all_gather) without a pipeline, share of the "
         "step", 0.05, "the backward's gathers it saves (the cost model's)", None,
         "--keep-last-gathered, or --no-reshard-after-forward (memory permitting)",

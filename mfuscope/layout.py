@@ -21,8 +21,9 @@ Torch-free: a laptop reading a cluster's run imports it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from mfuscope.errors import UserInputError
 
@@ -62,7 +63,7 @@ class Degrees:
                 raise UserInputError(f"layout: {d}={getattr(self, d)} must be at least 1")
 
     @classmethod
-    def parse(cls, text: str | None, world_size: int | None = None) -> "Degrees":
+    def parse(cls, text: str | None, world_size: int | None = None) -> Degrees:
         """``"dp_shard=2,tp=2,pp=2"`` (any order); unnamed dimensions are 1.  With ``world_size``,
         an unnamed ``dp_shard`` takes whatever the other dimensions leave, and the layout must
         use exactly that many ranks."""
@@ -88,13 +89,14 @@ class Degrees:
             values["dp_shard"] = world_size // rest
         degrees = cls(**values)
         if degrees.world_size != world_size:
-            raise UserInputError(f"layout: {degrees.text()} uses {degrees.world_size} ranks, world size is {world_size}")
+            raise UserInputError(f"layout: {degrees.text()} uses {degrees.world_size} ranks, "
+                                 f"world size is {world_size}")
         if (degrees.dp_shard * degrees.cp) % degrees.ep:  # the ranks ep borrows
             raise UserInputError(f"layout: ep={degrees.ep} must divide dp_shard*cp = {degrees.dp_shard * degrees.cp}")
         return degrees
 
     @classmethod
-    def from_sizes(cls, sizes: Mapping[str, Any] | None) -> "Degrees":
+    def from_sizes(cls, sizes: Mapping[str, Any] | None) -> Degrees:
         """A manifest's ``layout`` section ({dimension: size}); names that are not ours (a user's
         own DeviceMesh) are left out."""
         return cls(**{d: int(v) for d, v in (sizes or {}).items() if d in DIMS and v is not None})

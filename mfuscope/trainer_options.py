@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from mfuscope.errors import UserInputError
 from mfuscope.layout import SCHEDULES, Degrees
@@ -80,7 +81,8 @@ def _flag(default: Any, help: str, *, record: bool = False, launcher: bool = Tru
 
 @dataclass(frozen=True)
 class TrainerOptions:
-    config: str = _flag("tiny_dense", "bundled config name (tiny_dense, tiny_moe, gpu_dense_1b, gpu_moe) or a TOML file")
+    config: str = _flag("tiny_dense",
+                        "bundled config name (tiny_dense, tiny_moe, gpu_dense_1b, gpu_moe) or a TOML file")
     layout: str = _flag("", "e.g. dp_shard=2,tp=2,pp=2 (dp_shard fills what is left)")
     schedule: str = _flag("1f1b", "pipeline schedule: " + ", ".join(SCHEDULES), record=True, choices=SCHEDULES)
     microbatches: int | None = _flag(None, "pipeline microbatches per step (default: the config's)")
@@ -96,7 +98,8 @@ class TrainerOptions:
     async_tp: bool = _flag(False, "micro-pipelined TP: tp collectives overlap their GEMMs (CUDA, with "
                                   "--set compile=true)", record=True, requires="tp")
     kernels: str = _flag("eager", "fused: the model's RMSNorm, SwiGLU, RoPE, LM head + loss and MoE routing run "
-                                  "mfuscope's Triton kernels (docs/kernels.md)", record=True, choices=("eager", "fused"))
+                                  "mfuscope's Triton kernels (docs/kernels.md)", record=True,
+                         choices=("eager", "fused"))
     ddp_bucket_mb: float | None = _flag(None, "DDP: gradient bucket size in MiB (default 25); smaller buckets start "
                                               "reducing during backward", record=True, requires="ddp", metavar="MIB")
     grad_as_bucket_view: bool = _flag(False, "DDP: gradients live in the buckets", record=True, requires="ddp")
@@ -137,7 +140,7 @@ class TrainerOptions:
         return argv
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, *, launcher: bool = False, **fixed: Any) -> "TrainerOptions":
+    def from_args(cls, args: argparse.Namespace, *, launcher: bool = False, **fixed: Any) -> TrainerOptions:
         """From a namespace :func:`add_arguments` filled (with the same ``launcher``); ``fixed``
         sets fields besides."""
         values = {f.name: getattr(args, f.name) for f in fields(cls) if f.metadata["launcher"] or not launcher}
@@ -155,7 +158,7 @@ class TrainerOptions:
                 for f in fields(self) if f.metadata["record"]}
 
     @classmethod
-    def from_manifest(cls, manifest: Any, config: str = "tiny_dense") -> "TrainerOptions":
+    def from_manifest(cls, manifest: Any, config: str = "tiny_dense") -> TrainerOptions:
         """The options a reference-trainer run was launched with, from its manifest (a dict or a
         :class:`~mfuscope.manifest.Manifest`), with ``config`` as the model and train settings
         (``mfuscope.optimizers.optimize.write_config`` writes them from the same manifest)."""
@@ -170,7 +173,7 @@ class TrainerOptions:
         return cls(config=config, layout=Degrees.from_sizes(m.layout).text(), microbatches=m.microbatches,
                    **values)
 
-    def carried_over(self, base: "TrainerOptions") -> "TrainerOptions":
+    def carried_over(self, base: TrainerOptions) -> TrainerOptions:
         """These options, made from ``base`` by a change, less each switch whose ``requires`` the new
         layout lacks (the trainer would refuse it): a stage split made for other stages, FSDP's
         switches without FSDP, DDP's without DDP, async TP without tp."""
@@ -191,7 +194,7 @@ class TrainerOptions:
         return {**{k: _text(v) for k, v in values.items()},
                 **{f"set.{k}": _text(v) for k, v in (overrides or {}).items()}}
 
-    def changed(self, change: Mapping[str, str]) -> "TrainerOptions":
+    def changed(self, change: Mapping[str, str]) -> TrainerOptions:
         """These options with a recorded change applied (``set.KEY`` entries join the overrides)."""
         by_name = {f.name: f for f in fields(self)}
         values: dict[str, Any] = {}

@@ -54,7 +54,8 @@ def predict_csv(path: Path, out: Path | None, hardware: Path | None) -> int:
         except (ValueError, UserInputError) as e:
             row.update({k: "" for k in PREDICTED}, prediction_error=str(e))
             continue
-        row.update(predicted_step_time_s=f"{p.step_s:.6g}", predicted_tokens_per_s_per_gpu=f"{p.tokens_per_s_per_gpu:.6g}",
+        row.update(predicted_step_time_s=f"{p.step_s:.6g}",
+                   predicted_tokens_per_s_per_gpu=f"{p.tokens_per_s_per_gpu:.6g}",
                    predicted_mfu=f"{p.mfu:.4f}" if p.mfu is not None else "",
                    predicted_memory_gib_per_gpu=f"{p.memory.total_bytes / 2**30:.2f}",
                    fits_memory="" if p.memory.fits is None else str(p.memory.fits).lower(),
@@ -259,8 +260,8 @@ def model_gains_text(run_path: Path, report: dict[str, Any]) -> str:
         best = opt.best_by_fix(measured.from_documents(report, manifest, run_path))
     except (UserInputError, ValueError, KeyError):
         return ""
-    rows = [(best[f].predicted_gain, f, best[f].change.summary) for f in dict.fromkeys(x["fix"] for x in report["findings"])
-            if f in best]
+    rows = [(best[f].predicted_gain, f, best[f].change.summary)
+            for f in dict.fromkeys(x["fix"] for x in report["findings"]) if f in best]
     if not rows:
         return ""
     lines = ["\ncost model, calibrated on this run (`mfuscope optimize` to apply and measure):"]
@@ -271,6 +272,7 @@ def model_gains_text(run_path: Path, report: dict[str, Any]) -> str:
 def _optimize_foreign(path: Path, wanted: set[str] | None, as_json: bool) -> int:
     """Proposals for a job mfuscope cannot rerun: the report's findings with each fix's flags."""
     from mfuscope.analyzers import overview, trace_set
+
     from .flags import proposals_from_findings
 
     report_path = path / "report.json"

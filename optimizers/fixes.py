@@ -11,8 +11,8 @@ the predicted step with the change, both with the profile calibrated on the run 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from mfuscope.fix_registry import FIXES
 from mfuscope.layout import Degrees
@@ -20,8 +20,8 @@ from mfuscope.trainer_options import TrainerOptions
 
 from . import planner
 from .cost import memory as memory_model
-from .model import DDP_BUCKET_BYTES
 from .measured import UNEVEN, MeasuredRun
+from .model import DDP_BUCKET_BYTES
 from .spec import Layout, Training
 
 
@@ -154,7 +154,8 @@ def _smaller_buckets(run: MeasuredRun) -> list[Change]:
                    replace(training, overlap_grad_reduce=True, grad_bucket_bytes=mib * 2**20),
                    TrainerOptions.change(ddp_bucket_mb=mib),
                    {"torchtitan": "(torchtitan's data-parallel replicas are FSDP2/HSDP: see its prefetch)",
-                    "megatron": f"--overlap-grad-reduce --ddp-bucket-size {int(mib * 2**20 / training.grad_reduce_bytes)}",
+                    "megatron": "--overlap-grad-reduce --ddp-bucket-size "
+                                f"{int(mib * 2**20 / training.grad_reduce_bytes)}",
                     "pytorch": f"DistributedDataParallel(model, bucket_cap_mb={mib:g}, gradient_as_bucket_view=True)"})]
 
 
@@ -205,7 +206,8 @@ def cuda_graphs(run: MeasuredRun) -> list[Change]:
     if not _applies(run, "cuda_graphs", "host_bound"):
         return []
     return [Change("cuda_graphs", "compile each block and replay it as a CUDA graph (mode=reduce-overhead)", lay,
-                   replace(training, compiled=True, cuda_graphs=True), TrainerOptions.change(overrides={"compile": True, "cuda_graphs": True}),
+                   replace(training, compiled=True, cuda_graphs=True),
+                   TrainerOptions.change(overrides={"compile": True, "cuda_graphs": True}),
                    {"torchtitan": "(no switch) torch.compile(block, mode='reduce-overhead') in its apply_compile",
                     "megatron": "--enable-cuda-graph (Transformer Engine's per-layer graphs)",
                     "pytorch": "torch.compile(block, mode='reduce-overhead'); "
@@ -281,7 +283,8 @@ def _titan_flags(lay: Layout) -> str:
 
 def _megatron_flags(lay: Layout) -> str:
     flags = (f"--tensor-model-parallel-size {lay.tp} --pipeline-model-parallel-size {lay.pp} "
-             f"--context-parallel-size {lay.cp} --expert-model-parallel-size {lay.ep} --micro-batch-size {lay.micro_batch}")
+             f"--context-parallel-size {lay.cp} --expert-model-parallel-size {lay.ep} "
+             f"--micro-batch-size {lay.micro_batch}")
     if lay.vpp > 1:
         flags += f" --num-virtual-stages-per-pipeline-rank {lay.vpp}"
     if lay.recompute != "none":

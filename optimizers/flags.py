@@ -15,13 +15,15 @@ from typing import Any
 
 from mfuscope.fix_registry import FIXES
 
+
 def proposals_from_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The report's findings as proposals in ``optimize.json``'s shape: nothing predicted by the
     cost model (no model spec), the analyzers' estimate of the step it could save instead."""
     step = (report.get("summary") or {}).get("step_time_s")
     out = []
     for f in report.get("findings") or []:
-        out.append({"fix": f["fix"], "summary": f["title"], "change": {}, "flags": dict(FIXES[f["fix"]].flags) if f["fix"] in FIXES else {},
+        out.append({"fix": f["fix"], "summary": f["title"], "change": {},
+                    "flags": dict(FIXES[f["fix"]].flags) if f["fix"] in FIXES else {},
                     "predicted_step_s": step - f["gain_s"] if step else None,
                     "predicted_gain": f.get("gain_fraction"), "basis": "analyzer estimate from the trace "
                     "(no model spec: the cost model cannot predict)", "fits": None, "memory_gib": None,

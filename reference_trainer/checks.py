@@ -25,7 +25,8 @@ def reshard_after_forward(dims: Degrees, requested: bool | None) -> bool:
 def check_run(cfg: TrainConfig, dims: Degrees, opts: TrainerOptions) -> None:
     """Raise :class:`UserInputError` naming the first thing that cannot work as asked."""
     m = cfg.model
-    schedule, dp_mode, reshard, stage_layers = opts.schedule, opts.dp_mode, opts.reshard_after_forward, opts.stage_layers
+    schedule, dp_mode, stage_layers = opts.schedule, opts.dp_mode, opts.stage_layers
+    reshard = opts.reshard_after_forward
     prefetch = opts.prefetch or opts.keep_last_gathered
     ddp_buckets, bucket_mb = opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, opts.ddp_bucket_mb
     if schedule not in SCHEDULES:
@@ -59,8 +60,8 @@ def check_run(cfg: TrainConfig, dims: Degrees, opts: TrainerOptions) -> None:
         if m.n_experts % dims.ep:
             raise UserInputError(f"layout ep={dims.ep}: {m.n_experts} experts do not split over ep={dims.ep}")
     if prefetch and (dp_mode != "fsdp" or dims.grad_ranks == 1):
-        raise UserInputError("--prefetch and --keep-last-gathered order FSDP's parameter gathers; the layout has no FSDP "
-                             f"(dp_mode={dp_mode}, {dims.grad_ranks} data ranks)")
+        raise UserInputError("--prefetch and --keep-last-gathered order FSDP's parameter gathers; the layout has no "
+                             f"FSDP (dp_mode={dp_mode}, {dims.grad_ranks} data ranks)")
     if ddp_buckets and (dp_mode != "ddp" or dims.grad_ranks == 1):
         raise UserInputError("--ddp-bucket-mb and --grad-as-bucket-view set DDP's gradient buckets; "
                              f"the run has no DDP (dp_mode={dp_mode}, {dims.grad_ranks} data ranks)")

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from mfuscope.errors import UserInputError
 
@@ -57,7 +58,8 @@ class TrainConfig:
     recompute: str = "none"    # none | selective | full
     compile: bool = False
     cuda_graphs: bool = False  # with compile: each block compiled mode="reduce-overhead", replayed as a CUDA graph
-    sequence_parallel: bool = True  # with tp: norms and residuals sharded on the sequence (Megatron's --sequence-parallel)
+    # with tp: norms and residuals sharded on the sequence (Megatron's --sequence-parallel)
+    sequence_parallel: bool = True
     data: str = "text"         # text (the small corpus shipped in-tree: learnable) | synthetic (uniform tokens)
 
     def validate(self) -> None:

@@ -34,7 +34,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, reshard_after_forward: b
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dims.mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims.mesh["dp_shard_cp"]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype
+          else MixedPrecisionPolicy())
     if expert_mesh is not None:
         for experts in (m for m in model.modules() if isinstance(m, Experts)):
             fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

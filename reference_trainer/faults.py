@@ -81,7 +81,8 @@ def parse_faults(text: str | None) -> list[Fault]:
 def _parse_one(spec: str) -> Fault:
     kind, *fields = spec.split(":")
     if kind not in _KEYS:
-        raise UserInputError(f"--inject: unknown fault kind {kind!r} in {spec!r}; kinds: {', '.join(_KEYS)}; {_EXAMPLES}")
+        raise UserInputError(f"--inject: unknown fault kind {kind!r} in {spec!r}; kinds: {', '.join(_KEYS)}; "
+                             f"{_EXAMPLES}")
     try:
         kv = dict(f.split("=", 1) for f in fields)
     except ValueError:
@@ -93,7 +94,8 @@ def _parse_one(spec: str) -> Fault:
         raise UserInputError(f"--inject: {spec!r}: {kind} takes no {', '.join(sorted(unknown))} "
                              f"(it takes {', '.join(sorted(required | optional | _COMMON))})")
     try:
-        fault = Fault(kind, ms=float(kv.get("ms", 0)), rank=int(kv["rank"]) if "rank" in kv else (0 if kind == "comm" else None),
+        fault = Fault(kind, ms=float(kv.get("ms", 0)),
+                      rank=int(kv["rank"]) if "rank" in kv else (0 if kind == "comm" else None),
                       dim=kv.get("dim"), stage=int(kv["stage"]) if "stage" in kv else None, phase=kv.get("pass", "fwd"),
                       gbps=float(kv["gbps"]) if "gbps" in kv else None, every=int(kv.get("every", 1)),
                       jitter_ms=float(kv.get("jitter_ms", 0)))

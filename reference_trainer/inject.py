@@ -194,7 +194,8 @@ def _slowed(fn, slow: dict, injector: Injector, deadlines: dict[int, tuple[float
     def call(*args, **kwargs):
         if fn.__name__ == "batch_isend_irecv":
             ops = args[0] if args else kwargs["p2p_op_list"]
-            group, nbytes = ops[0].group if ops else None, sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            group = ops[0].group if ops else None
+            nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         else:
             group = kwargs.get("group") if "group" in kwargs else next(
                 (a for a in args if isinstance(a, dist.ProcessGroup)), None)

@@ -19,8 +19,9 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 if __name__ == "__main__":  # a rank launched by torchrun: mfuscope's own process, imports kept lean
     from mfuscope.lean_imports import jsonschema_without_iri
@@ -204,7 +205,7 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
                         schedule.step(inputs, **kwargs)
                     else:
                         schedule.step(**kwargs)
-                    local = torch.stack([l.detach() for l in mb_losses]).mean() if has_last else None
+                    local = torch.stack([mb_loss.detach() for mb_loss in mb_losses]).mean() if has_last else None
                 else:
                     local = torch.zeros((), device=device)
                     micro = cfg.grad_accum
@@ -269,7 +270,8 @@ def _groups_by_dim(dims: ParallelDims, extra_groups: dict) -> dict[str, list]:
             return dims.mesh[name].get_group()
         except (KeyError, RuntimeError, ValueError):
             return None
-    return {"dp": [group(n) for n in ("dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp")] + [extra_groups.get("ep_dp")],
+    return {"dp": [group(n) for n in ("dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp")]
+                  + [extra_groups.get("ep_dp")],
             "pp": [group("pp")], "cp": [group("cp")], "ep": [extra_groups.get("ep")]}
 
 

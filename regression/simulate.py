@@ -60,7 +60,7 @@ def detection_power(report: dict[str, Any], manifest: dict[str, Any] | None, cv:
     """Share of ``trials`` where a sustained ``drop`` is confirmed within ``within`` records."""
     rng = np.random.default_rng(seed)
     hits = 0
-    for t in range(trials):
+    for _ in range(trials):
         records = [noisy_record(report, manifest, rng, cv, index=i) for i in range(WINDOW)]
         for k in range(within):
             current = noisy_record(report, manifest, rng, cv, drop, index=WINDOW + k)

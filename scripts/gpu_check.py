@@ -200,7 +200,6 @@ def _train_rank(args) -> dict:
     import torch
 
     from mfuscope.reference_trainer.train import run_rank
-
     from mfuscope.trainer_options import TrainerOptions
 
     # The profiled window is the last two steps, out of the way of the timed ones.
@@ -340,7 +339,8 @@ def _collector_checks(run: str) -> dict:
     from mfuscope.analyzers import trace_set
 
     steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
-    nvml = run_dir.read_table(run, run_dir.NVML).to_pandas() if os.path.exists(os.path.join(run, run_dir.NVML)) else None
+    has_nvml = os.path.exists(os.path.join(run, run_dir.NVML))
+    nvml = run_dir.read_table(run, run_dir.NVML).to_pandas() if has_nvml else None
     events = trace_set.load(run, use_cache=False).events.to_pandas()
     return {
         "steps_rows": len(steps),

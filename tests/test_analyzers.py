@@ -169,7 +169,8 @@ def _assert_leaves_add_up(out, report, world):
         leaves = sum(r["seconds"] for r in mine) * len(spans)
         assert leaves == pytest.approx(sum(e["dur"] for e in spans) / 1e6, rel=1e-6), rank
         wall += leaves
-        blocked += sum(r["seconds"] for r in mine if r["leaf"].startswith("comm/") or r["leaf"] == "bubble") * len(spans)
+        blocked += sum(r["seconds"] for r in mine
+                       if r["leaf"].startswith("comm/") or r["leaf"] == "bubble") * len(spans)
     exposed = sum(c["exposed_s"] or 0.0 for c in report["comm"])
     assert exposed == pytest.approx(blocked, rel=1e-9, abs=1e-9)
     assert sum(c["total_s"] for c in report["comm"]) <= wall * (1 + 1e-9)
@@ -285,7 +286,8 @@ def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
     fastest = min(b["per_stage"], key=lambda s: s["busy_s"])
     unpaced = max(fastest["busy_s"] - 4 * (0.020 + 0.040), 0.0)
     assert slowest["stage"] == 1, b["per_stage"]
-    assert abs(slowest["busy_s"] - fastest["busy_s"] - 4 * 0.040) <= 0.15 * 4 * 0.040 + unpaced, (b["per_stage"], unpaced)
+    assert (abs(slowest["busy_s"] - fastest["busy_s"] - 4 * 0.040)
+            <= 0.15 * 4 * 0.040 + unpaced), (b["per_stage"], unpaced)
     assert any(f["fix"] == "rebalance_stages" for f in report["findings"])
 
 
@@ -316,7 +318,8 @@ def test_pipeline_bubbles_follow_1f1b_theory(tmp_path):
         assert f"{b['share_of_step']:.1%} of the step" in text
         more = [f for f in report["findings"] if f["fix"] == "more_microbatches"]
         if more:
-            assert f"{b['bubble_fraction']:.0%} of the pipeline's time (theory {b['theory_fraction']:.0%}" in more[0]["title"]
+            said = f"{b['bubble_fraction']:.0%} of the pipeline's time (theory {b['theory_fraction']:.0%}"
+            assert said in more[0]["title"]
             assert more[0]["evidence"]["share_of_step"] == b["share_of_step"]
     assert fractions[4] > fractions[12]
 
@@ -365,7 +368,8 @@ def test_small_kernels_and_launch_bound_ranks(tmp_path):
             events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
                            "ts": t, "dur": 5.0, "args": {"correlation": i + 1}})
             events.append({"ph": "X", "cat": "kernel", "name": "void my_kernel()", "pid": 0, "tid": 7,
-                           "ts": t + 6, "dur": float(kernel_us), "args": {"correlation": i + 1, "device": 0, "stream": 7}})
+                           "ts": t + 6, "dur": float(kernel_us),
+                           "args": {"correlation": i + 1, "device": 0, "stream": 7}})
         return write_trace(path, events, distributedInfo={"rank": rank, "world_size": 2})
 
     trace(tmp_path / "rank0.json", 0, 2)     # 2 us kernels: launch-bound, all small

@@ -283,7 +283,8 @@ def test_measured_throughput_from_mfu_matches_the_papers_own_iteration_time():
     checked = 0
     for row in rows:
         if published.source_family(row["source"]) == "korthikanti" and row["measured_mfu"] and row["iteration_time_s"]:
-            stated = int(row["global_batch"]) * int(row["seq_len"]) / float(row["iteration_time_s"]) / int(row["num_gpus"])
+            stated = (int(row["global_batch"]) * int(row["seq_len"]) / float(row["iteration_time_s"])
+                      / int(row["num_gpus"]))
             derived = published.measured_tps({**row, "measured_tokens_per_s_per_gpu": ""}, "korthikanti")
             assert derived == pytest.approx(stated, rel=0.005), row["model"]
             checked += 1

@@ -56,8 +56,8 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe) -> Path:
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.reference_trainer.launch import fork_ranks
     from mfuscope.reference_trainer.train import run_rank
-    from mfuscope.trainer_options import TrainerOptions
     from mfuscope.tests.shared_runs import RUN_3D, RUN_3D_WORLD
+    from mfuscope.trainer_options import TrainerOptions
 
     root = tmp_path_factory.mktemp("runs")
     (root / "pp8").symlink_to(run_3d, target_is_directory=True)
@@ -253,7 +253,8 @@ def test_executed_schedule_is_1f1b(runs):
     assert sorted(mb["step"].unique()) == [1, 2, 3]  # the window: every step after the first
     for (rank, step), g in mb.groupby(["rank", "step"]):
         stage = manifest["rank_coords"][str(rank)]["pp"]
-        order = [f"{a}{m}" for a, m in zip(g.sort_values("start_ns")["action"], g.sort_values("start_ns")["microbatch"])]
+        ordered = g.sort_values("start_ns")
+        order = [f"{a}{m}" for a, m in zip(ordered["action"], ordered["microbatch"])]
         assert set(g["stage"]) == {stage}
         assert order == want[stage], (rank, step, order)
 
@@ -387,7 +388,8 @@ def test_every_page_renders(tab, runs, run):
                 "comm": ["send_recv", "reduce_scatter", "Arrival lag"],
                 "stragglers": ["Busy time over the median rank"], "kernels": ["No GPU kernels"],
                 "optimize": ["Optimize: pp8", "interleaved_schedule", "predicted gain"]},
-        "dlrm": {"overview": ["Tesla V100", "hardware table: V100", "launch-bound"], "timeline": ["rank 7", "comm/unknown"],
+        "dlrm": {"overview": ["Tesla V100", "hardware table: V100", "launch-bound"],
+                 "timeline": ["rank 7", "comm/unknown"],
                  "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce", "send_recv"],
                  "stragglers": ["No straggler"], "kernels": ["ncclKernel_SendRecv", "gemm"],
                  "optimize": ["No model spec"]},
@@ -477,7 +479,8 @@ def test_planner_page_ranks_layouts_and_shows_each_ones_breakdown(tab):
     expect(tab.page.locator(first)).to_contain_text(best)
     assert f"#1: {best}" in tab.text("#plan-breakdown")
     tab.page.locator('#plan-grid .ag-center-cols-container .ag-row[row-index="2"]').click()
-    third = tab.page.locator('#plan-grid .ag-center-cols-container .ag-row[row-index="2"] [col-id="layout"]').inner_text()
+    third = tab.page.locator('#plan-grid .ag-center-cols-container .ag-row[row-index="2"] '
+                             '[col-id="layout"]').inner_text()
     expect(tab.page.locator("#plan-breakdown")).to_contain_text(f"#3: {third}")
     assert "does not fit in memory" in tab.text("#plan-rejected")
     tab.shot("planner")

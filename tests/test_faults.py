@@ -17,8 +17,8 @@ from mfuscope.reference_trainer.faults import parse_faults
 from mfuscope.reference_trainer.inject import Injector
 from mfuscope.reference_trainer.launch import fork_ranks
 from mfuscope.reference_trainer.train import run_rank
-from mfuscope.trainer_options import TrainerOptions
 from mfuscope.tests.helpers import WAKE_S, micro_config
+from mfuscope.trainer_options import TrainerOptions
 
 #: Wall time is what these tests assert: make test runs them in its paced lane (tests/lanes.py).
 pytestmark = pytest.mark.paced
@@ -29,7 +29,8 @@ def _profiled(tmp_path, name, layout, world, steps=5, **kw):
     config = tmp_path / "micro.toml"
     config.write_text(MICRO)
     out = tmp_path / name
-    fork_ranks(run_rank, world, TrainerOptions(config=str(config), layout=layout, steps=steps, window="1:", out=str(out), **kw))
+    opts = TrainerOptions(config=str(config), layout=layout, steps=steps, window="1:", out=str(out), **kw)
+    fork_ranks(run_rank, world, opts)
     events = trace_set.load(out, use_cache=False).events
     leaves = breakdown.step_leaves(events)
     return out, events, leaves.pivot_table(index=["rank", "step"], columns="leaf", values="seconds", fill_value=0.0)
@@ -92,7 +93,8 @@ def test_host_sync_fault_reads_back_once_per_block(tmp_path):
     _, events, _ = _profiled(tmp_path, "sync", "dp_shard=2", 2, steps=3, inject="sync:rank=0")
     df = events.to_pandas(["rank", "name", "step"])
     reads = df[(df["name"] == "aten::_local_scalar_dense") & (df["step"] >= 1)].groupby(["rank", "step"]).size()
-    base = df[(df["name"] == "aten::_local_scalar_dense") & (df["step"] >= 1) & (df["rank"] == 1)].groupby("step").size()
+    base = (df[(df["name"] == "aten::_local_scalar_dense") & (df["step"] >= 1) & (df["rank"] == 1)]
+            .groupby("step").size())
     # 2 blocks x 1 microbatch more reads per step on rank 0 than on rank 1
     assert (reads.loc[0] - base.reindex(reads.loc[0].index, fill_value=0) == 2).all(), reads
 
@@ -127,7 +129,8 @@ def test_bad_fault_specs_are_named(spec, message):
         parse_faults(spec)
 
 
-@pytest.mark.parametrize("spec", ["fwd_ms=5", "fwd_ms=5,bwd_ms=10,per=token", "fwd_ms=5,bwd_ms=x", "fwd_ms=5,bwd_ms=5,v_ms=1"])
+@pytest.mark.parametrize("spec", ["fwd_ms=5", "fwd_ms=5,bwd_ms=10,per=token", "fwd_ms=5,bwd_ms=x",
+                                  "fwd_ms=5,bwd_ms=5,v_ms=1"])
 def test_bad_paced_specs_are_named(spec):
     with pytest.raises(UserInputError, match="--paced: cannot read"):
         parse_paced(spec)

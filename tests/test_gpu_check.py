@@ -106,7 +106,8 @@ def _gpu_run_takes_device_time(dense: Path, copy: Path, cpu_doc: dict) -> None:
     assert math.isclose(report["mfu"], cpu_doc["mfu"] / 3, rel_tol=1e-6)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU; this one has a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="checks the refusal on a machine without a GPU; this one has a CUDA GPU")
 def test_without_cuda_and_without_the_cpu_flag_it_says_so_and_exits_3(tmp_path):
     proc = _run("--run-dir", str(tmp_path / "runs"))
     assert proc.returncode == 3

@@ -9,14 +9,14 @@ import logging
 import shutil
 
 import numpy as np
-
 import pytest
 
 from mfuscope.analyzers import trace_set
 from mfuscope.analyzers.kernel_time import device_time
 from mfuscope.tests.helpers import DLRM, HTA_DATA, TRACES, needs_corpus
 
-hta = pytest.importorskip("hta.trace_analysis", reason="HTA (holistictraceanalysis) is in the [dev] extra; not installed")
+hta = pytest.importorskip("hta.trace_analysis",
+                          reason="HTA (holistictraceanalysis) is in the [dev] extra; not installed")
 
 TOL = 0.005
 

@@ -25,7 +25,8 @@ def test_wheel_imports_every_subpackage(tmp_path):
         "import sys, importlib; sys.path.insert(0, sys.argv[1]);"
         "import mfuscope; assert mfuscope.__file__.startswith(sys.argv[1]), mfuscope.__file__;"
         f"[importlib.import_module('mfuscope.' + m) for m in {SUBPACKAGES!r}];"
-        "import mfuscope.analyzers.kineto_json, mfuscope.cli, mfuscope.optimizers.cost.memory, mfuscope.schema_check as s;"
+        "import mfuscope.analyzers.kineto_json, mfuscope.cli, mfuscope.optimizers.cost.memory,"
+        " mfuscope.schema_check as s;"
         "s._validator('manifest'); s._validator('report');"
         "print(importlib.import_module('mfuscope.analyzers').__file__)"
     )

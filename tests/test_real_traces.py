@@ -50,7 +50,8 @@ def test_a_trace_without_step_markers_gets_the_full_analysis(tmp_path):
     assert events.ranks[0]["steps_source"] == "whole trace"
     report = overview.build_report(events, source=str(path), files=[str(path)])
     # The window: from the mm's start (10 us) to the kernel's end (440 us) -- 430 us, all of it one step.
-    assert report["summary"]["steps"] == 1 and report["summary"]["step_time_source"] == "the whole trace, no step markers"
+    assert report["summary"]["steps"] == 1
+    assert report["summary"]["step_time_source"] == "the whole trace, no step markers"
     assert report["summary"]["step_time_s"] == pytest.approx(430e-6)
     assert report["breakdown"]["seconds"] == pytest.approx(430e-6)
     leaves = {r["leaf"]: r["seconds"] for r in report["breakdown_by_rank"]}
@@ -106,8 +107,9 @@ def test_mfu_note_names_what_is_missing(tmp_path):
     unknown = _gpu_trace(tmp_path / "u.json", device="Imaginary Accelerator X1", world=1)
     s = overview.build_report(trace_set.load(unknown, use_cache=False).events, source="u", files=[])["summary"]
     assert s["hfu"] is None and "'Imaginary Accelerator X1'" in s["mfu_note"] and "hardware table" in s["mfu_note"]
-    from mfuscope.analyzers import mfu
     import pandas as pd
+
+    from mfuscope.analyzers import mfu
     spec = {"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 256, "vocab_size": 100}
     got = mfu.compute(pd.Series([1.0]), pd.Series([1024]), {"model": spec, "train": {"seq_len": 128},
                                                             "hardware": {"peak_flops": 1e12}})
@@ -145,36 +147,81 @@ KERNEL_NAMES = [
     ("ampere_sgemm_128x64_nn", "gemm"),
     ("turing_fp16_s1688gemm_fp16_128x128_ldg8_f2f_nn", "gemm"),
     ("sm80_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x32_stage4_warpsize2x2x1_tensor16x8x16_kernel", "gemm"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_"
+     "execute_segment_k_off_kernel__5x_cublas", "gemm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
-    ("void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_64x64_16x6_tn_align4>(cutlass_80_tensorop_s1688gemm_64x64_16x6_tn_align4::Params)", "gemm"),
+    ("void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_64x64_16x6_tn_align4>"
+     "(cutlass_80_tensorop_s1688gemm_64x64_16x6_tn_align4::Params)", "gemm"),
     ("Cijk_Ailk_Bljk_BBS_BH_MT128x128x64_MI16x16x16x1_SN_1LDSB0_AFC1_AFEM1_ASEM1_CLR1", "gemm"),
     ("triton_tem_fused_mm_0", "gemm"),
-    ("void cudnn::cnn::implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1, false, false, true>(int, int, int, float const*, int, float*, float const*, kernel_conv_params, unsigned long long, int, float, float, int, float const*, float const*, bool, int, int)", "conv"),
-    ("sm80_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize128x128x16_stage4_warpsize2x2x1_g1_tensor16x8x8_kernel", "conv"),
-    ("sm86_xmma_dgrad_implicit_gemm_indexed_f16f16_f16f32_f32_nhwckrsc_nchw_tilesize64x32x64_stage5_warpsize2x2x1_g1_tensor16x8x16_kernel", "conv"),
-    ("void cudnn::winograd_nonfused::winogradForwardData4x4<float, float>(cudnn::winograd_nonfused::WinogradDataParams<float, float>)", "conv"),
-    ("void cudnn::detail::wgrad_alg0_engine<float, 128, 5, 5, 3, 3, 3, false, 512>(int, int, int, float const*, int, float*, float const*, kernel_grad_params, unsigned long long, int, float, int, int, int, int)", "conv"),
+    ("void cudnn::cnn::implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1, false, false, true>(int, int, int, "
+     "float const*, int, float*, float const*, kernel_conv_params, unsigned long long, int, float, float, int, "
+     "float const*, float const*, bool, int, int)", "conv"),
+    ("sm80_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize128x128x16_stage4_warpsize2x2x1_g1_"
+     "tensor16x8x8_kernel", "conv"),
+    ("sm86_xmma_dgrad_implicit_gemm_indexed_f16f16_f16f32_f32_nhwckrsc_nchw_tilesize64x32x64_stage5_warpsize2x2x1_g1_"
+     "tensor16x8x16_kernel", "conv"),
+    ("void cudnn::winograd_nonfused::winogradForwardData4x4<float, float>"
+     "(cudnn::winograd_nonfused::WinogradDataParams<float, float>)", "conv"),
+    ("void cudnn::detail::wgrad_alg0_engine<float, 128, 5, 5, 3, 3, 3, false, 512>(int, int, int, float const*, int, "
+     "float*, float const*, kernel_grad_params, unsigned long long, int, float, int, int, int, int)", "conv"),
     ("miopenSp3AsmConv_v21_1_3_gfx9_fp32_stride1", "conv"),
-    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1>(cudnnTensorStruct, float const*, cudnnTensorStruct, float*, float const*, float const*, float, float, float*, float*, float*, float*, float, float)", "norm_elementwise"),
-    ("void at::native::batch_norm_collect_statistics_kernel<at::native::InvStd, float, float, float, int>(at::GenericPackedTensorAccessor<float const, 3ul, at::RestrictPtrTraits, int>, float, float, at::GenericPackedTensorAccessor<float, 1ul, at::RestrictPtrTraits, int>, at::GenericPackedTensorAccessor<float, 1ul, at::RestrictPtrTraits, int>)", "norm_elementwise"),
-    ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, false, true, false, false, true, true, false, false>(Flash_fwd_params)", "attention"),
-    ("void flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t> >, false, true, false, false, false, false, false>(Flash_bwd_params)", "attention"),
-    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, 128, cutlass::bfloat16_t, float, cutlass::arch::Sm90, true, false, false, true, false, false, false, true, true, false, false, false>, flash::CollectiveEpilogueFwd<cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cutlass::bfloat16_t, cutlass::arch::Sm90, 256, true, false, false, false>, flash::VarlenDynamicPersistentTileScheduler<128, 256, 128, false, false, true>, false> > >(flash::FlashAttnFwdSm90<>::Params)", "attention"),
-    ("fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::half_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)", "attention"),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1>(cudnnTensorStruct, float const*, "
+     "cudnnTensorStruct, float*, float const*, float const*, float, float, float*, float*, float*, float*, float, "
+     "float)", "norm_elementwise"),
+    ("void at::native::batch_norm_collect_statistics_kernel<at::native::InvStd, float, float, float, "
+     "int>(at::GenericPackedTensorAccessor<float const, 3ul, at::RestrictPtrTraits, int>, float, float, "
+     "at::GenericPackedTensorAccessor<float, 1ul, at::RestrictPtrTraits, int>, at::GenericPackedTensorAccessor<float, "
+     "1ul, at::RestrictPtrTraits, int>)", "norm_elementwise"),
+    ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t, "
+     "Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, false, true, false, false, true, true, false, "
+     "false>(Flash_fwd_params)", "attention"),
+    ("void flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, false, "
+     "false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t> >, false, true, false, "
+     "false, false, false, false>(Flash_bwd_params)", "attention"),
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+     "flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
+     "cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, "
+     "128, cutlass::bfloat16_t, float, cutlass::arch::Sm90, true, false, false, true, false, false, false, true, true, "
+     "false, false, false>, flash::CollectiveEpilogueFwd<cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, "
+     "cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, cutlass::bfloat16_t, cutlass::arch::Sm90, 256, true, false, "
+     "false, false>, flash::VarlenDynamicPersistentTileScheduler<128, 256, 128, false, false, true>, "
+     "false> > >(flash::FlashAttnFwdSm90<>::Params)", "attention"),
+    ("fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::half_t, "
+     "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)", "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
-    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1})", "norm_elementwise"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)", "norm_elementwise"),
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, unsigned int, float, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, unsigned int, float, 4>)", "norm_elementwise"),
+    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, "
+     "float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, "
+     "at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)"
+     "::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, "
+     "at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, "
+     "float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1})", "norm_elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, "
+     "1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)", "norm_elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+     "float>, unsigned int, float, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, "
+     "unsigned int, float, 4>)", "norm_elementwise"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm_elementwise"),
     ("triton_poi_fused_add_mul_silu_0", "norm_elementwise"),
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, bool*, float*, float, float, float, float, float, bool, float*, float*>(at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, bool*, float*, float, float, float, float, float, bool, float*, float*)", "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+     "(at::native::ADAM_MODE)1, false>, bool*, float*, float, float, float, float, float, bool, float*, "
+     "float*>(at::native::(anonymous namespace)::TensorListMetadata<4>, "
+     "at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, bool*, "
+     "float*, float, float, float, float, float, bool, float*, float*)", "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
     ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", "collective"),
     ("ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)", "collective"),  # RCCL
-    ("void transformer_engine::rmsnorm::rmsnorm_fwd_tuned_kernel<transformer_engine::rmsnorm::Kernel_traits<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, unsigned int, 4096u, 1u, 1u, 4u, 16u, transformer_engine::rmsnorm::Kernel_traits_base<4096u, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, unsigned int, 128u> > >(transformer_engine::layer_norm::FwdParams)", "norm_elementwise"),
-    ("void deep_ep::intranode::dispatch<8, 768, 8192>(int4*, float*, int*, long*, float*, int*, int*, int4 const*, float const*, long const*, float const*, bool const*, int const*, int, int, int, int, int, int, int, int, int, int, void**, int, int, int)", "collective"),
-    ("void deep_ep::internode::combine<false, 2, 4, 8, 4, 2>(int4*, float*, bool const*, int4 const*, float const*, int const*, int const*, int const*, deep_ep::internode::SourceMeta const*, int const*, int const*, int, int, void*, int, int, void**, int, int, int, int)", "collective"),
+    ("void transformer_engine::rmsnorm::rmsnorm_fwd_tuned_kernel<"
+     "transformer_engine::rmsnorm::Kernel_traits<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, unsigned int, "
+     "4096u, 1u, 1u, 4u, 16u, transformer_engine::rmsnorm::Kernel_traits_base<4096u, __nv_bfloat16, __nv_bfloat16, "
+     "__nv_bfloat16, float, unsigned int, 128u> > >(transformer_engine::layer_norm::FwdParams)", "norm_elementwise"),
+    ("void deep_ep::intranode::dispatch<8, 768, 8192>(int4*, float*, int*, long*, float*, int*, int*, int4 const*, "
+     "float const*, long const*, float const*, bool const*, int const*, int, int, int, int, int, int, int, int, int, "
+     "int, void**, int, int, int)", "collective"),
+    ("void deep_ep::internode::combine<false, 2, 4, 8, 4, 2>(int4*, float*, bool const*, int4 const*, float const*, "
+     "int const*, int const*, int const*, deep_ep::internode::SourceMeta const*, int const*, int const*, int, int, "
+     "void*, int, int, void**, int, int, int, int)", "collective"),
 ]
 
 
@@ -199,7 +246,8 @@ def test_deepep_kernels_are_expert_parallel_communication(tmp_path):
     ev = trace_set.load(path, use_cache=False).events
     df = ev.to_pandas(["kind", "op", "dim", "name"])
     deep = df[df["name"].astype(str).str.contains("deep_ep")]
-    assert (deep["kind"].astype(str) == "comm").all() and set(deep["dim"]) == {"ep"} and set(deep["op"]) == {"all_to_all"}
+    assert (deep["kind"].astype(str) == "comm").all()
+    assert set(deep["dim"]) == {"ep"} and set(deep["op"]) == {"all_to_all"}
     leaves = {r["leaf"]: r["seconds"] for r in overview.build_report(ev, source="ep", files=[])["breakdown_by_rank"]}
     assert leaves["comm/ep/all_to_all"] == pytest.approx(500e-6)  # dispatch 300 us + combine 200 us, nothing else runs
     assert not any(k.startswith("compute/") for k in leaves)
@@ -207,6 +255,7 @@ def test_deepep_kernels_are_expert_parallel_communication(tmp_path):
 
 def test_collectives_of_unknown_size_are_kept_out_of_the_bandwidths():
     import pandas as pd
+
     from mfuscope.analyzers import comm_stats
     calls = pd.DataFrame({"dim": ["dp"] * 3, "op": ["all_reduce"] * 3, "bytes": [float("nan"), float("nan"), 2.0**20],
                           "dur_ns": [1e6, 1e6, 1e6], "exposed_ns": [0.0, 0.0, 0.0], "group_size": [8, 8, 8]})
@@ -306,5 +355,6 @@ def test_a_step_that_captures_cuda_graphs_is_not_called_host_bound(tmp_path):
         fixes = {f["fix"] for f in report["findings"]}
         assert ("reduce_host_overhead" in fixes) is (not capture), fixes
         assert "cuda_graphs" not in fixes  # it replays graphs already
-    assert "CUDA graphs   2 capture call(s)" in overview.format_text(
-        overview.build_report(trace_set.load(tmp_path / "graphTrue.json", use_cache=False).events, source="g", files=[]))
+    graphs = trace_set.load(tmp_path / "graphTrue.json", use_cache=False).events
+    text = overview.format_text(overview.build_report(graphs, source="g", files=[]))
+    assert "CUDA graphs   2 capture call(s)" in text

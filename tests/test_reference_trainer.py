@@ -24,11 +24,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
-from mfuscope.reference_trainer import (context_parallel, data_parallel, expert_parallel,  # noqa: E402
-                                        model as model_mod, pipeline_parallel, tensor_parallel)
+from mfuscope.layout import SCHEDULES  # noqa: E402
+from mfuscope.reference_trainer import context_parallel, data_parallel, expert_parallel, tensor_parallel  # noqa: E402
+from mfuscope.reference_trainer import model as model_mod  # noqa: E402
 from mfuscope.reference_trainer.config import load_config  # noqa: E402
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.layout import SCHEDULES  # noqa: E402
 from mfuscope.reference_trainer.train import run_rank  # noqa: E402
 from mfuscope.trainer_options import TrainerOptions  # noqa: E402
 
