@@ -9,8 +9,9 @@ write them the same way.  The report and the views read one analysis
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa

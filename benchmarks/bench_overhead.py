@@ -120,7 +120,6 @@ def _run(rounds: int, block: int, scratch: str) -> dict:
     import resource
 
     from mfuscope.reference_trainer.train import run_rank
-
     from mfuscope.trainer_options import TrainerOptions
 
     cycles = []

@@ -17,9 +17,6 @@ from pathlib import Path
 
 import torch
 
-from mfuscope.errors import UserInputError
-
-
 _UNTIL_THE_END = 2**31 - 1  # steps; the window is then exported when the session closes
 
 

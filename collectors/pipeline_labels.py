@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import record_function

@@ -35,18 +35,17 @@ import torch
 import torch.distributed as dist
 
 from mfuscope import hardware, labels, run_dir
-from mfuscope.run_dir import ENV_PREPARED
 from mfuscope.errors import UserInputError
+from mfuscope.run_dir import ENV_PREPARED
+from mfuscope.window import parse_window
 
 from .comm_timer import COLUMNS as COMM_COLUMNS
 from .comm_timer import CommTimer
-from .pipeline_labels import PipelineLabels
 from .cpu_peak import measured_matmul_peak
 from .group_dims import GroupDims, mesh_groups
-from mfuscope.window import parse_window
-
 from .kineto_window import KinetoWindow
 from .nvml_sampler import NvmlSampler
+from .pipeline_labels import PipelineLabels
 from .step_timer import DeviceClock, StepTimer
 
 # Set by ``mfuscope profile`` for the ranks it launches: the directory is already checked.
@@ -76,7 +75,7 @@ class ProfileSession:
         self._lock = threading.RLock()  # a signal may arrive while close() runs
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "ProfileSession":
+    def __enter__(self) -> ProfileSession:
         self.start()
         return self
 
@@ -86,7 +85,7 @@ class ProfileSession:
         else:
             self.close(ended_early=_reason(exc_type, exc))
 
-    def start(self) -> "ProfileSession":
+    def start(self) -> ProfileSession:
         self._agree_on_run_dir()
         cuda = torch.cuda.is_available()
         self.clock = DeviceClock() if cuda else None

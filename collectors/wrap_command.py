@@ -17,14 +17,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from mfuscope import run_dir
 from mfuscope.errors import UserInputError
+from mfuscope.window import parse_window
 
 from . import autowrap
-from mfuscope.window import parse_window
 from .session import ENV_PREPARED
 
 SITE_DIR = Path(__file__).parent / "_site"

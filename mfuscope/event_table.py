@@ -139,7 +139,7 @@ class EventTable:
         tbl = self.table.select(columns) if columns else self.table
         return tbl.to_pandas()
 
-    def filter(self, mask) -> "EventTable":
+    def filter(self, mask) -> EventTable:
         keep = mask if isinstance(mask, (pa.Array, pa.ChunkedArray)) else pa.array(mask)
         return EventTable(self.table.filter(keep), self.ranks)
 
@@ -150,7 +150,7 @@ class EventTable:
         return self.table.replace_schema_metadata({META_KEY: meta.encode()})
 
     @classmethod
-    def from_arrow(cls, table: pa.Table) -> "EventTable":
+    def from_arrow(cls, table: pa.Table) -> EventTable:
         raw = (table.schema.metadata or {}).get(META_KEY)
         ranks = {}
         if raw:
@@ -161,7 +161,7 @@ class EventTable:
         return cls(table.replace_schema_metadata(None), ranks)
 
     @classmethod
-    def concat(cls, parts: list["EventTable"]) -> "EventTable":
+    def concat(cls, parts: list[EventTable]) -> EventTable:
         if not parts:
             return cls.empty()
         # One chunk per part; dictionary columns may keep a dictionary per chunk (valid
@@ -173,7 +173,7 @@ class EventTable:
         return cls(table, ranks)
 
     @classmethod
-    def empty(cls) -> "EventTable":
+    def empty(cls) -> EventTable:
         return cls(SCHEMA.empty_table(), {})
 
 

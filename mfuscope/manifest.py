@@ -8,9 +8,10 @@ or "which pipeline stage is rank 5" has one answer everywhere.  Torch-free.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mfuscope.layout import Degrees
 
@@ -22,12 +23,12 @@ class Manifest:
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, manifest: "Manifest | Mapping[str, Any] | None") -> "Manifest":
+    def of(cls, manifest: Manifest | Mapping[str, Any] | None) -> Manifest:
         """A :class:`Manifest` from a document, a Manifest, or None (an empty one)."""
         return manifest if isinstance(manifest, Manifest) else cls(manifest or {})
 
     @classmethod
-    def read(cls, run_dir: str | Path) -> "Manifest":
+    def read(cls, run_dir: str | Path) -> Manifest:
         """``run_dir/manifest.json``, validated (:func:`mfuscope.run_dir.read_manifest`)."""
         from mfuscope.run_dir import read_manifest
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import datetime as _dt
 import fcntl
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq

@@ -12,7 +12,7 @@ import jsonschema
 from mfuscope.errors import UserInputError
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
     text = resources.files("mfuscope").joinpath("schemas", f"{name}.schema.json").read_text()
     return jsonschema.Draft202012Validator(json.loads(text))

@@ -14,8 +14,8 @@ predict the one left out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Callable, Iterable
 
 from .measured import MeasuredRun
 from .model import predict

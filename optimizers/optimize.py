@@ -23,9 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest

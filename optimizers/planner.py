@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .cost import memory as memory_model
 from .model import Prediction, predict

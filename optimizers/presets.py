@@ -10,8 +10,9 @@ published 671B).
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from mfuscope.errors import UserInputError
 

@@ -33,7 +33,7 @@ class ModelSpec:
     tied_embeddings: bool = False
 
     @classmethod
-    def from_manifest(cls, spec: dict[str, Any]) -> "ModelSpec":
+    def from_manifest(cls, spec: dict[str, Any]) -> ModelSpec:
         """From a run manifest's ``model`` section (unknown keys, such as ``max_seq_len``, ignored)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in spec.items() if k in names and v is not None})
@@ -229,7 +229,7 @@ class Training:
     scatter_gather_sends: bool = False
 
     @classmethod
-    def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> "Training":
+    def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> Training:
         """What a reference-trainer run ran: its options and resolved train settings.
 
         The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive

@@ -227,7 +227,7 @@ class Profile:
         write_json(Path(path), {"profile": self.values(), "provenance": self.provenance})
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         p = Path(path)
         try:
             data = json.loads(p.read_text())

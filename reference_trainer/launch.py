@@ -11,7 +11,8 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:

@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mfuscope.errors import UserInputError
 from mfuscope.layout import virtual_stages
 
 from .config import ModelConfig
 from .model import Transformer
 from .parallel_dims import ParallelDims
+
 
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
     if schedule == "zbv":

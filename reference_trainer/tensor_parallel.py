@@ -31,8 +31,13 @@ from .parallel_dims import ParallelDims
 
 def apply_tp(model: nn.Module, dims: ParallelDims, sequence_parallel: bool = True) -> nn.Module:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     mesh = dims.mesh["tp"]
     if not sequence_parallel:

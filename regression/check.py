@@ -7,7 +7,8 @@ confirmed regression or a deterministic failure, 2 bad input (raised as
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

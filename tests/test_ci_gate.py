@@ -26,7 +26,7 @@ import yaml
 from mfuscope.regression import check as check_mod
 from mfuscope.regression import deterministic, simulate, statistical
 from mfuscope.regression import statistics as st
-from mfuscope.regression.history import History, append, make_record, read
+from mfuscope.regression.history import History, append, read
 
 from .helpers import REPO
 

@@ -23,11 +23,11 @@ torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not in
 
 from mfuscope import run_dir  # noqa: E402
 from mfuscope.collectors.group_dims import dim_from_description, dim_from_ranks  # noqa: E402
-from mfuscope.window import parse_window  # noqa: E402
 from mfuscope.collectors.nvml_sampler import NvmlSampler  # noqa: E402
 from mfuscope.errors import UserInputError  # noqa: E402
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
 from mfuscope.tests.shared_runs import RUN_3D  # noqa: E402
+from mfuscope.window import parse_window  # noqa: E402
 
 PLAIN_DDP = Path(__file__).parent / "workloads" / "plain_ddp.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

@@ -18,7 +18,7 @@ import pytest
 from mfuscope.analyzers import overview, trace_set
 from mfuscope.optimizers import calibrate, measured
 from mfuscope.optimizers.model import predict
-from mfuscope.optimizers.spec import Layout, ModelSpec, Training
+from mfuscope.optimizers.spec import Layout, ModelSpec
 
 from .helpers import WAKE_S, micro_config
 

@@ -88,7 +88,6 @@ def test_the_trainer_refuses_cuda_graphs_it_cannot_capture():
     from mfuscope.reference_trainer.checks import check_run
     from mfuscope.reference_trainer.config import load_config
     from mfuscope.reference_trainer.parallel_dims import ParallelDims
-
     from mfuscope.trainer_options import TrainerOptions
 
     dims = ParallelDims.parse("dp_replicate=2", 2)

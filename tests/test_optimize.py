@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
 from mfuscope.tests.helpers import DLRM  # noqa: E402
-from mfuscope.tests.shared_runs import mfuscope as _mfuscope, train_forked  # noqa: E402
+from mfuscope.tests.shared_runs import mfuscope as _mfuscope  # noqa: E402
+from mfuscope.tests.shared_runs import train_forked
 
 
 @pytest.mark.paced
