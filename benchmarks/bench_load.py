@@ -130,7 +130,8 @@ def measure(variant: str, trace_dir: Path, cache: Path, script: str = __file__) 
 def timed(run, phases: dict | None = None):
     """Run ``run()`` and print its wall and CPU time (children included) as the child's answer,
     with ``phases`` (what ``run`` measured of its parts: seconds, memory); returns what ``run`` returned."""
-    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    r0, c0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     result = run()
     wall = time.perf_counter() - t0
     r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -149,7 +150,7 @@ def make_big8(root: Path) -> Path:
     head = re.sub(rb'("distributedInfo"\s*:\s*\{[^}]*?"world_size"\s*:\s*)\d+', rb"\g<1>8", head, count=1)
     for r in range(8):
         new_head = re.sub(rb'("distributedInfo"\s*:\s*\{[^}]*?"rank"\s*:\s*)\d+',
-                          lambda m: m.group(1) + str(r).encode(), head, count=1)
+                          lambda m, r=r: m.group(1) + str(r).encode(), head, count=1)
         with gzip.open(out / f"rank{r}.json.gz", "wb", compresslevel=1) as f:
             f.write(new_head + rest)
     return out

@@ -104,13 +104,8 @@ class CostModel:
     proposals: tuple[optimize.Proposal, ...]
 
     def best_by_fix(self) -> dict[str, optimize.Proposal]:
-        """Each fix id's most promising change that fits (``optimize.best_by_fix``'s rule, on the
-        proposals made once)."""
-        best: dict[str, optimize.Proposal] = {}
-        for p in self.proposals:
-            if p.fits is not False:
-                best.setdefault(p.change.fix, p)
-        return best
+        """Each fix id's most promising change that fits, from the proposals made once."""
+        return optimize.best_by_fix(self.proposals)
 
 
 @dataclass

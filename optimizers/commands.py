@@ -257,7 +257,7 @@ def model_gains_text(run_path: Path, report: dict[str, Any]) -> str:
     if not manifest.has_model_spec:
         return ""
     try:
-        best = opt.best_by_fix(measured.from_documents(report, manifest, run_path))
+        best = opt.best_by_fix(opt.propose(measured.from_documents(report, manifest, run_path))[2])
     except (UserInputError, ValueError, KeyError):
         return ""
     rows = [(best[f].predicted_gain, f, best[f].change.summary)

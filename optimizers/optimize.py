@@ -98,11 +98,12 @@ def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[Pr
     return base_prediction, profile, out
 
 
-def best_by_fix(run: measured.MeasuredRun) -> dict[str, Proposal]:
-    """Each fix id's most promising change that fits: the cost model's gain beside a finding's
-    estimate (the analyzers' fixed ratios know nothing of the layout)."""
+def best_by_fix(proposals: list[Proposal]) -> dict[str, Proposal]:
+    """Each fix id's most promising change that fits, from :func:`propose`'s proposals (best
+    first): the cost model's gain beside a finding's estimate (the analyzers' fixed ratios know
+    nothing of the layout)."""
     best: dict[str, Proposal] = {}
-    for p in propose(run)[2]:
+    for p in proposals:
         if p.fits is not False:
             best.setdefault(p.change.fix, p)
     return best
