@@ -3,9 +3,11 @@
 #               (then: make dashboard, and open http://127.0.0.1:8050/)
 #   make test   set up, run the whole test suite
 # Set-up is shared and idempotent: a .venv with torch (CPU build, pinned in
-# constraints/ci.txt) and mfuscope installed editable with its [dev] extra.  --no-compile: pip
-# would byte-compile every installed module (torch's thousands among them: 28 s of a 65 s set-up
-# on 2 cores); Python compiles the ones a program imports on first use instead.
+# constraints/ci.txt) and mfuscope installed editable with its [dev] extra.  pip byte-compiles
+# every installed module (28 s of the 65 s set-up): keep it.  This machine and CI set
+# PYTHONDONTWRITEBYTECODE=1, so a module pip did not compile is compiled again by every process that
+# imports it -- with --no-compile, every test rank recompiled sympy and torch's lazy modules (6 s of
+# CPU a rank, the suite 40% slower).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,7 +22,7 @@ all: test
 $(STAMP): pyproject.toml constraints/ci.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -c constraints/ci.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints/ci.txt -e '.[dev]'
 	@touch $@
 
 install: $(STAMP)

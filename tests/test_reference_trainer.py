@@ -370,7 +370,8 @@ def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path):
 
 
 def test_stage_layers_cut_the_model_where_asked():
-    from mfuscope.reference_trainer.pipeline_parallel import build_stage, parse_stage_layers
+    from mfuscope.reference_trainer.pipeline_parallel import build_stage
+    from mfuscope.trainer_options import parse_stage_layers
 
     cfg = load_config("tiny_dense")
     split = parse_stage_layers("3,1")
