@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
+import re
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -36,27 +39,65 @@ def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) -
             dist.destroy_process_group()
 
 
+#: A rank that fails because a peer went away says so in one of these words; the peer holds the cause.
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+                        r"Socket Timeout|recvBytes|NCCL communicator was aborted", re.I)
+_GRACE_S = 15.0  # after a rank fails, how long to wait for the others' reports (the cause may come later)
+
+
 def fork_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> list[Any]:
-    """Run ``fn(*args)`` in ``world`` forked ranks; return each rank's result, rank order."""
+    """Run ``fn(*args)`` in ``world`` forked ranks; return each rank's result, rank order.
+
+    When ranks fail, the error raised puts the cause first: a rank that raised on its own before
+    the ranks that lost their peer because of it, and a rank killed by a signal (the kernel's OOM
+    killer sends 9) by its exit code, since it could not report."""
     ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
+    reports = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, reports), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    start = time.monotonic()
+    first_failure: float | None = None
     try:
-        for _ in range(world):
-            rank, value, error = queue.get(timeout=timeout)
+        while len(results) + len(errors) < world:
+            now = time.monotonic()
+            if first_failure is not None and now - first_failure > _GRACE_S:
+                break
+            if now - start > timeout:
+                raise TimeoutError(f"{world - len(results) - len(errors)} of {world} ranks did not finish in "
+                                   f"{timeout:.0f} s")
+            try:
+                rank, value, error = reports.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if p.exitcode is not None and p.exitcode < 0 and r not in results and r not in errors:
+                        errors[r] = f"killed by signal {-p.exitcode}" + (" (SIGKILL: out of memory?)"
+                                                                        if p.exitcode == -9 else "")
+                        first_failure = first_failure or time.monotonic()
+                continue
             if error:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            results[rank] = value
+                errors[rank] = error
+                first_failure = first_failure or time.monotonic()
+            else:
+                results[rank] = value
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+    if errors:
+        raise RuntimeError(_failure_report(errors, world))
     return [results[r] for r in range(world)]
+
+
+def _failure_report(errors: dict[int, str], world: int) -> str:
+    """The failed ranks' reports, causes first: a rank that lost its peer is a consequence."""
+    order = sorted(errors, key=lambda r: (bool(_PEER_LOST.search(errors[r])), r))
+    head = f"{len(errors)} of {world} ranks failed; rank {order[0]} first (the others may have failed because of it)"
+    return head + "".join(f"\n--- rank {r} ---\n{errors[r]}" for r in order)
 
 
 def torchrun_command(nproc: int, train_args: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None) -> list[str]:

@@ -147,3 +147,27 @@ def test_per_sample_pacing_in_a_run(tmp_path):
     # 8 samples a step: 4 per microbatch at m=2 (40 ms), 2 at m=4 (20 ms); the same 80 ms per stage and step
     assert times[2][0] == pytest.approx(0.040, abs=WAKE_S) and times[4][0] == pytest.approx(0.020, abs=WAKE_S)
     assert times[2][1] == 2 and times[4][1] == 4
+
+
+def _fail_by_rank():
+    """Rank 1 raises on its own, rank 2 is killed (as the OOM killer would), rank 0 fails the way a
+    rank does when its peer went away."""
+    import os
+    import signal
+    import time
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        raise ValueError("the cause, on rank 1")
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:38080")
+
+
+def test_a_failed_fork_launch_names_the_cause_before_the_ranks_that_lost_their_peer():
+    with pytest.raises(RuntimeError) as failed:
+        fork_ranks(_fail_by_rank, 3, timeout=60)
+    text = str(failed.value)
+    assert text.startswith("3 of 3 ranks failed; rank 1 first")
+    assert text.index("the cause, on rank 1") < text.index("Connection closed by peer")
+    assert "--- rank 2 ---\nkilled by signal 9" in text
