@@ -32,7 +32,20 @@ _OP_TOKENS = (
     ("recv", "recv"),
 )
 
-_EP_KERNEL = re.compile(r"deep_ep::|nvshmem", re.I)
+_EP_KERNEL = re.compile(r"deep_ep::|dpsk::ep::|nvshmem", re.I)
+#: All-reduce kernels of inference and training stacks that bypass NCCL, matched on the name with its
+#: camelCase split (``oneShotAllReduceKernel`` -> ``one_shot_all_reduce_kernel``): vLLM's, SGLang's and
+#: AITER's ``cross_device_reduce_1stage/2stage``, PyTorch symmetric memory's
+#: ``multimem_all_reduce_kernel`` / ``one_shot_all_reduce_kernel`` / ``two_shot_all_reduce_kernel_inplace``,
+#: TensorRT-LLM's ``oneShotAllReduceKernel`` / ``twoShotAllReduceKernel``, and the fused all-reduce +
+#: norm kernels of TensorRT-LLM, FlashInfer and AITER (``allreduce_fusion_kernel_oneshot_lamport``,
+#: ``moefinalize_allreduce_fusion_kernel_oneshot_lamport``, ``allreduce_fusion_kernel_1stage``).
+_ALL_REDUCE_KERNEL = re.compile(r"cross_device_reduce|(?<![a-z])all_?reduce(?![a-z])")
+_CAMEL = re.compile(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def _custom_all_reduce(name: str) -> bool:
+    return bool(_ALL_REDUCE_KERNEL.search(_CAMEL.sub("_", name).lower()))
 
 
 def _call_label(name: str) -> labels.CommLabel | None:
@@ -44,11 +57,13 @@ def _call_label(name: str) -> labels.CommLabel | None:
 
 
 def is_comm_kernel(name: str) -> bool:
-    """NCCL and RCCL device kernels, every naming generation, and expert-parallel communication
+    """NCCL and RCCL device kernels, every naming generation; expert-parallel communication
     kernels: DeepEP's dispatch/combine (``deep_ep::intranode::dispatch``, ``internode``,
-    ``internode_ll``) and NVSHMEM's, which move tokens between GPUs without NCCL."""
+    ``internode_ll``, and ``dpsk::ep::internode::notify_dispatch`` ... in the builds that rename its
+    namespace) and NVSHMEM's, which move tokens between GPUs without NCCL; and the custom all-reduce
+    kernels of vLLM, SGLang, TensorRT-LLM, FlashInfer and PyTorch symmetric memory."""
     low = name.lower()
-    return "nccl" in low or "rccl" in low or bool(_EP_KERNEL.search(name))
+    return "nccl" in low or "rccl" in low or bool(_EP_KERNEL.search(name)) or _custom_all_reduce(name)
 
 
 def kernel_dim(name: str) -> str | None:
@@ -74,6 +89,8 @@ def normalize_op(name: str | None) -> str | None:
         base = base.split(":")[-1]
     if _EP_KERNEL.search(name):  # dispatch and combine send every token to its experts' GPUs
         return "all_to_all"
+    if _custom_all_reduce(name):  # cross_device_reduce_2stage: a reduce-scatter and an all-gather in one
+        return "all_reduce"
     key = re.sub(r"[^a-z]", "", base.lower())
     for token, op in _OP_TOKENS:
         if token in key:
