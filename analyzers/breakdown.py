@@ -5,13 +5,23 @@ exactly one leaf, by priority:
 
 On a GPU rank (device work in the trace), the device's view:
   1. compute/<kind>   a compute kernel runs (gemm, conv, attention,
-                      norm_elementwise, optimizer, other -- from the kernel name)
+                      norm_elementwise, optimizer, other -- from the kernel name and the
+                      operator that launched it: kernel_kinds.py)
   2. memory           only copies / fills run
   3. comm/<dim>/<op>  only communication runs: exposed communication
      bubble           ...of the pipeline dimension: a stage waiting on its neighbour
-  4. data_loading     the device is idle while the host is in a DataLoader
-  5. host_bound       idle while the host is busy in operators or launches
-  6. idle             idle otherwise (host blocked in a sync, or nothing to do)
+  4. queued           the device is idle with work already queued (launched, not yet
+                      started): it waits on a dependency -- another stream's event, a
+                      peer's data, a copy -- not on the host
+  5. one_time_init    idle while the host initializes: CUDA/HIP context creation (the
+                      first cudaFree), device queries, stream and event creation, module
+                      and library loads, NVRTC, first-call launches that load a module
+                      lazily (a launch over 1 ms): start-up, never a per-step cost
+  6. allocator        idle while the host is in a blocking allocator call (cudaMalloc,
+                      cudaFree, hipFree, pinned host allocations)
+  7. data_loading     idle while the host is in a DataLoader
+  8. host_bound       idle while the host is busy in operators or launches
+  9. idle             idle otherwise (Python between operators, or nothing to do)
 
 On a CPU-only rank (gloo training), the training thread's view: the thread
 blocked in a collective or its wait (``mfuscope.comm/...``,
@@ -37,45 +47,18 @@ import pandas as pd
 from mfuscope import labels
 from mfuscope.event_table import EventTable
 
-from . import collectives
 from . import intervals as iv
+from . import kernel_kinds
+from .kernel_kinds import kernel_kind  # noqa: F401 (by name alone; dashboard and tests import it from here)
 
 COMPUTE_KINDS = ("gemm", "conv", "attention", "norm_elementwise", "optimizer", "other")
 
-# Kernel names are matched on words: a word is a run of letters (so ``lambda`` is not ``lamb``,
-# ``FusedAdamMathFunctor`` holds ``adam``), digits and underscores split them.  In this order:
-# convolutions before GEMMs (cuDNN's implicit-GEMM convolutions name both), attention before
-# both (flash kernels are built from GEMM tiles).
-_W = r"(?<![a-z])"  # a word starts here
-_KERNEL_RULES = [
-    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|" + _W + r"mha(?![a-z])|softmax_warp_forward.*causal",
-                             re.I)),
-    ("conv", re.compile(r"conv|" + _W + r"(fprop|dgrad|wgrad)(?![a-z])|winograd|implicit_gemm.*(nhwc|nchw)|"
-                        r"dgrad_engine|wgrad_alg|igemm_(fwd|bwd|wrw)", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|wgmma|matmul|" + _W + r"cijk_|"
-                        + _W + r"(mm|bmm|addmm)(?![a-z])", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|optimizer|"
-                             + _W + r"(sgd|lamb|lars|adagrad|rmsprop)(?![a-z])", re.I)),
-    ("norm_elementwise", re.compile(r"norm|" + _W + r"bn_|elementwise|vectorized|reduce|softmax|silu|gelu|relu|swiglu|"
-                                    r"rope|rotary|triton_|unrolled|index|cat|copy|fill|where|cross_entropy|embedding",
-                                    re.I)),
-]
 _OP_RULES = [
     ("attention", re.compile(r"scaled_dot_product|flash|attention|_efficient_attention")),
     ("gemm", re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|addmv|mv)$")),
     ("norm_elementwise", re.compile(r"^aten::")),
 ]
 _COMM_OP = re.compile(r"^(c10d::|_c10d_functional::|c10d_functional::|gloo:|nccl:|record_param_comms)")
-
-
-def kernel_kind(name: str) -> str:
-    """compute kind of a device kernel (``collective`` for communication kernels)."""
-    if collectives.is_comm_kernel(name):
-        return "collective"
-    for kind, rule in _KERNEL_RULES:
-        if rule.search(name):
-            return kind
-    return "other"
 
 
 def op_kind(name: str) -> str:
@@ -118,7 +101,7 @@ def step_leaves(events: EventTable, plans: Iterable[StepPlan] | None = None) -> 
 def step_plans(events: EventTable) -> Iterator[StepPlan]:
     """(rank, step, the step's [start, end) ns, the rank's plan -- see :func:`rank_plan`) for every
     step marker: what the breakdown and the timelines split."""
-    cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim", "step"]
+    cols = ["rank", "lane", "device", "kind", "name", "ts_ns", "dur_ns", "op", "dim", "step", "correlation", "tid"]
     df = events.to_pandas(cols)
     # kind, name and lane stay categorical: string tests run once per distinct value, not per event
     for rank, rdf in df.groupby("rank", sort=True):
@@ -147,9 +130,7 @@ def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):
     comm = device[kinds == "comm"]
     categories = []
     if len(compute):
-        names = compute["name"]
-        kind_of = {n: kernel_kind(n) for n in names.unique()}
-        keys = names.map(kind_of)
+        keys = kernel_kinds.classify(rdf, compute)  # by name and by the operators that launched it
         by_kind = dict(_sets(compute, keys))
         categories += [(f"compute/{k}", by_kind[k]) for k in COMPUTE_KINDS if k in by_kind]
     if len(memory):
@@ -161,11 +142,79 @@ def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):
                & ~rdf["name"].str.contains("Synchronize|cudaStreamWaitEvent|hipStreamSynchronize", regex=True)]
     loading = rdf[rdf["name"].str.contains("DataLoader", regex=False)]
     idle_split = []
+    queued = _queued(rdf, device)
+    if queued is not None:
+        idle_split.append(("queued", queued))
+    calls = rdf[rdf["kind"].isin(["runtime", "driver"])]
+    if len(calls):
+        init, allocator = _init_and_allocator_calls(calls)
+        idle_split += [(leaf, _sets(rows, pd.Series(leaf, index=rows.index))[0][1])
+                       for leaf, rows in (("one_time_init", init), ("allocator", allocator)) if len(rows)]
     if len(loading):
         idle_split += _sets(loading, pd.Series("data_loading", index=loading.index))
     if len(host):
         idle_split += _sets(host, pd.Series("host_bound", index=host.index))
     return categories, idle_split
+
+
+def _queued(rdf: pd.DataFrame, device: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+    """The device's idle gaps that had work queued when they began: the activity that ends the
+    gap was launched before the gap began, so the device waited on a dependency (another stream's
+    event, a peer, a copy), not on the host.  An activity launched before the trace began (its
+    correlation id is below every launch the trace holds) was queued too; one whose launch is
+    simply not in the trace decides nothing (the host rules take its gap)."""
+    if device.empty:
+        return None
+    starts, ends = iv.union(device["ts_ns"].to_numpy(dtype=np.int64),
+                            (device["ts_ns"] + device["dur_ns"]).to_numpy(dtype=np.int64))
+    if len(starts) < 2:
+        return None
+    gap_start, gap_end = ends[:-1], starts[1:]
+    launches = rdf[rdf["kind"].isin(["runtime", "driver"]) & (rdf["correlation"] >= 0)]
+    launched = launches.groupby("correlation")["ts_ns"].min()
+    corr = device["correlation"]
+    at = corr.map(launched).astype("float64")
+    if len(launched):
+        at = at.where(at.notna() | ~((corr >= 0) & (corr < launched.index.min())), -np.inf)
+    # the earliest launch among the activities that start where each gap ends
+    first = at.groupby(device["ts_ns"].to_numpy()).min()
+    next_launch = first.reindex(gap_end).to_numpy()
+    waited = next_launch < gap_start  # NaN (launch unknown) compares False
+    if not waited.any():
+        return None
+    return gap_start[waited], gap_end[waited]
+
+
+#: Host calls that initialize, once: device and context queries, stream/event creation, module
+#: and library loads, runtime compilation, context set-up.  (API names as CUDA, HIP and Nsight
+#: print them, version tags dropped by the loaders.)
+_INIT_CALL = re.compile(r"^(cuda|hip)(GetDeviceProperties|DeviceGetStreamPriorityRange|DeviceGetAttribute|"
+                        r"StreamCreate|EventCreate|SetDevice|GetDeviceCount|DeviceSetLimit|FuncGetAttributes|"
+                        r"DeviceGetPCIBusId|RuntimeGetVersion|DriverGetVersion|Init)|"
+                        r"^cu(Init|DevicePrimaryCtx|CtxCreate|ModuleLoad|LibraryLoad|LibraryGetModule|"
+                        r"ModuleGetFunction|LibraryGetKernel|GetProcAddress)|^nvrtc|^hipModuleLoad|"
+                        r"^__hipRegister|^hipGetDevicePropertiesR", re.I)
+_ALLOCATOR_CALL = re.compile(r"^(cuda|hip)(Malloc|Free|HostAlloc|HostFree|MallocHost|FreeHost|HostMalloc|"
+                             r"HostRegister|HostUnregister|MallocAsync|FreeAsync)|^cuMem(Alloc|Free|Create|Map|"
+                             r"Release|AddressReserve)", re.I)
+_LAUNCH_CALL = re.compile(r"LaunchKernel|LaunchCooperativeKernel|GraphLaunch|^cuLaunch|ModuleLaunchKernel")
+LAZY_LOAD_NS = 1_000_000  #: a kernel launch call this slow is loading its module (first call), not launching
+
+
+def _init_and_allocator_calls(calls: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(one-time initialization calls, blocking allocator calls) among a rank's runtime and driver
+    calls.  The first cudaFree/hipFree is the context-creation idiom (``cudaFree(0)``), so it is
+    initialization; first-call launches over :data:`LAZY_LOAD_NS` load their module lazily."""
+    names = calls["name"].astype(str)
+    kinds = {n: ("init" if _INIT_CALL.search(n) else "alloc" if _ALLOCATOR_CALL.search(n)
+                 else "launch" if _LAUNCH_CALL.search(n) else "") for n in names.unique()}
+    kind = names.map(kinds)
+    init = kind == "init"
+    free = (kind == "alloc") & names.str.contains("Free", regex=False)
+    if free.any():
+        init.loc[calls.loc[free, "ts_ns"].idxmin()] = True
+    init |= (kind == "launch") & (calls["dur_ns"] > LAZY_LOAD_NS)
+    return calls[init], calls[(kind == "alloc") & ~init]
 
 
 def blocked_in_comm(events: pd.DataFrame) -> pd.Series:

@@ -247,6 +247,28 @@ def _match(calls: pd.DataFrame) -> pd.DataFrame:
     return c.assign(arrival_lag=c["arrival"] - c.groupby("key")["arrival"].transform("min"))
 
 
+def late_arrivals(calls: pd.DataFrame) -> pd.DataFrame:
+    """Every matched collective's last arrival: the rank the others waited for.
+
+    Columns: key, step, dim, op, late_rank, gap_ns (how far it came after the second-last
+    member: what the collective would end sooner had it kept pace -- the critical path's gain),
+    and one row per waiting member: rank, waited_ns (the late arrival minus its own).  A rank's
+    ``waited_ns`` is time inside its exposed communication spent waiting for a peer, not moving
+    data."""
+    cols = ["key", "step", "dim", "op", "late_rank", "gap_ns", "rank", "waited_ns", "late_from_ns", "late_to_ns"]
+    c = _match(calls)
+    if c.empty:
+        return pd.DataFrame(columns=cols)
+    g = c.groupby("key")
+    last = g["arrival"].transform("last")
+    second = g["arrival"].transform(lambda a: a.iloc[-2] if len(a) > 1 else a.iloc[-1])
+    late_rank = g["rank"].transform("last")
+    first = g["arrival"].transform("first")
+    out = c.assign(late_rank=late_rank, gap_ns=last - second, waited_ns=last - c["arrival"],
+                   late_from_ns=first, late_to_ns=last)
+    return out[out["rank"] != out["late_rank"]][cols].reset_index(drop=True)
+
+
 def arrival_lags(calls: pd.DataFrame) -> list[dict[str, Any]]:
     """Rank x collective (dimension/op): how late each rank arrives at matched collectives -- median
     and p90 of its lag behind the group's first arrival, seconds.  A rank late everywhere is slow

@@ -1,29 +1,100 @@
-"""Findings: what to fix first, each with its evidence, the step time it would save, and the id
-of the optimizer that fixes it.  Ranked by estimated gain.
+"""Findings: what to fix first, each with its evidence, the step time at stake, and the id of
+the fix that acts on it.  Ranked by that time.
 
-Each rule reads its fix's record in :data:`mfuscope.fix_registry.FIXES`: the evidence, the
-threshold from which it applies (the same number the optimize catalogue uses) and how its gain
-is estimated.  Gains are per step, estimates, and say how they were made:
+Every finding starts from the breakdown: each leaf is a candidate cause, and each cause has one
+record in :data:`mfuscope.fix_registry.FIXES` (its evidence, the threshold from which it applies
+-- the number the optimize catalogue uses too -- and how its gain is sized).  Findings read the
+**steady steps**: with three or more traced steps a rank's first is warm-up and left out.
 
-- ``overlap_dp_grads``     an exposed data-parallel communication leaf (dp*, fsdp); gain: the time.
-- ``overlap_tp_comm``      an exposed tensor/context/expert-parallel leaf; gain: half of it.
-- ``more_microbatches``    the bubble; gain: the bubble minus the theory at twice the
-                           microbatches (both over the pipeline's time).
-- ``interleaved_schedule`` a non-interleaved schedule with a bubble; gain: half the bubble.
-- ``rebalance_stages``     pipeline stage imbalance; gain: the excess of the slowest.
-- ``straggler_rank``       a rank holds the others up; gain: its cost.
-- ``fuse_elementwise``     norm/elementwise compute; gain: half of it.
-- ``reduce_host_overhead`` device idle while the host works; gain: that time.  Not for steps
-                           that capture CUDA graphs (the device idles by design).
-- ``cuda_graphs``          launch-bound ranks (median kernel shorter than a launch) that are
-                           host-bound; gain: the host-bound time (graphs launch once).  Not for a
-                           job that already replays graphs.
+Gains are what-if gains on each rank's own timeline: the leaves split every instant of a step
+among causes exactly once, so removing a cause gives back its leaf's time and no instant is
+claimed by two findings.  Where a fix's mechanism cannot remove all of it, the gain is cut to
+what the mechanism reaches: communication is hidden only behind compute that exists (exposed
+time, at most the step's compute), a bubble shrinks to the schedule's theory at twice the
+microbatches, a straggler gives back its cost.  Each finding says which (``gain_basis``); the
+cost model's figure for a concrete change sits beside it where the run has a model spec
+(``mfuscope optimize``, the dashboard).
+
+Causes, each a leaf (see :mod:`.breakdown`): exposed communication of any dimension, ``unknown``
+included; the pipeline bubble and stage imbalance; a straggler rank; norm/elementwise kernels;
+the optimizer step; the device waiting on the host (``host_bound`` + ``idle`` with nothing
+queued: launch-bound jobs get ``cuda_graphs``, others ``reduce_host_overhead``); the device
+waiting on a dependency with work queued; data loading; memory copies; blocking allocator calls;
+and one-time initialization, which is reported with its calls but never as a per-step gain.
+
+A trace that cannot support a per-step finding says so instead (``inconclusive``): a GPU job
+whose trace holds no device activity, under 1 ms of device work a step (a test fixture, a
+warm-up pass), or a window that is mostly one-time initialization.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import pandas as pd
+
 from mfuscope.fix_registry import FIXES
+
+from . import breakdown, kernel_kinds
+from . import intervals as iv
+
+#: With this many traced steps or more, a rank's first step is warm-up: findings read the rest.
+STEADY_FROM = 3
+#: Less device work a step than this is a fixture or a warm-up pass, not a training step.
+MIN_DEVICE_WORK_S = 1e-3
+#: A window this much one-time initialization is a warm-up pass.
+WARMUP_SHARE = 0.5
+#: One-time initialization under this (and under 1% of the step) is not worth a line.
+MIN_ONE_TIME_S = 1e-3
+#: A late rank whose lateness costs the step this share is a finding of its own.
+LATE_RANK_SHARE = 0.05
+#: Kernels shorter than this finish before the host can launch the next one.
+SHORT_KERNEL_NS = 10_000
+
+_DP_DIMS = ("fsdp", "world", "inner", "outer")
+_IDLE_LEAVES = ("queued", "one_time_init", "allocator", "data_loading", "host_bound", "idle")
+
+
+@dataclass
+class LateArrivals:
+    """Ranks the others waited for at matched collectives (from :func:`late_ranks`)."""
+
+    ranks: list[dict] = field(default_factory=list)   # rank, gain_s, waited_s, collectives, doing
+    waited: dict[str, float] = field(default_factory=dict)  # comm leaf -> seconds a rank-step spent waiting
+
+
+@dataclass
+class Evidence:
+    """What the findings name beyond the leaves' seconds, per steady step (from :func:`gather`)."""
+
+    device_work_missing: str | None = None       # why a GPU job's trace cannot be judged, if so
+    one_time_calls: list[dict] = field(default_factory=list)
+    loader: list[dict] = field(default_factory=list)
+    copies: list[dict] = field(default_factory=list)
+    blocking_calls: list[dict] = field(default_factory=list)
+    allocator_calls: list[dict] = field(default_factory=list)
+    elementwise_kernels: list[dict] = field(default_factory=list)
+    fp32_math: dict[str, Any] = field(default_factory=dict)   # share of GEMM/conv kernel time in FP32 SIMT
+    launches: dict[str, Any] = field(default_factory=dict)
+
+
+def steady(leaves: pd.DataFrame) -> pd.DataFrame:
+    """``leaves`` (rank, step, leaf, seconds) without each rank's first step where it has
+    :data:`STEADY_FROM` or more."""
+    if leaves.empty:
+        return leaves
+    first = leaves.groupby("rank")["step"].transform("min")
+    many = leaves.groupby("rank")["step"].transform("nunique") >= STEADY_FROM
+    return leaves[~(many & (leaves["step"] == first))]
+
+
+def host_wait_s(leaves: Mapping[str, float]) -> float:
+    """The device idle with nothing queued while the host works or runs Python between operators:
+    ``host_bound`` + ``idle`` on a GPU rank.  (A CPU-only rank has no device to wait: 0.)"""
+    if "host_bound" not in leaves and "queued" not in leaves:
+        return 0.0
+    return leaves.get("host_bound", 0.0) + leaves.get("idle", 0.0)
 
 
 def _leaves(tree: dict) -> dict[str, float]:
@@ -35,32 +106,119 @@ def _leaves(tree: dict) -> dict[str, float]:
     return out
 
 
+def inconclusive(leaves: Mapping[str, float], step_s: float, evidence: Evidence | None) -> str | None:
+    """Why no per-step finding can be made on these steps, or None."""
+    if evidence and evidence.device_work_missing:
+        return evidence.device_work_missing
+    if not ("host_bound" in leaves or "queued" in leaves or "one_time_init" in leaves):
+        return None  # a CPU-only rank: its operators are its compute
+    busy = step_s - sum(leaves.get(k, 0.0) for k in _IDLE_LEAVES)
+    init = leaves.get("one_time_init", 0.0)
+    if init >= WARMUP_SHARE * step_s:
+        return (f"a warm-up pass: one-time initialization takes {init:.3g} s of the {step_s:.3g} s window "
+                f"(CUDA context, module loads, streams); profile steady-state steps")
+    if busy < MIN_DEVICE_WORK_S:
+        return (f"{busy * 1e6:.0f} us of device work a step: a test fixture or a warm-up pass, too little to "
+                "judge a training step by")
+    return None
+
+
 def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: float | None,
-           launch: list[dict] | None = None, graphs: dict | None = None) -> list[dict[str, Any]]:
+           launch: list[dict] | None = None, graphs: dict | None = None,
+           evidence: Evidence | None = None, late: LateArrivals | None = None) -> list[dict[str, Any]]:
+    """The findings of one report, largest gain first; per-step gains before one-time costs.
+
+    ``tree``: the breakdown of the steady steps (mean seconds a rank-step); ``step_s``: their
+    mean; ``launch``: :func:`.kernel_time.launch_stats` rows; ``graphs``: CUDA-graph activity;
+    ``late``: who the others waited for at collectives (waiting for a late peer is no bandwidth
+    or overlap problem: it becomes a late-rank finding and leaves the communication's)."""
     if not step_s:
         return []
-    found = []
-
-    def add(fix: str, title: str, gain: float, evidence: dict):
-        if gain > 0:
-            subject = evidence.get("rank", evidence.get("leaf", ""))
-            found.append({"id": f"{fix}:{subject}" if subject != "" else fix, "fix": fix, "title": title,
-                          "gain_s": gain, "gain_fraction": gain / step_s, "evidence": evidence})
-
+    ev = evidence or Evidence()
     leaves = _leaves(tree)
-    for leaf, seconds in leaves.items():
+    found: list[dict[str, Any]] = []
+
+    def add(fix: str, title: str, gain: float, detail: dict, basis: str = "the cause's time (what-if: removed)",
+            subject: Any = "") -> None:
+        if gain > 0:
+            ident = f"late_rank:{str(subject)[4:]}" if str(subject).startswith("late") else \
+                f"{fix}:{subject}" if subject != "" else fix
+            found.append({"id": ident, "fix": fix, "title": title,
+                          "gain_s": gain, "gain_fraction": gain / step_s, "gain_basis": basis, "per_step": True,
+                          "evidence": detail})
+
+    def share(seconds: float) -> dict:
+        return {"seconds_per_step": seconds, "share_of_step": seconds / step_s}
+
+    init = leaves.get("one_time_init", 0.0)
+    reason = inconclusive(leaves, step_s, evidence)
+    if reason is None:
+        late = late or LateArrivals()
+        _communication(leaves, step_s, add, late.waited)
+        straggling = {s["rank"] for s in stragglers}
+        for r in late.ranks:
+            if r["rank"] in straggling or r["gain_s"] < LATE_RANK_SHARE * step_s:
+                continue
+            doing = _in_words(max(r["doing"], key=r["doing"].get)) if r["doing"] else None
+            add("straggler_rank", f"late rank {r['rank']}: the others wait {r['waited_s'] * 1e3:.1f} ms a step for it "
+                f"in {', '.join(r['collectives'])}" + (f" (meanwhile it was in {doing})" if doing else ""),
+                r["gain_s"], r, "the late arrival's lead over the second-last (what-if: it keeps pace)",
+                f"late{r['rank']}")
+        _pipeline(bubbles, add)
+        for s in stragglers:
+            add("straggler_rank", f"rank {s['rank']} holds the others up", s["cost_s"],
+                {"rank": s["rank"], "cost_s": s["cost_s"], "steps": s["steps"]},
+                "its cost to the others (what-if: it keeps pace)", s["rank"])
+        _compute(leaves, step_s, add, share, ev)
+        _waiting(leaves, step_s, add, share, ev, launch, graphs)
+    out = sorted(found, key=lambda f: -f["gain_s"])
+    if ev.one_time_calls and (init >= max(MIN_ONE_TIME_S, 0.01 * step_s) or reason is not None and init > 0):
+        out.append({"id": "one_time_init", "fix": "one_time_init",
+                    "title": f"one-time initialization: {init * 1e3:.1f} ms of the window (start-up, not a per-step "
+                             "cost)", "gain_s": 0.0, "gain_fraction": 0.0, "per_step": False,
+                    "gain_basis": "none: paid once", "one_time_s": init,
+                    "evidence": {"seconds": init, "calls": ev.one_time_calls}})
+    if reason is not None:
+        for f in out:
+            f["evidence"]["inconclusive"] = reason
+    return out
+
+
+def _in_words(leaf: str) -> str:
+    """A breakdown leaf as a sentence says it."""
+    words = {"idle": "Python between operators (no operator running)", "host_bound": "host operators",
+             "data_loading": "its DataLoader", "queued": "a device wait with work queued",
+             "one_time_init": "one-time initialization", "allocator": "allocator calls", "memory": "memory copies",
+             "bubble": "the pipeline bubble"}
+    if leaf.startswith("compute/"):
+        return f"compute ({leaf[8:]})"
+    if leaf.startswith("comm/"):
+        return f"communication ({leaf[5:]})"
+    return words.get(leaf, leaf)
+
+
+def _communication(leaves: dict[str, float], step_s: float, add, waited: dict[str, float]) -> None:
+    compute = sum(v for k, v in leaves.items() if k.startswith("compute/"))
+    for leaf, exposed in leaves.items():
         if not leaf.startswith("comm/"):
             continue
+        seconds = max(exposed - waited.get(leaf, 0.0), 0.0)  # the wait for a late peer is the late rank's
         dim, op = (leaf.split("/") + [""])[1:3]
-        if dim.startswith("dp") or dim in ("fsdp", "world", "inner", "outer"):
-            fix = FIXES["overlap_dp_grads"]
+        if dim.startswith("dp") or dim in _DP_DIMS:
+            fix, where = FIXES["overlap_dp_grads"], f"{dim} dimension"
         elif dim in ("tp", "cp", "ep"):
-            fix = FIXES["overlap_tp_comm"]
+            fix, where = FIXES["overlap_tp_comm"], f"{dim} dimension"
         else:
-            continue
+            fix, where = FIXES["overlap_comm"], "dimension unknown: no process-group names in the trace"
         if fix.applies(seconds / step_s):
-            add(fix.id, f"exposed {dim} communication ({op})", seconds * fix.gain_share,
-                {"leaf": leaf, "seconds_per_step": seconds, "share_of_step": seconds / step_s})
+            add(fix.id, f"exposed {op} communication ({where}): {seconds / step_s:.0%} of the step",
+                min(seconds, compute), {"leaf": leaf, "seconds_per_step": seconds, "share_of_step": seconds / step_s,
+                                        "exposed_s": exposed, "waiting_for_late_peers_s": exposed - seconds,
+                                        "compute_to_hide_behind_s": compute},
+                "the exposed time, at most the step's compute to hide it behind", leaf)
+
+
+def _pipeline(bubbles: dict | None, add) -> None:
     if bubbles and FIXES["more_microbatches"].applies(bubbles["share_of_step"]):
         # One basis throughout: the measured bubble and the theory are both shares of the pipeline's
         # time (the step minus other exposed communication); the gain is in seconds of the step.
@@ -70,36 +228,175 @@ def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: flo
         add("more_microbatches", f"pipeline bubble {bubbles['bubble_fraction']:.0%} of the pipeline's time "
             f"(theory {bubbles['theory_fraction']:.0%} at m={m}; {bubbles['share_of_step']:.0%} of the step)",
             bubble - better, {"bubble_s": bubble, "share_of_step": bubbles["share_of_step"], "microbatches": m,
-                              "stages": p, "theory_at_2m_s": better})
+                              "stages": p, "theory_at_2m_s": better}, "the bubble down to the theory's at 2m")
         interleave = FIXES["interleaved_schedule"]
         if v == 1 and interleave.applies(bubbles["share_of_step"]):
             add(interleave.id, "pipeline bubble with a non-interleaved schedule", bubble * interleave.gain_share,
-                {"bubble_s": bubble, "schedule": sched})
+                {"bubble_s": bubble, "schedule": sched}, "the bubble over two chunks a rank ((p-1)/(v m), v=2)")
     if bubbles and FIXES["rebalance_stages"].applies(bubbles["imbalance"]):
         slowest = max(bubbles["per_stage"], key=lambda s: s["busy_s"])
         add("rebalance_stages", f"pipeline stage {slowest['stage']} is {bubbles['imbalance']:.0%} busier than the "
             "mean stage", slowest["busy_s"] * bubbles["imbalance"] / (1 + bubbles["imbalance"]),
-            {"per_stage": bubbles["per_stage"]})
-    for s in stragglers:
-        add("straggler_rank", f"rank {s['rank']} holds the others up", s["cost_s"] * FIXES["straggler_rank"].gain_share,
-            {"rank": s["rank"], "cost_s": s["cost_s"], "steps": s["steps"]})
+            {"per_stage": bubbles["per_stage"]}, "the busiest stage's excess over the mean")
+
+
+def _compute(leaves: dict[str, float], step_s: float, add, share, ev: Evidence) -> None:
     elementwise = leaves.get("compute/norm_elementwise", 0.0)
-    fuse = FIXES["fuse_elementwise"]
-    if elementwise and fuse.applies(elementwise / step_s):
-        add(fuse.id, f"norm/elementwise kernels take {elementwise / step_s:.0%} of the step",
-            elementwise * fuse.gain_share, {"seconds_per_step": elementwise})
-    host = leaves.get("host_bound", 0.0)
+    if elementwise and FIXES["fuse_elementwise"].applies(elementwise / step_s):
+        add("fuse_elementwise", f"norm/elementwise kernels take {elementwise / step_s:.0%} of the step",
+            elementwise, {**share(elementwise), "kernels": ev.elementwise_kernels},
+            "the kernels' time (what-if: fused away; fusion keeps one read and one write of each chain)")
+    math = leaves.get("compute/conv", 0.0) + leaves.get("compute/gemm", 0.0)
+    fp32 = math * ev.fp32_math.get("share", 0.0)
+    if fp32 and FIXES["mixed_precision"].applies(fp32 / step_s):
+        what = "convolutions" if leaves.get("compute/conv", 0.0) > leaves.get("compute/gemm", 0.0) else "GEMMs"
+        add("mixed_precision", f"FP32 {what} without tensor cores take {fp32 / step_s:.0%} of the step", fp32,
+            {**share(fp32), "conv_s": leaves.get("compute/conv", 0.0), "gemm_s": leaves.get("compute/gemm", 0.0),
+             "fp32_share_of_conv_gemm_time": ev.fp32_math["share"], "kernels": ev.fp32_math["kernels"]},
+            "their time (what-if: on tensor cores, a fraction of it)")
+    optimizer = leaves.get("compute/optimizer", 0.0)
+    if optimizer and FIXES["fused_optimizer"].applies(optimizer / step_s):
+        add("fused_optimizer", f"the optimizer step takes {optimizer / step_s:.0%} of the step", optimizer,
+            share(optimizer))
+
+
+def _waiting(leaves: dict[str, float], step_s: float, add, share, ev: Evidence, launch, graphs) -> None:
+    queued = leaves.get("queued", 0.0)
+    if FIXES["wait_on_dependency"].applies(queued / step_s):
+        calls = ev.blocking_calls
+        meanwhile = f"; the host meanwhile blocks in {calls[0]['name']}" if calls else ""
+        add("wait_on_dependency", f"the device idles {queued / step_s:.0%} of the step with work queued: it waits "
+            f"on a dependency (a stream event, a peer, a copy), not on the host{meanwhile}", queued,
+            {**share(queued), "blocking_calls": calls})
+    loading = leaves.get("data_loading", 0.0)
+    if FIXES["faster_data_loading"].applies(loading / step_s):
+        add("faster_data_loading", f"data loading: the device idles {loading / step_s:.0%} of the step while the "
+            "loop waits for its next batch", loading, {**share(loading), "annotations": ev.loader})
+    memory = leaves.get("memory", 0.0)
+    if FIXES["fewer_copies"].applies(memory / step_s):
+        top = f" ({ev.copies[0]['name']} most)" if ev.copies else ""
+        add("fewer_copies", f"memory copies: the device only copies {memory / step_s:.0%} of the step{top}", memory,
+            {**share(memory), "copies": ev.copies})
+    alloc = leaves.get("allocator", 0.0)
+    if FIXES["caching_allocator"].applies(alloc / step_s):
+        add("caching_allocator", f"blocking allocator calls: the device idles {alloc / step_s:.0%} of the step "
+            "while the host allocates or frees", alloc, {**share(alloc), "calls": ev.allocator_calls})
+    host = host_wait_s(leaves)
     # A step that captures CUDA graphs idles the device while the host records: that is the
     # capture, not host overhead to cut (the report's summary says graphs were captured).
     if not host or (graphs or {}).get("captures"):
-        return sorted(found, key=lambda f: -f["gain_s"])
-    if FIXES["reduce_host_overhead"].applies(host / step_s):
-        add("reduce_host_overhead", f"device idle {host / step_s:.0%} of the step while the host works",
-            host * FIXES["reduce_host_overhead"].gain_share, {"seconds_per_step": host})
-    bound = [r for r in launch or [] if r["launch_bound"]]
+        return
+    detail = {**share(host), "host_bound_s": leaves.get("host_bound", 0.0), "python_between_ops_s":
+              leaves.get("idle", 0.0), "launches": ev.launches}
+    bound = [r for r in launch or [] if r.get("launch_bound")]
     if bound and not (graphs or {}).get("replays") and FIXES["cuda_graphs"].applies(host / step_s):
-        add("cuda_graphs", f"{len(bound)} rank(s) launch-bound: kernels shorter than their launches",
-            host * FIXES["cuda_graphs"].gain_share,
-            {"ranks": [r["rank"] for r in bound], "median_kernel_us": bound[0]["median_kernel_us"],
+        add("cuda_graphs", f"the device waits on the host {host / step_s:.0%} of the step, launch-bound: most "
+            f"kernels are shorter than their launches ({len(bound)} rank(s))", host,
+            {**detail, "ranks": [r["rank"] for r in bound], "median_kernel_us": bound[0]["median_kernel_us"],
              "median_launch_us": bound[0]["median_launch_us"]})
-    return sorted(found, key=lambda f: -f["gain_s"])
+    elif FIXES["reduce_host_overhead"].applies(host / step_s):
+        add("reduce_host_overhead", f"the device waits on the host {host / step_s:.0%} of the step: idle with "
+            "nothing queued while the host dispatches", host, detail)
+
+
+# ----------------------------------------------------------------------------- late ranks
+def late_ranks(rows: pd.DataFrame, plans, pairs: pd.DataFrame, max_intervals: int = 500) -> LateArrivals:
+    """:class:`LateArrivals` from :func:`.comm_stats.late_arrivals` rows of the steady steps.
+
+    A late rank's gain is its lead over the second-last arrival, summed over its collectives a
+    step (the critical path: everyone leaves together once the last arrives); ``waited_s`` the
+    others' wait a rank-step; ``doing`` the late rank's own breakdown leaves while the others
+    waited (``plans``: the analysis's step plans), what it was doing instead."""
+    if rows.empty or pairs.empty:
+        return LateArrivals()
+    steps = pairs["step"].nunique()
+    per_rank_step = len(pairs)
+    plan_of = {rank: plan for rank, _, _, plan in plans}
+    one = rows.drop_duplicates("key")
+    out = []
+    for rank, g in one.groupby("late_rank"):
+        doing: dict[str, float] = {}
+        if rank in plan_of:
+            for a, b in g[["late_from_ns", "late_to_ns"]].head(max_intervals).itertuples(index=False):
+                for leaf, ns in iv.assign_by_priority((int(a), int(b)), plan_of[rank], "idle").items():
+                    doing[leaf] = doing.get(leaf, 0.0) + ns / 1e9
+        mine = rows[rows["late_rank"] == rank]
+        out.append({"rank": int(rank), "gain_s": float(g["gap_ns"].sum()) / 1e9 / steps,
+                    "waited_s": float(mine["waited_ns"].sum()) / 1e9 / per_rank_step,
+                    "collectives": sorted(set(g["dim"].astype(str) + "/" + g["op"].astype(str))),
+                    "instances_per_step": len(g) / steps, "doing": doing})
+    leaf = "comm/" + rows["dim"].astype(str) + "/" + rows["op"].astype(str)
+    waited = (rows["waited_ns"].groupby(leaf).sum() / 1e9 / per_rank_step).to_dict()
+    return LateArrivals(sorted(out, key=lambda r: -r["gain_s"]), {k: float(v) for k, v in waited.items()})
+
+
+# ----------------------------------------------------------------------------- evidence from the events
+def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict]) -> Evidence:
+    """The calls, kernels and annotations the findings name, per steady rank-step.
+
+    ``events``: the analysis's EventTable; ``steady_steps``: (rank, step) pairs the findings read."""
+    ev = Evidence()
+    df = events.to_pandas(["rank", "kind", "name", "ts_ns", "dur_ns", "step", "device"])
+    kind = df["kind"].astype(str)
+    device_work = kind.isin(["kernel", "comm", "memcpy", "memset"]) & (df["device"] >= 0)
+    if not device_work.any():
+        hint = _gpu_hint(df, kind, ranks_meta)
+        if hint:
+            ev.device_work_missing = (f"the trace records no device activity, though the job ran on a GPU ({hint}): "
+                                      "nothing can be said about device time")
+        return ev
+    n = max(len(steady_steps), 1)
+    keys = pd.MultiIndex.from_frame(steady_steps[["rank", "step"]])
+    df = df[pd.MultiIndex.from_frame(df[["rank", "step"]]).isin(keys)]
+    kind = df["kind"].astype(str)
+    names = df["name"].astype(str)
+
+    def top(rows: pd.DataFrame, k: int = 5) -> list[dict]:
+        if rows.empty:
+            return []
+        g = rows.assign(name=rows["name"].astype(str)).groupby("name")["dur_ns"].agg(["count", "sum"])
+        g = g.sort_values("sum", ascending=False).head(k)
+        return [{"name": name, "calls_per_step": r["count"] / n, "seconds_per_step": r["sum"] / 1e9 / n}
+                for name, r in g.iterrows()]
+
+    calls = df[kind.isin(["runtime", "driver"])]
+    if len(calls):
+        init, alloc = breakdown._init_and_allocator_calls(calls)
+        ev.one_time_calls, ev.allocator_calls = top(init), top(alloc)
+        blocking = calls["name"].astype(str).str.contains(r"Synchronize|Memcpy|StreamWaitEvent", regex=True)
+        ev.blocking_calls = top(calls[blocking])
+        launches = calls[calls["name"].astype(str).str.contains("Launch", regex=False)]
+        kernels = df[(kind == "kernel") & (df["device"] >= 0)]
+        ev.launches = {"per_step": len(launches) / n, "host_s_per_step": launches["dur_ns"].sum() / 1e9 / n,
+                       "kernels_per_step": len(kernels) / n,
+                       "short_kernel_share": float((kernels["dur_ns"] < SHORT_KERNEL_NS).mean()) if len(kernels)
+                       else None}
+    ev.loader = top(df[names.str.contains("DataLoader", regex=False) & kind.isin(["annotation", "cpu_op", "python"])])
+    ev.copies = top(df[kind.isin(["memcpy", "memset"]) & (df["device"] >= 0)])
+    kernels = df[(kind == "kernel") & (df["device"] >= 0)]
+    if len(kernels):
+        names = kernels["name"].astype(str)
+        kinds = names.map(breakdown.kernel_kind)
+        ev.elementwise_kernels = top(kernels[kinds == "norm_elementwise"])
+        math = kernels[kinds.isin(["gemm", "conv"]) | names.map(kernel_kinds.is_fp32_simt)]
+        fp32 = math["name"].astype(str).map(kernel_kinds.is_fp32_simt)
+        if len(math) and fp32.any():
+            ev.fp32_math = {"share": float(math["dur_ns"][fp32].sum() / max(math["dur_ns"].sum(), 1)),
+                            "kernels": top(math[fp32])}
+    return ev
+
+
+def _gpu_hint(df: pd.DataFrame, kind: pd.Series, ranks_meta: Mapping[int, dict]) -> str | None:
+    """What says a trace without device activity is of a GPU job, if anything does."""
+    runtime = df[kind.isin(["runtime", "driver"])]
+    if len(runtime):
+        return f"{len(runtime):,} CUDA/HIP runtime calls"
+    for meta in ranks_meta.values():
+        if meta.get("device_name"):
+            return f"device {meta['device_name']}"
+        if str(meta.get("backend") or "").lower() in ("nccl", "rccl"):
+            return f"{meta['backend']} backend"
+    nccl = df["name"].astype(str).str.startswith("nccl:")
+    if nccl.any():
+        return f"{int(nccl.sum())} NCCL operator(s) ({df['name'][nccl].astype(str).iloc[0]})"
+    return None

@@ -169,6 +169,23 @@ def kernel_kind(name: str) -> str:
     return _by_rules(_text(name))
 
 
+#: FP32 math without tensor cores, as cuBLAS and cuDNN name it: SIMT single-precision GEMMs
+#: (``volta_sgemm_*``, ``ampere_sgemm_*``), cuDNN's ``scudnn`` engines and implicit-GEMM / Winograd
+#: / dgrad / wgrad templates instantiated on ``float``.
+_FP32_MATH = re.compile(r"sgemm|scudnn|_fp32_|(engine|winograd\w*|sgemm|conv\w*)<float,")
+#: Tensor-core math in any precision: HMMA/IMMA tile names, xmma / wgmma / nvjet / CUTLASS
+#: tensorop, and the input types of the kernel (TF32 included: it runs on tensor cores).
+_TENSOR_CORES = re.compile(r"h884|h1688|h16816|s1688|s16816|i8816|hmma|imma|tensorop|xmma|wgmma|nvjet|tf32|bf16|"
+                           r"f16|fp16|half|e4m3|e5m2|tensor\d")
+
+
+def is_fp32_simt(name: str) -> bool:
+    """A GEMM or convolution kernel that computes in FP32 on the CUDA cores (no tensor cores):
+    mixed precision (and TF32) would run it on tensor cores, several times faster."""
+    text = name.lower()
+    return bool(_FP32_MATH.search(text)) and not _TENSOR_CORES.search(text)
+
+
 def is_copy_kernel(name: str) -> bool:
     """Device work that is a copy though its category says kernel: MTIA's ``dma_request``."""
     return bool(_COPY.match(name))

@@ -10,7 +10,7 @@ Real-world cases handled here: ``.json``/``.json.gz``; timestamps in absolute
 epoch us or relative to ``baseTimeNanoseconds``; fractional (ns-resolution)
 us; string ``pid``/``tid``; kernels/memcpy/memset linked to their CPU launch by
 correlation id; ``ProfilerStep#N`` steps or a user-named step annotation or
-the whole trace as one window; ``record_param_comms`` with or without
+one window (the device span, else the whole trace); ``record_param_comms`` with or without
 collective fields; NCCL/RCCL kernels of every naming era; gloo work on CPU
 threads; AMD/ROCm traces; no ``distributedInfo``.
 """
@@ -32,8 +32,8 @@ import pyarrow as pa
 from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
-from . import collectives
-from .steps import WHOLE_TRACE, Steps, assign_steps, find_steps, with_whole_trace_marker
+from . import collectives, kernel_kinds
+from .steps import UNMARKED, Steps, assign_steps, find_steps, with_whole_trace_marker
 
 try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
     from isal import igzip as _gzip
@@ -252,8 +252,8 @@ def _load(path: Path, rank: int | None, step_annotation: str | None) -> EventTab
         raise UserInputError("no complete events ('ph': 'X') in 'traceEvents'", path)
 
     table, steps = _columns(work, meta, step_annotation, path)
-    if steps.source == WHOLE_TRACE:
-        table = with_whole_trace_marker(table, meta["rank"])
+    if steps.source in UNMARKED:
+        table = with_whole_trace_marker(table, meta["rank"], steps)
     meta["steps_source"] = steps.source
     meta["n_steps"] = int(len(steps.number))
     meta["steps"] = [int(s) for s in steps.number]
@@ -589,6 +589,8 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     shape_name = np.array([bool(_SHAPE_OPS.match(s)) for s in name_values] or [False])
 
     kind[(kind == "kernel") & comm_kernel_name[name_idx]] = "comm"
+    copy_name = np.array([kernel_kinds.is_copy_kernel(s) for s in name_values] or [False])
+    kind[(kind == "kernel") & copy_name[name_idx]] = "memcpy"  # MTIA's dma_request: a copy, not compute
     kind[(kind == "annotation") & gloo_name[name_idx]] = "comm"  # gloo work on its own thread
 
     # --- lanes.
@@ -606,7 +608,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     correlation, external_id = work.correlation, work.external_id
 
     # --- steps.
-    steps = find_steps(kind, name_values, name_idx, ts_ns, dur_ns, step_annotation, path)
+    steps = find_steps(kind, name_values, name_idx, ts_ns, dur_ns, step_annotation, path, on_device)
     step_col = assign_steps(steps, kind, on_device, ts_ns, correlation)
 
     # --- collectives: op/dim/pg/ranks/bytes/seq for comm-related rows.

@@ -22,7 +22,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
 from . import collectives
-from .steps import WHOLE_TRACE, assign_steps, find_steps, with_whole_trace_marker
+from .steps import UNMARKED, assign_steps, find_steps, with_whole_trace_marker
 
 SUPPORTED_MAJOR = 3
 
@@ -178,7 +178,7 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
 
     name_arr = pa.array(names, type=pa.string()).dictionary_encode()
     steps = find_steps(kind, name_arr.dictionary.to_pylist(), name_arr.indices.to_numpy(), ts, dur,
-                       step_annotation, path)
+                       step_annotation, path, on_device)
     step = assign_steps(steps, kind, on_device, ts, correlation)
     n = len(ts)
     op = np.array([collectives.normalize_op(x) if c else None for x, c in zip(names, comm)], dtype=object)
@@ -205,8 +205,8 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
     })
     order = np.argsort(ts, kind="stable")
     table = table.take(pa.array(order))
-    if steps.source == WHOLE_TRACE:
-        table = with_whole_trace_marker(table, int(rank))
+    if steps.source in UNMARKED:
+        table = with_whole_trace_marker(table, int(rank), steps)
     return EventTable(table, {int(rank): meta})
 
 

@@ -23,6 +23,7 @@ from mfuscope.report import new_report
 
 from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, stragglers
 from .context import Context
+from .steps import DEVICE_SPAN, WHOLE_TRACE
 
 
 def build_report(events: EventTable | Context, *, source: str, files: list[str],
@@ -71,6 +72,8 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
     }
     kernels = kernel_time.top_kernels(events, n=20)
     launch = kernel_time.launch_stats(events)
+    found, summary["findings_note"] = _findings(ctx, bub, strag, launch.to_dict("records"), summary["cuda_graphs"],
+                                                calls)
     overlap = comm_stats.overlap_by_rank(events)
     return new_report(
         source, files, summary, breakdown=tree, bubbles=[bub] if bub else [],
@@ -80,8 +83,7 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
                   "mean_us": k.mean_ns / 1e3, "median_us": k.median_ns / 1e3, "share": float(k.share)}
                  for k in kernels.itertuples()],
         kernel_launch=launch.to_dict("records"),
-        findings=findings.derive(tree, bub, strag, float(rank_steps["step_s"].mean()) if len(rank_steps) else step_time,
-                                 launch.to_dict("records"), summary["cuda_graphs"]),
+        findings=found,
         per_step=flops["per_step"], per_rank_mfu=flops["per_rank"],
         comm_skew=skew, clock_offsets=offsets, comm_arrival=comm_stats.arrival_lags(calls),
         comm_overlap=overlap.to_dict("records"),
@@ -91,6 +93,24 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
         comm_calls=_comm_by_op(events, calls=True),
         counters=counters.per_step(events, calls, counted_steps, flops, calls_source),
     )
+
+
+def _findings(ctx: Context, bub: dict | None, strag: list[dict], launch: list[dict],
+              graphs: dict, calls: pd.DataFrame) -> tuple[list[dict[str, Any]], str | None]:
+    """The findings on the steady steps (a rank's first left out when it has three or more), and
+    why they cannot be judged, if they cannot."""
+    leaves = findings.steady(ctx.leaves)
+    if leaves.empty:
+        return [], None
+    tree = breakdown.tree(leaves)
+    step_s = float(breakdown.per_rank_step(leaves)["step_s"].mean())
+    pairs = leaves[["rank", "step"]].drop_duplicates()
+    evidence = findings.gather(ctx.events, pairs, ctx.events.ranks)
+    mean = {k: float(v) for k, v in (leaves.groupby("leaf")["seconds"].sum() / len(pairs)).items()}
+    late_rows = comm_stats.late_arrivals(calls[calls["step"].isin(set(pairs["step"]))])
+    late = findings.late_ranks(late_rows, ctx.plans, pairs)
+    return (findings.derive(tree, bub, strag, step_s, launch, graphs, evidence, late),
+            findings.inconclusive(mean, step_s, evidence))
 
 
 def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None, str | None]:
@@ -108,8 +128,11 @@ def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None, s
     if spans.empty:
         return pd.Series(dtype=float), None, None
     sources = {m.get("steps_source") for m in events.ranks.values()}
+    unmarked = {DEVICE_SPAN: "the device span (first device activity to last), no step markers",
+                WHOLE_TRACE: "the whole trace, no step markers"}
     return spans.groupby("step")["dur_ns"].max() / 1e9, None, (
-        "the whole trace, no step markers" if sources == {"whole trace"} else "the traces' step markers")
+        unmarked[next(iter(sources))] if len(sources) == 1 and sources <= set(unmarked)
+        else "the traces' step markers")
 
 
 def _rank_step_times(run) -> pd.DataFrame | None:
@@ -212,10 +235,16 @@ def format_text(report: dict[str, Any]) -> str:
             bw = f"{c['busbw_gbps']:11.3f}" if c["busbw_gbps"] is not None else f"{'-':>11}"
             lines.append(f"               {c['dim']:<12} {c['op']:<15} {c['size']:<11} {c['count']:>7} "
                          f"{c['total_s'] * 1e3:10.1f} {exposed} {bw}")
-    if report.get("findings"):
-        lines += ["", "top findings (estimated gain per step):"]
-        for f in report["findings"][:5]:
+    if s.get("findings_note"):
+        lines += ["", f"no per-step finding: {s['findings_note']}"]
+    per_step = [f for f in report.get("findings") or [] if f.get("per_step", True)]
+    if per_step:
+        lines += ["", "top findings (what-if gain per step: the cause's time on each rank's timeline):"]
+        for f in per_step[:5]:
             lines.append(f"  {f['gain_s'] * 1e3:8.1f} ms  {f['gain_fraction']:6.1%}  {f['title']}  [fix: {f['fix']}]")
+    for f in report.get("findings") or []:
+        if not f.get("per_step", True):
+            lines.append(f"  {f['title']}  [{f['fix']}]")
     if report.get("kernels"):
         lines += ["", "top kernels (all ranks):"]
         for k in report["kernels"][:5]:

@@ -2,12 +2,17 @@
 
 A step is marked by an annotation -- ``ProfilerStep#N`` from
 ``torch.profiler.schedule``, ``mfuscope.step#N`` from mfuscope's collectors,
-or one the user names with ``--step-annotation REGEX``.  With no marker the
-whole trace is one window, step 0, and :func:`with_whole_trace_marker` adds a
-marker row (``mfuscope.whole_trace``) for it, so every analysis runs on such a
-trace as on any other; the rank's ``steps_source`` says "whole trace".  CPU events belong to the step whose span
-contains them; device events to the step of the CPU call that launched them
-(a kernel often runs after its step's CPU span has ended).
+or one the user names with ``--step-annotation REGEX``.  With no marker one
+window is step 0: the **device span** (first device activity to last) where the
+trace has device work, else the whole trace -- a markerless trace of a GPU job
+often opens with seconds of CPU-only start-up (CUDA context, cuBLAS, the first
+batch) that no step contains.  :func:`with_whole_trace_marker` adds a marker row
+(``mfuscope.whole_trace``) for that window, so every analysis runs on such a
+trace as on any other; the rank's ``steps_source`` says "device span" or "whole
+trace".  A marker that outlives the trace (a step never closed: the profiler
+stopped inside it) is clipped to the trace's last event.  CPU events belong to
+the step whose span contains them; device events to the step of the CPU call
+that launched them (a kernel often runs after its step's CPU span has ended).
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from mfuscope.errors import UserInputError
 from mfuscope.event_table import build_table
 
 WHOLE_TRACE = "whole trace"
+DEVICE_SPAN = "device span"
+UNMARKED = (WHOLE_TRACE, DEVICE_SPAN)  #: the sources of a trace without step markers: one window
 WHOLE_TRACE_MARKER = "mfuscope.whole_trace"
 
 
@@ -36,12 +43,15 @@ class Steps:
 
 
 def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, ts_ns: np.ndarray,
-               dur_ns: np.ndarray, step_annotation: str | None, path: Path) -> Steps:
-    """The step markers, in time order; marks their rows ``kind="step"``.
+               dur_ns: np.ndarray, step_annotation: str | None, path: Path,
+               on_device: np.ndarray | None = None) -> Steps:
+    """The step markers, in time order; marks their rows ``kind="step"`` and clips a marker that
+    outlives the trace (``dur_ns`` of its row too).
 
     Precedence: the user's ``--step-annotation``; else mfuscope's own
     ``mfuscope.step#N`` (numbered by training step); else ``ProfilerStep#N``;
-    else the whole trace as step 0.
+    else one window as step 0: the device span of ``on_device`` rows that are device work, or
+    the whole trace.
     """
     markers = ("annotation", "cpu_op", "python", "nvtx")
     if step_annotation is not None:
@@ -64,11 +74,20 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
             if len(rows):
                 break
         if len(rows) == 0:
-            start, end = int(ts_ns.min()), int((ts_ns + dur_ns).max())
-            return Steps(np.array([0]), np.array([start]), np.array([end]), WHOLE_TRACE)
+            work = np.isin(kind, ("kernel", "comm", "memcpy", "memset"))
+            if on_device is not None:
+                work &= on_device
+            span, source = (work, DEVICE_SPAN) if work.any() else (slice(None), WHOLE_TRACE)
+            start, end = int(ts_ns[span].min()), int((ts_ns[span] + dur_ns[span]).max())
+            return Steps(np.array([0]), np.array([start]), np.array([end]), source)
         rows = rows[np.argsort(ts_ns[rows], kind="stable")]
         numbers, source = step_num[name_idx][rows], prefix
     kind[rows] = "step"
+    others = np.ones(len(ts_ns), dtype=bool)
+    others[rows] = False
+    if others.any():  # a step never closed ends with the trace's last event
+        last = int((ts_ns[others] + dur_ns[others]).max())
+        dur_ns[rows] = np.clip(np.minimum(ts_ns[rows] + dur_ns[rows], last) - ts_ns[rows], 0, None)
     return Steps(numbers, ts_ns[rows], ts_ns[rows] + dur_ns[rows], source)
 
 
@@ -92,15 +111,13 @@ def assign_steps(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: n
     return step
 
 
-def with_whole_trace_marker(table: pa.Table, rank: int) -> pa.Table:
-    """``table`` (one rank, no step markers) with a marker spanning all its events as step 0, on
-    the host thread that spent the most time in operators (the training thread; the first lane of
-    a device-only trace)."""
+def with_whole_trace_marker(table: pa.Table, rank: int, steps: Steps) -> pa.Table:
+    """``table`` (one rank, no step markers) with a marker for its one window (``steps``: what
+    :func:`find_steps` found) as step 0, on the host thread that spent the most time in operators
+    (the training thread; the first lane of a device-only trace)."""
     if table.num_rows == 0:
         return table
-    ts, dur = table.column("ts_ns"), table.column("dur_ns")
-    start = pc.min(ts).as_py()
-    end = pc.max(pc.add(ts, dur)).as_py()
+    start, end = int(steps.start[0]), int(steps.end[0])
     host = table.filter(pc.and_(pc.equal(table.column("device"), -1),
                                 pc.is_in(table.column("kind").cast(pa.string()),
                                          pa.array(["cpu_op", "annotation", "python"]))))

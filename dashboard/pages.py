@@ -171,13 +171,14 @@ def overview_page(store: Store, run: Run, a: Analysis) -> html.Div:
         ], className="row"),
         html.Div(info_panel("Click a box of the breakdown to see it per rank."), id="node-detail"),
         _prediction_section(store, run),
-        html.H3("Top findings (estimated gain per step if fixed)"),
-        html.P("The estimate bounds what the finding's time could give back; where the run has a model spec, "
+        html.H3("Top findings (what-if gain per step: the cause's time on each rank's timeline)"),
+        html.P("The what-if gain bounds what the cause could give back; where the run has a model spec, "
                "the cost model's predicted gain for the fix's best change (calibrated on this run) stands beside "
                "it. The Optimize page lists every change.", className="muted") if model else None,
+        info_panel(f"No per-step finding: {s['findings_note']}") if s.get("findings_note") else None,
         grid("findings-grid", findings, [
-            {"field": "gain_ms", "headerName": "gain (ms/step)", "valueFormatter": NUM, "sort": "desc",
-             "minWidth": 140, "maxWidth": 170},
+            {"field": "gain_ms", "headerName": "what-if gain (ms/step)", "valueFormatter": NUM, "sort": "desc",
+             "minWidth": 150, "maxWidth": 200},
             {"field": "gain", "headerName": "of the step", "valueFormatter": PCT, "maxWidth": 130},
             {"field": "title", "headerName": "finding", "minWidth": 320},
             {"field": "fix", "headerName": "fix id", "maxWidth": 200}]

@@ -93,17 +93,73 @@ _FIXES = (
          "megatron": "keep the fusions on (drop --no-bias-swiglu-fusion, --no-masked-softmax-fusion); "
                      "--apply-rope-fusion",
          "pytorch": "torch.compile(block) per transformer block"}),
-    Fix("reduce_host_overhead", "host_bound: the device idle while the host works, share of the step (not in "
-        "steps that capture CUDA graphs)", 0.10, "that time", 1.0, "none of its own: cuda_graphs, compile",
+    Fix("reduce_host_overhead", "host_bound + idle: the device idle with nothing queued while the host works or "
+        "runs Python, share of the step (not in steps that capture CUDA graphs)", 0.10, "that time", 1.0,
+        "none of its own: cuda_graphs, compile",
         {"torchtitan": "--compile.enable; a larger local batch",
          "megatron": "--enable-cuda-graph; a larger --micro-batch-size",
          "pytorch": "no .item()/.cpu() inside the step, pin_memory=True and non_blocking copies, torch.compile"}),
-    Fix("cuda_graphs", "host_bound, share of the step, on launch-bound ranks (median kernel shorter than a "
-        "launch) of a job that replays no graphs yet", 0.05, "the host-bound time (graphs launch once)", 1.0,
+    Fix("cuda_graphs", "host_bound + idle, share of the step, on launch-bound ranks (most kernels under 10 us, "
+        "their launches at least a quarter of the host-bound time) of a job that replays no graphs yet", 0.05,
+        "the host-bound time (graphs launch once)", 1.0,
         "--set compile=true --set cuda_graphs=true (no FSDP, no MoE)",
         {"torchtitan": "--compile.enable (inductor's cudagraph trees need static shapes)",
          "megatron": "--enable-cuda-graph",
          "pytorch": "torch.compile(mode='reduce-overhead') or torch.cuda.graphs around the step"}),
+    Fix("wait_on_dependency", "queued: the device idle with work already queued (a stream, event or peer "
+        "dependency), share of the step", 0.10, "that time (what removing the wait could give back)", 1.0,
+        "none of its own: find what the queued work waits for (the other ranks' traces; the host's blocking call)",
+        {"torchtitan": "(no flag) look at the peer ranks' traces for the collective or copy the stream waits on",
+         "megatron": "(no flag) --timing-log-level 2 shows which collective or copy the step waits in",
+         "pytorch": "no .item()/.cpu()/.tolist() or DtoH copy into pageable memory inside the step; "
+                    "copy(non_blocking=True) into pinned memory; record events instead of synchronizing"}),
+    Fix("faster_data_loading", "data_loading: the device idle while the loop waits in its DataLoader, share of "
+        "the step", 0.05, "that time", 1.0, "none in the reference trainer (its batches are synthetic)",
+        {"torchtitan": "--training.dataset_path on fast local storage; more dataloader workers in the dataset "
+                       "builder",
+         "megatron": "--num-workers N; a preprocessed (indexed) dataset",
+         "pytorch": "DataLoader(num_workers=N, pin_memory=True, persistent_workers=True, prefetch_factor=4)"}),
+    Fix("fewer_copies", "memory: the device only copying or filling, share of the step", 0.05, "that time", 1.0,
+        "none in the reference trainer",
+        {"torchtitan": "(no flag) keep tensors on the device; pinned, non-blocking input copies",
+         "megatron": "(no flag) --use-distributed-optimizer keeps optimizer state off the copy path",
+         "pytorch": "pin_memory=True and .to(device, non_blocking=True); no .cpu() or .contiguous() copies in the "
+                    "step; DtoD copies of views (cat, contiguous) fused by torch.compile"}),
+    Fix("caching_allocator", "allocator: the device idle while the host is in cudaMalloc/cudaFree/hipFree, share "
+        "of the step", 0.05, "that time", 1.0, "none in the reference trainer",
+        {"torchtitan": "(no flag) no torch.cuda.empty_cache() in the loop",
+         "megatron": "(no flag) no torch.cuda.empty_cache() in the loop",
+         "pytorch": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; no empty_cache() in the loop; "
+                    "preallocate buffers"}),
+    Fix("overlap_comm", "an exposed communication leaf whose parallel dimension is unknown (no process-group "
+        "names in the trace), share of the step", 0.05,
+        "the exposed time, at most the compute it could hide behind", 1.0,
+        "name the process groups (DeviceMesh) so the dimension is known; then the dimension's own fix",
+        {"torchtitan": "(dimension's fix) FSDP prefetch or async TP once the dimension is known",
+         "megatron": "--overlap-grad-reduce --overlap-param-gather; --tp-comm-overlap",
+         "pytorch": "DDP(bucket_cap_mb=25) buckets per-parameter all-reduces; comm hooks on a side stream; "
+                    "init_device_mesh(..., mesh_dim_names=...) names the groups"}),
+    Fix("mixed_precision", "compute/conv + compute/gemm in FP32 kernels without tensor cores (cuBLAS sgemm, cuDNN "
+        "scudnn / float engines), share of the step", 0.10,
+        "their time (what-if: on tensor cores; bf16/fp16 or TF32 math runs several times faster)", 1.0,
+        "none: the reference trainer computes in bf16 on GPUs",
+        {"torchtitan": "--training.mixed_precision_param bfloat16",
+         "megatron": "--bf16 (or --fp16)",
+         "pytorch": "torch.autocast('cuda', dtype=torch.bfloat16); convolutions in channels_last; "
+                    "torch.backends.cuda.matmul.allow_tf32 = True and torch.backends.cudnn.allow_tf32 = True"}),
+    Fix("fused_optimizer", "compute/optimizer: the optimizer step, share of the step", 0.10,
+        "the optimizer step's time (a fused step on the device takes a fraction of it)", 1.0,
+        "none: the reference trainer steps foreach already",
+        {"torchtitan": "--optimizer.implementation fused",
+         "megatron": "--use-distributed-optimizer (the optimizer step sharded over data-parallel ranks)",
+         "pytorch": "torch.optim.AdamW(params, fused=True) (or foreach=True); the step on the device"}),
+    Fix("one_time_init", "one_time_init: the device idle while the host initializes (context, module loads, "
+        "streams), seconds in the window", None, "none: start-up is paid once, never per step", None,
+        "none: profile steady-state steps (a later --window)",
+        {"torchtitan": "--profiling.profile_freq past the first steps",
+         "megatron": "--profile-step-start past the warm-up",
+         "pytorch": "torch.profiler.schedule(wait=1, warmup=2, active=3): trace steady steps only; "
+                    "CUDA_MODULE_LOADING=EAGER moves lazy loads to start-up"}),
     Fix("better_layout", "the planner finds a faster layout that fits (model spec, GPUs, global batch)", None,
         "the cost model's", None, "--layout, --schedule, --microbatches",
         {"torchtitan": "the --parallelism.* degrees of the layout",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from mfuscope.analyzers.findings import host_wait_s
 from mfuscope.fix_registry import FIXES
 from mfuscope.layout import Degrees
 from mfuscope.trainer_options import TrainerOptions
@@ -203,7 +204,7 @@ def cuda_graphs(run: MeasuredRun) -> list[Change]:
     fsdp = lay.data_ranks * lay.cp > 1 and run.dp_mode != "ddp"
     if training.cuda_graphs or run.system.key == "CPU" or fsdp or run.model.n_experts:
         return []
-    if not _applies(run, "cuda_graphs", "host_bound"):
+    if not run.step_s or not FIXES["cuda_graphs"].applies(host_wait_s(run.leaves) / run.step_s):
         return []
     return [Change("cuda_graphs", "compile each block and replay it as a CUDA graph (mode=reduce-overhead)", lay,
                    replace(training, compiled=True, cuda_graphs=True),

@@ -22,6 +22,8 @@ def proposals_from_findings(report: dict[str, Any]) -> list[dict[str, Any]]:
     step = (report.get("summary") or {}).get("step_time_s")
     out = []
     for f in report.get("findings") or []:
+        if not f.get("per_step", True):
+            continue  # one-time costs: nothing to gain a step
         out.append({"fix": f["fix"], "summary": f["title"], "change": {},
                     "flags": dict(FIXES[f["fix"]].flags) if f["fix"] in FIXES else {},
                     "predicted_step_s": step - f["gain_s"] if step else None,

@@ -26,7 +26,8 @@ def _strict(text: str):
 
 def _gpu_trace(path, *, device=A100, world=8, rank=0, marker=True, mm=(64, 128, 256)):
     """One step of a GPU rank: an aten::mm of shape M x K @ K x N launching a 400 us kernel, then
-    idle; a ProfilerStep marker around it unless ``marker`` is False."""
+    idle; a ProfilerStep marker around it (and the step's last host call, at its end: a marker
+    is clipped to the trace's last event) unless ``marker`` is False."""
     m, k, n = mm
     events = [
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10.0, "dur": 20.0,
@@ -39,6 +40,7 @@ def _gpu_trace(path, *, device=A100, world=8, rank=0, marker=True, mm=(64, 128, 
     if marker:
         events.insert(0, {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 1, "tid": 1,
                           "ts": 0.0, "dur": 1000.0})
+        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": 1, "tid": 1, "ts": 995.0, "dur": 5.0})
     dist = {"rank": rank, "world_size": world} if world else {"rank": rank}
     return write_trace(path, events, distributedInfo=dist,
                        deviceProperties=[{"id": 0, "name": device, "computeMajor": 8, "computeMinor": 0}])
@@ -47,16 +49,28 @@ def _gpu_trace(path, *, device=A100, world=8, rank=0, marker=True, mm=(64, 128, 
 def test_a_trace_without_step_markers_gets_the_full_analysis(tmp_path):
     path = _gpu_trace(tmp_path / "nomarker.json", marker=False, world=1)
     events = trace_set.load(path, use_cache=False).events
-    assert events.ranks[0]["steps_source"] == "whole trace"
+    assert events.ranks[0]["steps_source"] == "device span"
     report = overview.build_report(events, source=str(path), files=[str(path)])
-    # The window: from the mm's start (10 us) to the kernel's end (440 us) -- 430 us, all of it one step.
+    # The window: the device span, the kernel's start (40 us) to its end (440 us), all of it one
+    # step; the host's mm before it (from 10 us) is outside (start-up, in a real trace).
     assert report["summary"]["steps"] == 1
-    assert report["summary"]["step_time_source"] == "the whole trace, no step markers"
-    assert report["summary"]["step_time_s"] == pytest.approx(430e-6)
-    assert report["breakdown"]["seconds"] == pytest.approx(430e-6)
+    assert report["summary"]["step_time_source"].startswith("the device span")
+    assert report["summary"]["step_time_s"] == pytest.approx(400e-6)
+    assert report["breakdown"]["seconds"] == pytest.approx(400e-6)
     leaves = {r["leaf"]: r["seconds"] for r in report["breakdown_by_rank"]}
-    assert leaves["compute/gemm"] == pytest.approx(400e-6)  # the kernel
-    assert sum(leaves.values()) == pytest.approx(430e-6)
+    assert leaves == pytest.approx({"compute/gemm": 400e-6})  # the kernel
+
+
+def test_a_step_that_outlives_the_trace_is_clipped_to_its_last_event(tmp_path):
+    """The profiler stopped inside a step (as in HTA's triton_example: a ProfilerStep of 13 s in a
+    trace of 355 ms): the step ends at the trace's last event."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0.0,
+               "dur": 13e6},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": 100.0, "dur": 50.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mul", "pid": 1, "tid": 1, "ts": 1400.0, "dur": 130.0}]
+    path = write_trace(tmp_path / "open.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    report = overview.build_report(trace_set.load(path, use_cache=False).events, source="o", files=[])
+    assert report["summary"]["step_time_s"] == pytest.approx(1530e-6)
 
 
 def test_undefined_figures_are_written_as_null_and_compare_says_not_comparable(tmp_path):
@@ -365,6 +379,7 @@ def test_accelerator_work_that_is_not_a_gpu_kernel_is_device_work(tmp_path):
          "args": {"correlation": 5}},
         {"ph": "X", "cat": "mtia_ccp_events", "name": "fc_matmul_fused", "pid": 2, "tid": 3, "ts": 100.0, "dur": 300.0,
          "args": {"correlation": 5, "device": 0, "stream": 3}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "pid": 1, "tid": 1, "ts": 990.0, "dur": 10.0},
     ]
     path = write_trace(tmp_path / "mtia.json", events, distributedInfo={"rank": 0, "world_size": 1})
     ev = trace_set.load(path, use_cache=False).events
@@ -396,7 +411,7 @@ def test_a_step_that_captures_cuda_graphs_is_not_called_host_bound(tmp_path):
     device then runs 40 short kernels.  Without the capture, a host-bound finding would follow."""
     def trace(path, capture):
         events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#0", "pid": 1, "tid": 1, "ts": 0.0,
-                   "dur": 2000.0}]
+                   "dur": 3000.0}]
         if capture:
             events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamBeginCapture", "pid": 1, "tid": 1,
                            "ts": 1.0, "dur": 2.0})
@@ -408,9 +423,9 @@ def test_a_step_that_captures_cuda_graphs_is_not_called_host_bound(tmp_path):
                            "ts": 1700.0, "dur": 5.0})
         events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 1, "tid": 1, "ts": 1710.0,
                        "dur": 5.0, "args": {"correlation": 1}})
-        for i in range(40):
+        for i in range(40):  # 1.2 ms of device work: a step, not a fixture
             events.append({"ph": "X", "cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<4>()",
-                           "pid": 0, "tid": 7, "ts": 1720.0 + 6 * i, "dur": 5.0,
+                           "pid": 0, "tid": 7, "ts": 1720.0 + 31 * i, "dur": 30.0,
                            "args": {"correlation": 1, "device": 0, "stream": 7}})
         return write_trace(path, events, distributedInfo={"rank": 0, "world_size": 1})
 
