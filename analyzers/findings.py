@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from mfuscope.fix_registry import FIXES
@@ -77,6 +78,7 @@ class Evidence:
     elementwise_kernels: list[dict] = field(default_factory=list)
     fp32_math: dict[str, Any] = field(default_factory=dict)   # share of GEMM/conv kernel time in FP32 SIMT
     launches: dict[str, Any] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)       # what the host did while the device waited on it
 
 
 def steady(leaves: pd.DataFrame) -> pd.DataFrame:
@@ -264,7 +266,10 @@ def _waiting(leaves: dict[str, float], step_s: float, add, share, ev: Evidence, 
     queued = leaves.get("queued", 0.0)
     if FIXES["wait_on_dependency"].applies(queued / step_s):
         calls = ev.blocking_calls
-        meanwhile = f"; the host meanwhile blocks in {calls[0]['name']}" if calls else ""
+        where = ", ".join(x for x in [calls[0].get("copy"), (calls[0].get("inside") or [None])[0]] if x) \
+            if calls else ""
+        meanwhile = (f"; the host meanwhile blocks in {calls[0]['name']}" + (f" ({where})" if where else "")
+                     if calls else "")
         add("wait_on_dependency", f"the device idles {queued / step_s:.0%} of the step with work queued: it waits "
             f"on a dependency (a stream event, a peer, a copy), not on the host{meanwhile}", queued,
             {**share(queued), "blocking_calls": calls})
@@ -287,16 +292,19 @@ def _waiting(leaves: dict[str, float], step_s: float, add, share, ev: Evidence, 
     if not host or (graphs or {}).get("captures"):
         return
     detail = {**share(host), "host_bound_s": leaves.get("host_bound", 0.0), "python_between_ops_s":
-              leaves.get("idle", 0.0), "launches": ev.launches}
+              leaves.get("idle", 0.0), "launches": ev.launches, **ev.host}
+    after_sync = ev.host.get("after_sync_s", 0.0)
+    why = (f"; {after_sync / host:.0%} of it right after synchronizing calls "
+           f"({ev.host['sync_calls_per_step']:.0f} a step)" if host and after_sync >= 0.5 * host else "")
     bound = [r for r in launch or [] if r.get("launch_bound")]
     if bound and not (graphs or {}).get("replays") and FIXES["cuda_graphs"].applies(host / step_s):
         add("cuda_graphs", f"the device waits on the host {host / step_s:.0%} of the step, launch-bound: most "
-            f"kernels are shorter than their launches ({len(bound)} rank(s))", host,
+            f"kernels are shorter than their launches ({len(bound)} rank(s)){why}", host,
             {**detail, "ranks": [r["rank"] for r in bound], "median_kernel_us": bound[0]["median_kernel_us"],
              "median_launch_us": bound[0]["median_launch_us"]})
     elif FIXES["reduce_host_overhead"].applies(host / step_s):
         add("reduce_host_overhead", f"the device waits on the host {host / step_s:.0%} of the step: idle with "
-            "nothing queued while the host dispatches", host, detail)
+            f"nothing queued while the host dispatches{why}", host, detail)
 
 
 # ----------------------------------------------------------------------------- late ranks
@@ -331,12 +339,13 @@ def late_ranks(rows: pd.DataFrame, plans, pairs: pd.DataFrame, max_intervals: in
 
 
 # ----------------------------------------------------------------------------- evidence from the events
-def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict]) -> Evidence:
+def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], plans=None) -> Evidence:
     """The calls, kernels and annotations the findings name, per steady rank-step.
 
-    ``events``: the analysis's EventTable; ``steady_steps``: (rank, step) pairs the findings read."""
+    ``events``: the analysis's EventTable; ``steady_steps``: (rank, step) pairs the findings read;
+    ``plans``: the analysis's step plans (for what the host did while the device waited on it)."""
     ev = Evidence()
-    df = events.to_pandas(["rank", "kind", "name", "ts_ns", "dur_ns", "step", "device"])
+    df = events.to_pandas(["rank", "kind", "name", "ts_ns", "dur_ns", "step", "device", "tid", "correlation"])
     kind = df["kind"].astype(str)
     device_work = kind.isin(["kernel", "comm", "memcpy", "memset"]) & (df["device"] >= 0)
     if not device_work.any():
@@ -365,6 +374,8 @@ def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict]) -
         ev.one_time_calls, ev.allocator_calls = top(init), top(alloc)
         blocking = calls["name"].astype(str).str.contains(r"Synchronize|Memcpy|StreamWaitEvent", regex=True)
         ev.blocking_calls = top(calls[blocking])
+        if ev.blocking_calls:
+            ev.blocking_calls[0].update(_context(df, calls[calls["name"].astype(str) == ev.blocking_calls[0]["name"]]))
         launches = calls[calls["name"].astype(str).str.contains("Launch", regex=False)]
         kernels = df[(kind == "kernel") & (df["device"] >= 0)]
         ev.launches = {"per_step": len(launches) / n, "host_s_per_step": launches["dur_ns"].sum() / 1e9 / n,
@@ -372,18 +383,84 @@ def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict]) -
                        "short_kernel_share": float((kernels["dur_ns"] < SHORT_KERNEL_NS).mean()) if len(kernels)
                        else None}
     ev.loader = top(df[names.str.contains("DataLoader", regex=False) & kind.isin(["annotation", "cpu_op", "python"])])
+    if plans is not None:
+        ev.host = _host_while_waited(df, kind, plans, steady_steps, n)
     ev.copies = top(df[kind.isin(["memcpy", "memset"]) & (df["device"] >= 0)])
     kernels = df[(kind == "kernel") & (df["device"] >= 0)]
     if len(kernels):
         names = kernels["name"].astype(str)
-        kinds = names.map(breakdown.kernel_kind)
+        unique = names.unique()
+        kinds = names.map(dict(zip(unique, map(breakdown.kernel_kind, unique))))
+        simt = names.map(dict(zip(unique, map(kernel_kinds.is_fp32_simt, unique))))
         ev.elementwise_kernels = top(kernels[kinds == "norm_elementwise"])
-        math = kernels[kinds.isin(["gemm", "conv"]) | names.map(kernel_kinds.is_fp32_simt)]
-        fp32 = math["name"].astype(str).map(kernel_kinds.is_fp32_simt)
+        math = kernels[kinds.isin(["gemm", "conv"]) | simt]
+        fp32 = simt[math.index]
         if len(math) and fp32.any():
             ev.fp32_math = {"share": float(math["dur_ns"][fp32].sum() / max(math["dur_ns"].sum(), 1)),
                             "kernels": top(math[fp32])}
     return ev
+
+
+#: Host calls that block until the device catches up (the key's "CPU sync"): synchronizes, blocking
+#: copies, and the copies into pageable host memory that ``cudaMemcpyAsync`` makes blocking.
+_SYNC_CALL = r"Synchronize|^(?:cuda|hip)Memcpy$|MemcpyWithStream|^(?:cuda|hip)MemcpyAsync$|^cuMemcpyDtoH"
+AFTER_SYNC_NS = 100_000  #: a device gap this soon after a sync returned is the sync's doing
+
+
+def _context(df: pd.DataFrame, calls: pd.DataFrame) -> dict[str, Any]:
+    """Where the longest of ``calls`` was made: the operators and annotations around it on its
+    thread (outermost first) and, for a copy, the device copy it waited for."""
+    longest = calls.loc[calls["dur_ns"].idxmax()]
+    start, end = longest["ts_ns"], longest["ts_ns"] + longest["dur_ns"]
+    host = df[(df["tid"] == longest["tid"]) & (df["rank"] == longest["rank"])
+              & df["kind"].astype(str).isin(["cpu_op", "annotation"])]
+    around = host[(host["ts_ns"] <= start) & (host["ts_ns"] + host["dur_ns"] >= end)].sort_values("ts_ns")
+    out: dict[str, Any] = {"longest_s": float(longest["dur_ns"]) / 1e9,
+                           "inside": [str(n) for n in around["name"].head(4)]}
+    if longest["correlation"] >= 0:
+        copy = df[(df["correlation"] == longest["correlation"]) & (df["rank"] == longest["rank"])
+                  & df["kind"].astype(str).isin(["memcpy", "memset"])]
+        if len(copy):
+            out["copy"] = str(copy["name"].iloc[0])
+    return out
+
+
+def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans, steady_steps: pd.DataFrame,
+                       n: int) -> dict[str, Any]:
+    """What the host did while the device waited on it (``host_bound`` and ``idle`` time): the
+    operators and annotations that overlap it most, and how much of it follows a synchronizing
+    call (within :data:`AFTER_SYNC_NS`: the device drained at the sync and idles while the host
+    refills it)."""
+    keep = set(map(tuple, steady_steps[["rank", "step"]].to_numpy().tolist()))
+    waits: dict[int, list] = {}
+    for rank, step, window, plan in plans:
+        if (rank, step) in keep:
+            a, b, names = iv.segments_by_priority(window, plan, "idle")
+            mask = [x in ("host_bound", "idle") for x in names]
+            waits.setdefault(rank, []).append((a[mask], b[mask]))
+    ops: dict[str, float] = {}
+    after_sync = 0
+    syncs = df[kind.isin(["runtime", "driver"]) & df["name"].astype(str).str.contains(_SYNC_CALL, regex=True)]
+    host = df[kind.isin(["cpu_op", "annotation"])]
+    for rank, parts in waits.items():
+        starts = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64)
+        ends = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64)
+        if not len(starts):
+            continue
+        wait = iv.union(starts, ends)
+        mine = host[host["rank"] == rank]
+        covered = iv.overlap(wait, mine["ts_ns"].to_numpy(), (mine["ts_ns"] + mine["dur_ns"]).to_numpy())
+        for name, ns in pd.Series(covered, index=mine["name"].astype(str).to_numpy()).groupby(level=0).sum().items():
+            ops[name] = ops.get(name, 0.0) + ns / 1e9
+        done = np.sort((syncs["ts_ns"] + syncs["dur_ns"])[syncs["rank"] == rank].to_numpy())
+        if len(done):  # a sync returned in [gap start - 100 us, gap end]
+            first = np.searchsorted(done, wait[0] - AFTER_SYNC_NS)
+            hit = (first < len(done)) & (done[np.clip(first, 0, len(done) - 1)] <= wait[1])
+            after_sync += int((wait[1] - wait[0])[hit].sum())
+    top = sorted(ops.items(), key=lambda kv: -kv[1])[:6]
+    return {"host_ops": [{"name": k, "seconds_per_step": v / n} for k, v in top if v > 0],
+            "after_sync_s": after_sync / 1e9 / n,
+            "sync_calls_per_step": len(syncs) / n}
 
 
 def _gpu_hint(df: pd.DataFrame, kind: pd.Series, ranks_meta: Mapping[int, dict]) -> str | None:

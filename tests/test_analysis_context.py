@@ -38,7 +38,7 @@ def _run(root):
     events = []
     for step, t0 in ((1, 0.0), (2, 2000.0)):
         events += [_op(f"ProfilerStep#{step}", t0, 1500.0, "user_annotation"), _op("aten::mm", t0 + 100, 800.0),
-                   _op("c10d::allreduce_", t0 + 1000, 300.0)]
+                   _op("c10d::allreduce_", t0 + 1000, 300.0), _op("aten::zero_", t0 + 1400, 100.0)]
     write_trace(run / "traces" / "rank0.pt.trace.json", events, distributedInfo={"rank": 0, "world_size": 1})
     (run / "manifest.json").write_text(json.dumps(MANIFEST))
     return run

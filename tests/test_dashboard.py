@@ -381,7 +381,7 @@ def test_every_page_renders(tab, runs, run):
         pytest.skip(f"the corpus DLRM set is not at {DLRM} (set MFUSCOPE_CORPUS)")
     _first_visit(tab, run)
     needles = {
-        "pp8": {"overview": ["FLOPs from model spec", "dp_shard_cp", "reduce_scatter", "exposed tp communication",
+        "pp8": {"overview": ["FLOPs from model spec", "dp_shard_cp", "reduce_scatter", "communication (tp dimension)",
                             "cost model: predicted gain"],
                 "timeline": ["rank 7 · pp1 dp_shard1 tp1", "comm/tp", "bubble"],
                 "pipeline": ["measured bubble", "theory: 1f1b", "p=2 stages, m=4 microbatches", "F3", "B3"],
