@@ -33,7 +33,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
 from . import collectives, kernel_kinds
-from .steps import UNMARKED, Steps, assign_steps, find_steps, with_whole_trace_marker
+from .steps import UNMARKED, Steps, assign_steps, extend_to_device_tail, find_steps, with_whole_trace_marker
 
 try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
     from isal import igzip as _gzip
@@ -610,6 +610,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     # --- steps.
     steps = find_steps(kind, name_values, name_idx, ts_ns, dur_ns, step_annotation, path, on_device)
     step_col = assign_steps(steps, kind, on_device, ts_ns, correlation)
+    extend_to_device_tail(steps, kind, on_device, ts_ns, dur_ns, step_col)
 
     # --- collectives: op/dim/pg/ranks/bytes/seq for comm-related rows.
     op = op_of_name[name_idx].copy()
@@ -721,7 +722,9 @@ def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name
 
     kernel --correlation--> runtime launch (thread, time) --inside--> the
     innermost ``record_param_comms`` / ``nccl:*`` / ``mfuscope.comm/*`` call
-    on that thread.  Fields the kernel already has (from its own name) stay.
+    on that thread.  Fields the kernel already has stay, except an operation read from its
+    name alone: the operation the trace states for the call wins (NCCL runs an all-to-all as
+    ``ncclKernel_SendRecv``; Kineto's ``nccl:all_to_all`` says what it is).
     """
     dev_comm = np.flatnonzero((kind == "comm") & on_device & (correlation >= 0))
     if len(dev_comm) == 0:
@@ -748,12 +751,13 @@ def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name
         enclosing_all = [(_enclosing(ts_ns[c], ts_ns[c] + dur_ns[c], ts_ns[mine]), c)
                          for c in _nesting_layers(on_t, ts_ns, dur_ns)]
         for j, k in enumerate(ks):
+            guessed = op[k] is None or op[k] == collectives.normalize_op(name_values[name_idx[k]])
             for hit, layer in enclosing_all:
                 if hit[j] < 0:
                     continue
                 c = layer[hit[j]]
-                if op[k] is None and op[c] is not None:
-                    op[k] = op[c]
+                if guessed and op[c] is not None:
+                    op[k], guessed = op[c], False
                 if dim[k] is None and dim[c] is not None:
                     dim[k] = dim[c]
                 if pg[k] is None and pg[c] is not None:

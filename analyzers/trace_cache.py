@@ -24,9 +24,10 @@ from mfuscope import atomic
 from mfuscope.event_table import EventTable
 
 #: Bump when the loader's output for the same input changes.
-LOADER_VERSION = "kineto-7"  # 2: a marker row for traces without step markers; 3-5: gloo worker work labelled;
+LOADER_VERSION = "kineto-8"  # 2: a marker row for traces without step markers; 3-5: gloo worker work labelled;
 #                               6: the device span as the markerless window, unclosed steps clipped;
-#                               7: dpsk::ep and custom all-reduce kernels are communication, MTIA dma_request a copy
+#                               7: dpsk::ep and custom all-reduce kernels are communication, MTIA dma_request a copy;
+#                               8: trace-stated collective names win over kernel names; steps end with their device tail
 
 
 def cache_dir() -> Path:

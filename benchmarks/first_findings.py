@@ -14,13 +14,13 @@ import time
 
 from mfuscope.analyzers import overview, trace_set
 from mfuscope.analyzers.context import Context
-from mfuscope.tests.test_first_findings import FIRST, NONE
+from mfuscope.tests.test_first_findings import FIRST, NONE, matches
 
 
 def main() -> int:
     rows, matched = [], 0
     for section in sorted({**FIRST, **NONE}):
-        path, causes, key_ms = FIRST[section] if section in FIRST else (NONE[section], set(), None)
+        path, causes, key_ms, key_share = FIRST[section] if section in FIRST else (NONE[section], set(), None, None)
         if not path.exists():
             print(f"{section}: {path} not found (set MFUSCOPE_CORPUS)", file=sys.stderr)
             return 2
@@ -29,14 +29,14 @@ def main() -> int:
         report = overview.build_report(Context.of(loaded.events), source=str(path), files=[])
         per_step = [f for f in report["findings"] if f["per_step"]]
         first = per_step[0] if per_step else None
-        got = f"{first['fix']} {first['gain_s'] * 1e3:,.1f} ms" if first else "none"
+        got = f"{first['fix']} {first['gain_s'] * 1e3:,.1f} ms, {first['gain_fraction']:.0%}" if first else "none"
         if section in NONE:
             ok = first is None
             want = "none"
         else:
-            ok = first is not None and first["fix"] in causes and (
-                key_ms is None or abs(first["gain_s"] * 1e3 - key_ms) <= max(0.1 * key_ms, 1.0))
-            want = "/".join(sorted(causes)) + (f" {key_ms:,.1f} ms" if key_ms else "")
+            ok = first is not None and matches(first, causes, key_ms, key_share)
+            want = "/".join(sorted(causes)) + (f" {key_ms:,.1f} ms" if key_ms else "") + (
+                f" or {key_share:.0%}" if key_share else "")
         matched += ok
         rows.append((section, path.name, want, got, "yes" if ok else "NO", time.perf_counter() - t))
     width = max(len(r[2]) for r in rows)

@@ -28,18 +28,21 @@ PARAM = TRACES / "param/et_replay/tests/inputs"
 HOST = {"reduce_host_overhead", "cuda_graphs"}
 COMM = {"overlap_comm", "overlap_dp_grads", "overlap_tp_comm"}
 
-#: key section -> (path, accepted fix ids, size in ms a step): an expert's first finding.
+#: key section -> (path, accepted fix ids, size in ms a step, share of the step or None): an
+#: expert's first finding.  The share is the key's where it says "accept that the percentages
+#: agree": the Qwen steps' device work runs 2.2 ms (H100) and 4.2 ms (MI300) past the CPU marker,
+#: and mfuscope's one-step window ends with it, so the milliseconds are of another window.
 FIRST = {
-    8: (HTA_DATA / "df_index_resolver", HOST, 142.9),
-    10: (HTA_DATA / "nccl_parser_config", HOST, 169.2),
-    11: (HTA_DATA / "negative_queue_length_values_check/rank0.json.gz", {"wait_on_dependency"}, 135.0),
-    12: (HTA_DATA / "ns_resolution_trace", {"mixed_precision"}, 60.2),  # FP32 cuDNN convolutions
-    14: (HTA_DATA / "trace_filter", HOST | COMM, None),  # low confidence: host ~177 or exposed comm ~160
-    16: (TRACES / "TraceLens/tests/traces/h100", {"fuse_elementwise"}, 27.4),
-    17: (TRACES / "TraceLens/tests/traces/mi300", {"fuse_elementwise"}, 18.3),
-    18: (PARAM / "dlrm_kineto", HOST, 8.75),
-    19: (PARAM / "linear_kineto.json.gz", HOST, 631.7),
-    20: (PARAM / "resnet_kineto.json.gz", {"faster_data_loading"}, 6665.0),
+    8: (HTA_DATA / "df_index_resolver", HOST, 142.9, None),
+    10: (HTA_DATA / "nccl_parser_config", HOST, 169.2, None),
+    11: (HTA_DATA / "negative_queue_length_values_check/rank0.json.gz", {"wait_on_dependency"}, 135.0, None),
+    12: (HTA_DATA / "ns_resolution_trace", {"mixed_precision"}, 60.2, None),  # FP32 cuDNN convolutions
+    14: (HTA_DATA / "trace_filter", HOST | COMM, None, None),  # low confidence: host ~177 or exposed comm ~160
+    16: (TRACES / "TraceLens/tests/traces/h100", {"fuse_elementwise"}, 27.4, 0.58),
+    17: (TRACES / "TraceLens/tests/traces/mi300", {"fuse_elementwise"}, 18.3, 0.43),
+    18: (PARAM / "dlrm_kineto", HOST, 8.75, None),
+    19: (PARAM / "linear_kineto.json.gz", HOST, 631.7, None),
+    20: (PARAM / "resnet_kineto.json.gz", {"faster_data_loading"}, 6665.0, None),
 }
 #: key sections where no per-step finding is meaningful: fixtures, warm-up passes, no device data.
 NONE = {
@@ -63,15 +66,25 @@ def _within(got_ms: float, key_ms: float) -> bool:
     return abs(got_ms - key_ms) <= max(0.1 * key_ms, 1.0)
 
 
+def matches(finding: dict, causes: set[str], key_ms: float | None, key_share: float | None) -> bool:
+    """The key's rule: the same cause, and the size within 10% or 1 ms (or, where the key accepts
+    it, the share of the step within 10% of the key's)."""
+    if finding["fix"] not in causes:
+        return False
+    if key_ms is None or _within(finding["gain_s"] * 1e3, key_ms):
+        return True
+    return key_share is not None and abs(finding["gain_fraction"] - key_share) <= 0.1 * key_share
+
+
 @needs_corpus()
 @pytest.mark.parametrize("section", sorted(FIRST), ids=[f"key{k}" for k in sorted(FIRST)])
 def test_the_first_finding_is_the_experts(section):
-    path, causes, key_ms = FIRST[section]
+    path, causes, key_ms, key_share = FIRST[section]
     report = _report(path)
     first = report["findings"][0]
-    assert first["fix"] in causes, (section, [(f["fix"], round(f["gain_s"] * 1e3, 1)) for f in report["findings"]])
-    if key_ms is not None:
-        assert _within(first["gain_s"] * 1e3, key_ms), (section, first["gain_s"] * 1e3, key_ms)
+    assert matches(first, causes, key_ms, key_share), (section, [(f["fix"], round(f["gain_s"] * 1e3, 1),
+                                                                  round(f["gain_fraction"], 3))
+                                                                 for f in report["findings"]])
     # What-if gains on the rank's timeline: no instant claimed twice, so they add up to at most the
     # (steady) step the findings read.
     assert sum(f["gain_fraction"] for f in report["findings"] if f["per_step"]) <= 1 + 1e-9
