@@ -5,6 +5,14 @@ scale-up link (NVLink / Infinity Fabric) as total bidirectional GB/s per
 device, as the vendors quote it.  Where a vendor does not support a dtype the
 entry is ``None``.  Every row names its source.
 
+Scale-out (the inter-node network), where a vendor's reference system states it:
+``nic_gbps`` is the NIC bandwidth one device has to itself, in the same unit as
+``link_gbps`` (total bidirectional GB/s: a 400 Gb/s NIC per GPU is 50 GB/s each
+way, 100 GB/s), with ``nic_source``; ``None`` where no reference system says it
+(the network is the buyer's choice).  ``scaleup_domain`` is how many devices a
+scale-up link joins in that reference system (8 on an HGX/DGX board or an MI300X
+platform, 72 in an NVL72 rack).
+
 An unknown device yields ``None`` (so no MFU) and one warning per device name:
 a guessed peak would make every MFU number wrong without anyone noticing.
 """
@@ -30,6 +38,9 @@ class Accelerator:
     memory_tbps: float
     link_gbps: float
     source: str
+    nic_gbps: float | None = None
+    nic_source: str | None = None
+    scaleup_domain: int = 8
 
     def peak_flops(self, dtype: str = "bf16") -> float | None:
         """Dense peak FLOP/s for ``dtype``; bf16 falls back to fp16 on chips without bf16 (V100)."""
@@ -42,6 +53,9 @@ class Accelerator:
         return asdict(self)
 
 
+_DGX_H = ("NVIDIA DGX BasePOD reference architecture, DGX H100/H200: eight single-port ConnectX-7, "
+          "up to 400 Gb/s, one per GPU")
+
 # (pattern on the device name as CUDA/ROCm report it, entry).  First match wins,
 # so more specific names (H100 PCIe, GB200) come before general ones.
 _TABLE: list[tuple[str, Accelerator]] = [
@@ -50,28 +64,36 @@ _TABLE: list[tuple[str, Accelerator]] = [
                                  "NVIDIA H100 datasheet, PCIe: 1,513 TF bf16 / 3,026 TF fp8 with sparsity")),
     # NVIDIA H100 Tensor Core GPU datasheet (2023): H100 SXM column.
     (r"H100", Accelerator("H100-SXM", "nvidia", 989.4, 989.4, 1978.9, 80, 3.35, 900,
-                          "NVIDIA H100 datasheet, SXM: 1,979 TF bf16 / 3,958 TF fp8 with sparsity")),
+                          "NVIDIA H100 datasheet, SXM: 1,979 TF bf16 / 3,958 TF fp8 with sparsity",
+                          nic_gbps=100, nic_source=_DGX_H)),
     # NVIDIA H200 Tensor Core GPU datasheet (2024): H200 SXM column.
     (r"H200", Accelerator("H200-SXM", "nvidia", 989.4, 989.4, 1978.9, 141, 4.8, 900,
-                          "NVIDIA H200 datasheet, SXM: 1,979 TF bf16 with sparsity, 141 GB HBM3e at 4.8 TB/s")),
+                          "NVIDIA H200 datasheet, SXM: 1,979 TF bf16 with sparsity, 141 GB HBM3e at 4.8 TB/s",
+                          nic_gbps=100, nic_source=_DGX_H)),
     # H800 SXM: H100 compute with NVLink cut to 400 GB/s (NVIDIA H800 product brief).
     (r"H800", Accelerator("H800-SXM", "nvidia", 989.4, 989.4, 1978.9, 80, 3.35, 400,
                           "NVIDIA H800 SXM product brief: H100 SXM compute, 400 GB/s NVLink")),
     # Blackwell Ultra (GB300 NVL72 / HGX B300 datasheets, 2025): per GPU dense 2.5 PF bf16 and 5 PF fp8
     # (GB300), 2.25 / 4.5 PF (B300); 288 GB HBM3e at 8 TB/s; NVLink 5 at 1.8 TB/s.
     (r"GB300", Accelerator("GB300", "nvidia", 2500.0, 2500.0, 5000.0, 288, 8.0, 1800,
-                           "NVIDIA GB300 NVL72 datasheet: 360 PF bf16 dense per 72 GPUs, 288 GB HBM3e per GPU")),
+                           "NVIDIA GB300 NVL72 datasheet: 360 PF bf16 dense per 72 GPUs, 288 GB HBM3e per GPU",
+                           scaleup_domain=72)),
     (r"B300", Accelerator("B300", "nvidia", 2250.0, 2250.0, 4500.0, 288, 8.0, 1800,
                           "NVIDIA HGX B300 datasheet: 2.25 PF bf16 / 4.5 PF fp8 dense per GPU, 288 GB HBM3e")),
     # GB200 NVL72 datasheet (2024): 360 PF bf16 / 720 PF fp8 sparse over 72 GPUs -> per GPU dense.
     (r"GB200", Accelerator("GB200", "nvidia", 2500.0, 2500.0, 5000.0, 186, 8.0, 1800,
-                           "NVIDIA GB200 NVL72 datasheet: 180 PF bf16 dense per 72 GPUs, 13.4 TB HBM3e")),
+                           "NVIDIA GB200 NVL72 datasheet: 180 PF bf16 dense per 72 GPUs, 13.4 TB HBM3e",
+                           scaleup_domain=72)),
     # DGX B200 datasheet (2024): 72 PF fp8 training (sparse) over 8 GPUs -> 4.5 PF fp8 dense per GPU.
     (r"B200", Accelerator("B200", "nvidia", 2250.0, 2250.0, 4500.0, 180, 8.0, 1800,
-                          "NVIDIA DGX B200 datasheet: 1,440 GB HBM3e and 72 PF fp8 sparse per 8 GPUs")),
+                          "NVIDIA DGX B200 datasheet: 1,440 GB HBM3e and 72 PF fp8 sparse per 8 GPUs",
+                          nic_gbps=100, nic_source="NVIDIA DGX BasePOD reference architecture, DGX B200: "
+                          "8x single-port ConnectX-7, up to 400 Gb/s, one per GPU")),
     # NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TF bf16/fp16 dense; 80 GB SXM at 2,039 GB/s.
     (r"A100", Accelerator("A100", "nvidia", 312.0, 312.0, None, 80, 2.039, 600,
-                          "NVIDIA A100 datasheet: 312 TF bf16 dense (624 sparse), NVLink 600 GB/s")),
+                          "NVIDIA A100 datasheet: 312 TF bf16 dense (624 sparse), NVLink 600 GB/s",
+                          nic_gbps=50, nic_source="NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 VPI "
+                          "200 Gb/s HDR InfiniBand, one per GPU")),
     # NVIDIA V100 datasheet (2018): 125 TF fp16 tensor (SXM2); no bf16.
     (r"V100", Accelerator("V100-SXM2", "nvidia", None, 125.0, None, 32, 0.9, 300,
                           "NVIDIA Tesla V100 datasheet: 125 TF fp16 tensor, 900 GB/s HBM2, NVLink 300 GB/s")),
@@ -83,14 +105,15 @@ _TABLE: list[tuple[str, Accelerator]] = [
 _warned: set[str] = set()
 
 
-def lookup(device_name: str | None) -> Accelerator | None:
-    """Table entry for a device name as the driver reports it, or None (warned once)."""
+def lookup(device_name: str | None, *, warn: bool = True) -> Accelerator | None:
+    """Table entry for a device name as the driver reports it, or None (warned once, unless ``warn``
+    is False: a caller that only adds to the MFU, such as the link bandwidths, stays quiet)."""
     if not device_name:
         return None
     for pattern, acc in _TABLE:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
             return acc
-    if device_name not in _warned:
+    if warn and device_name not in _warned:
         _warned.add(device_name)
         log.warning("mfuscope: unknown accelerator %r: no peak FLOP/s in the hardware table, "
                     "so no MFU is reported for it", device_name)
