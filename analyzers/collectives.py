@@ -104,14 +104,78 @@ def label_dim(name: str) -> str | None:
     return label.dim if label else kernel_dim(name)
 
 
+#: Process-group descriptions frameworks write (``Process Group Description`` in ``record_param_comms``,
+#: ``pg_desc`` in ``distributedInfo.pg_config``) -> mfuscope's dimension.  Megatron-Core names every
+#: group it creates (``parallel_state.initialize_model_parallel``; PyTorch >= 2.4 records the name):
+#: the decoder's tensor, context, data and pipeline groups and their products, and the expert layers'
+#: groups, whose data-parallel group is ``dp_expert`` (expert weights' gradients, over the ranks left
+#: after expert tensor x expert x pipeline parallelism).  Older Megatron spelled the expert groups
+#: ``DATA_MODULO_EXPERT_PARALLEL_GROUP`` / ``TENSOR_AND_EXPERT_PARALLEL_GROUP``.  Suffixes
+#: ``_GLOO`` (the CPU twin), ``_AG`` (a second communicator for all-gathers), ``HIERARCHICAL_*_L<n>``
+#: (a level of a hierarchical group) keep their group's dimension (:func:`_base_desc`).
+_DESC_DIMS = {
+    "TENSOR_MODEL_PARALLEL_GROUP": "tp",
+    "CONTEXT_PARALLEL_GROUP": "cp",
+    "PIPELINE_MODEL_PARALLEL_GROUP": "pp",
+    "EMBEDDING_GROUP": "pp",  # first and last pipeline stages: tied embedding gradients
+    "POSITION_EMBEDDING_GROUP": "pp",
+    "DATA_PARALLEL_GROUP": "dp",
+    "DATA_PARALLEL_GROUP_WITH_CP": "dp_cp",
+    "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp_shard_cp",  # one distributed-optimizer instance
+    "MODEL_PARALLEL_GROUP": "tp_pp",
+    "TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp",
+    "TENSOR_AND_DATA_PARALLEL_GROUP": "tp_dp",
+    "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp",
+    "EXPERT_MODEL_PARALLEL_GROUP": "ep",
+    "EXPERT_TENSOR_PARALLEL_GROUP": "tp",
+    "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep",
+    "TENSOR_AND_EXPERT_PARALLEL_GROUP": "tp_ep",
+    "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp",
+    "EXPERT_DATA_PARALLEL_GROUP": "dp_expert",
+    "DATA_MODULO_EXPERT_PARALLEL_GROUP": "dp_expert",
+}
+#: DeviceMesh dimension names (``mesh_<name>``: torchtitan's ParallelDims and any user mesh) that are
+#: mfuscope's under another name.  torchtitan: ``batch`` = dp_replicate x dp_shard, ``loss_mesh`` (its
+#: flattened batch x cp) and ``dp_cp``, ``fsdp`` = dp_shard x cp (its FSDP mesh), ``efsdp`` = FSDP of
+#: the expert layers; ``default`` / ``world``: every rank.  Other names are kept as they are.
+_MESH_DIMS = {"default": "world", "world": "world", "batch": "dp", "loss_mesh": "dp_cp", "loss": "dp_cp",
+              "efsdp": "dp_expert"}
+#: A group described by mfuscope's own dimension name (``new_group(..., group_desc="tp")``).
+_PLAIN_DIMS = ("tp", "cp", "pp", "ep", "dp", "dp_replicate", "dp_shard", "fsdp", "dp_shard_cp", "dp_cp", "dp_expert")
+_GROUP_SUFFIX = re.compile(r"(_GLOO|_AG|_L\d+)+$")
+
+
+def _base_desc(desc: str) -> str:
+    base = desc[len("HIERARCHICAL_"):] if desc.startswith("HIERARCHICAL_") else desc
+    return _GROUP_SUFFIX.sub("", base)
+
+
 def dim_from_group_desc(desc: str | None) -> str | None:
-    """Dimension from a process-group description: DeviceMesh names groups ``mesh_<dim>``."""
+    """Dimension from a process-group description: DeviceMesh's ``mesh_<dim>`` (torchtitan's names
+    mapped by :data:`_MESH_DIMS`), PyTorch's ``default_pg``, Megatron-Core's names
+    (:data:`_DESC_DIMS`); None for a description that says nothing (``undefined``: DeepSpeed and
+    plain ``new_group`` calls, ``mesh_dim_0`` of an unnamed mesh, a split group)."""
     if not desc:
         return None
     if desc == "default_pg":
         return "world"
+    if desc in _PLAIN_DIMS:
+        return desc
     m = re.match(r"^mesh_(\w+)$", desc)
-    return m.group(1) if m else None
+    if m:
+        name = m.group(1)
+        return None if re.fullmatch(r"dim_\d+", name) else _MESH_DIMS.get(name, name)
+    base = _base_desc(desc.strip().upper())
+    if re.fullmatch(r"HYBRID_DP_CP_GROUP_\d+", base):  # Megatron's power-of-two slices of dp x cp
+        return "dp_cp"
+    return _DESC_DIMS.get(base)
+
+
+def group_dim(name: str | None, desc: str | None) -> str | None:
+    """Dimension of a process group from what the trace calls it: its description first, then its
+    name where a framework named the group itself (``Process Group Name`` is otherwise PyTorch's
+    counter or a hash, which says nothing)."""
+    return dim_from_group_desc(desc) or (dim_from_group_desc(name) if name and not name.isdigit() else None)
 
 
 # Element sizes by the names PyTorch uses: c10 ScalarType names in
@@ -149,18 +213,76 @@ def bytes_from_dims(dims_json: str | None, types_json: str | None) -> int | None
     return math.prod(dims[0]) * size
 
 
-def parse_group_ranks(value) -> str | None:
-    """``"[0, 1]"``, ``[0, 1]`` -> ``"0,1"`` (a compact, hashable form)."""
+def read_group_ranks(value) -> tuple[list[int], bool] | None:
+    """(ranks, truncated) from a ``Process Group Ranks`` / ``pg_config`` ranks value: a list, or the
+    string Kineto writes, ``"[0, 2, 4]"``.  PyTorch's profiler cuts lists longer than 30 entries
+    (``kTruncatLength``) to their first 30 and a trailing ``...``: ``"[0, 1, 2, ..., 29, ...]"``
+    written out is 30 ranks then ``, ...``; such a list is a prefix of the group, flagged
+    ``truncated``.  None for nothing usable (missing, empty, not a list of ranks)."""
     if value is None:
         return None
+    truncated = False
     if isinstance(value, str):
-        value = value.strip()
-        if not value:
+        text = value.strip()
+        if not (text.startswith("[") and text.endswith("]")):
             return None
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return value
-    if isinstance(value, list):
-        return ",".join(str(int(v)) for v in value)
-    return str(value)
+        parts = [p.strip() for p in text[1:-1].split(",") if p.strip()]
+        truncated = any(p.strip(".") == "" for p in parts)  # "..." entries
+        value = [p for p in parts if p.strip(".") != ""]
+    if not isinstance(value, (list, tuple)):
+        return None
+    try:
+        ranks = [int(v) for v in value]
+    except (TypeError, ValueError):
+        return None
+    return (ranks, truncated) if ranks else None
+
+
+def full_group_ranks(head: list[int], size: int | None, start: int | None, stride: int | None) -> list[int] | None:
+    """A truncated list's whole group, where the event says how to rebuild it: PyTorch records
+    ``Global rank start`` and ``Global rank stride`` for a group whose ranks are evenly strided (a
+    DeviceMesh dimension, Megatron's single-dimension groups), and ``Group size``.  Only when the
+    recorded head agrees with that progression; else None (the group is not known)."""
+    if not size or start is None or start < 0 or not stride or stride < 1:
+        return None
+    ranks = [start + i * stride for i in range(size)]
+    return ranks if ranks[:len(head)] == head else None
+
+
+def compact_ranks(ranks: list[int]) -> str:
+    """[0, 1] -> ``"0,1"``: the EventTable's ``group_ranks`` form."""
+    return ",".join(str(r) for r in ranks)
+
+
+def parse_group_ranks(value) -> str | None:
+    """``"[0, 1]"``, ``[0, 1]`` -> ``"0,1"`` (a compact, hashable form); None for a truncated list
+    (never taken for the group: its size would be 30, its members a prefix) or anything else."""
+    read = read_group_ranks(value)
+    if read is None or read[1]:
+        return None
+    return compact_ranks(read[0])
+
+
+def call_group(name: str | None, desc: str | None, ranks_value, size: int | None = None,
+               start: int | None = None, stride: int | None = None) -> dict:
+    """A process group as a call (``record_param_comms``) or ``distributedInfo.pg_config`` states it:
+    ``{name, desc, dim, size, ranks, ranks_head}``.  ``ranks``: the whole group, compact
+    (``"0,1"``), when the trace lists it or a truncated list can be rebuilt
+    (:func:`full_group_ranks`), else None; ``ranks_head``: a truncated list's first ranks where it
+    could not be; ``size``: ``Group size`` / ``pg_size`` where given, else the whole list's length
+    (never a truncated list's)."""
+    size = size if size is not None and size > 0 else None
+    read = read_group_ranks(ranks_value)
+    ranks = head = None
+    if read is not None:
+        listed, truncated = read
+        if truncated:
+            ranks = full_group_ranks(listed, size, start, stride)
+            head = None if ranks is not None else compact_ranks(listed)
+        else:
+            ranks = listed
+        if ranks is not None:
+            size = size or len(ranks)
+            ranks = compact_ranks(ranks)
+    return {"name": name, "desc": desc, "dim": group_dim(name, desc), "size": size, "ranks": ranks,
+            "ranks_head": head}

@@ -26,7 +26,7 @@ import pandas as pd
 
 from mfuscope.event_table import EventTable
 
-from . import breakdown
+from . import breakdown, group_dims
 from . import intervals as iv
 
 SIZE_BUCKETS = [0, 64 << 10, 1 << 20, 16 << 20, 256 << 20, np.inf]
@@ -51,15 +51,23 @@ def calls_from_run(comm: pd.DataFrame) -> pd.DataFrame:
 
 
 def calls_from_trace(events: EventTable) -> pd.DataFrame:
+    """The trace's communication work as calls.  ``group_size``: the whole rank list's length where
+    the call has it, else the size the rank's trace states for its process group (``Group size``,
+    ``pg_config``: :func:`.group_dims.group_size_of`), else the world; never a cut list's
+    (Kineto keeps 30 ranks of a larger group, which the loader does not take for the group)."""
     df = events.to_pandas(["rank", "kind", "step", "dim", "op", "bytes", "group_ranks", "pg", "seq", "ts_ns", "dur_ns"])
     df = df[df["kind"] == "comm"]
     sizes = df["group_ranks"].fillna("").map(lambda s: s.count(",") + 1 if s else 0)
     world = max((m.get("world_size") or 0 for m in events.ranks.values()), default=0) or len(events.rank_ids)
+    groups = group_dims.groups_by_rank(events)
+    stated = pd.Series([group_dims.group_size_of(groups, int(r), pg) or 0 for r, pg in zip(df["rank"], df["pg"])],
+                       index=df.index, dtype="int64")
+    sizes = sizes.where(sizes > 0, stated)
     return pd.DataFrame({
         "rank": df["rank"], "step": df["step"], "dim": df["dim"].fillna("unknown"), "op": df["op"].fillna("unknown"),
         "bytes": df["bytes"].where(df["bytes"] >= 0), "group_size": sizes.where(sizes > 0, world),
-        "pg": df["pg"], "seq": df["seq"], "enqueue_ns": df["ts_ns"], "start_ns": df["ts_ns"],
-        "end_ns": df["ts_ns"] + df["dur_ns"]}).reset_index(drop=True)
+        "group_ranks": df["group_ranks"], "pg": df["pg"], "seq": df["seq"], "enqueue_ns": df["ts_ns"],
+        "start_ns": df["ts_ns"], "end_ns": df["ts_ns"] + df["dur_ns"]}).reset_index(drop=True)
 
 
 def exposure_sets(events: EventTable,
@@ -233,17 +241,55 @@ def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, A
     return skew, offsets
 
 
+#: Point-to-point calls pair two ranks, not a group: never matched.
+_P2P = ("send", "recv", "send_recv")
+#: Collectives every member calls with the same payload: where a trace numbers no call (PyTorch before
+#: ``Seq`` was recorded), one is known across ranks by its op and payload (:func:`_match`).  Not
+#: all-to-all (uneven splits) nor point-to-point.
+SAME_PAYLOAD = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
 def _match(calls: pd.DataFrame) -> pd.DataFrame:
-    """Collective calls every member of the group recorded, keyed by (group, sequence number), with
-    ``arrival`` (enqueue ns) and ``arrival_lag`` (ns after the first member arrived)."""
-    c = calls.dropna(subset=["pg", "seq"])
-    c = c[(c["seq"] >= 0) & ~c["op"].isin(["send", "recv", "send_recv"])]
+    """Collective calls matched across ranks, keyed by (group, sequence number), with ``arrival``
+    (enqueue ns) and ``arrival_lag`` (ns after the first member arrived).
+
+    The group is the call's process-group name (else its rank list); the sequence number is the
+    one the trace records.  A trace that records none (older PyTorch) numbers nothing: there a
+    collective of :data:`SAME_PAYLOAD` is keyed by its group, step, op and payload and its place
+    among the rank's calls of those in the step -- the k-th 78 MB all-reduce of step 551 is the same
+    call on every rank, where the k-th SendRecv kernel is not.
+
+    A key is matched when every loaded member of its group recorded it: the members are the ranks
+    whose traces hold calls of that group (a run's ranks are often a sample of the job: two of 128),
+    at least two, and never more than the group's size.  A group's rank list, cut by Kineto to 30
+    entries, is neither the group nor its size (:func:`calls_from_trace`)."""
+    c = calls[~calls["op"].isin(_P2P)]
     if c.empty:
         return c.assign(key=[], arrival=[], arrival_lag=[])
-    c = c.assign(key=c["pg"].astype(str) + "#" + c["seq"].astype("int64").astype(str))
-    sizes = c.groupby("key")["rank"].transform("size")
-    c = c[sizes == c["group_size"]]  # every member recorded it
-    c = c.assign(arrival=c["enqueue_ns"].astype("float64")).sort_values(["key", "arrival"])
+    listed = c["group_ranks"] if "group_ranks" in c else pd.Series(None, index=c.index, dtype=object)
+    group = c["pg"].astype(object).where(c["pg"].notna(), listed.astype(object)).fillna("").astype(str)
+    seq = pd.to_numeric(c["seq"], errors="coerce")
+    numbered = c["pg"].notna() & seq.notna() & (seq >= 0)
+    derived = (~numbered & c["op"].isin(SAME_PAYLOAD) & c["bytes"].notna()
+               & (pd.to_numeric(c["step"], errors="coerce").fillna(-1) >= 0))
+    keep = numbered | derived
+    c, group, seq, numbered = c[keep], group[keep], seq[keep], numbered[keep]
+    if c.empty:
+        return c.assign(key=[], arrival=[], arrival_lag=[])
+    signature = (group + "|" + c["step"].astype("int64").astype(str) + "|" + c["op"].astype(str) + "|"
+                 + c["bytes"].fillna(-1).astype("int64").astype(str))
+    order = c["enqueue_ns"].astype("float64").rank(method="first")
+    place = order.groupby([c["rank"], signature]).rank(method="first").astype("int64") - 1
+    key = ("s:" + group + "#" + seq.fillna(-1).astype("int64").astype(str)).where(
+        numbered, "d:" + signature + "#" + place.astype(str))
+    c = c.assign(key=key, group_id=np.where(numbered, "s:", "d:") + group,
+                 arrival=c["enqueue_ns"].astype("float64"))
+    # One row per rank and key, its first: calls coalesced into one share their number.
+    c = c.sort_values(["key", "arrival"]).drop_duplicates(["key", "rank"])
+    members = c.groupby("group_id")["rank"].transform("nunique")
+    count = c.groupby("key")["rank"].transform("size")
+    size = pd.to_numeric(c["group_size"], errors="coerce")
+    c = c[(count == members) & (count >= 2) & ~(count > size)].drop(columns="group_id")
     return c.assign(arrival_lag=c["arrival"] - c.groupby("key")["arrival"].transform("min"))
 
 
