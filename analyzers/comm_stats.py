@@ -14,16 +14,23 @@ exposed seconds never exceed the ranks' step time.
 Bandwidth, as nccl-tests defines it: algbw = bytes / time; busbw = algbw x
 2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter and
 all_to_all, 1 for broadcast and point-to-point.
+
+Against the links (:class:`Links`): a row's bus bandwidth over what the link of its tier carries a
+direction per device (half the hardware table's bidirectional figure: the scale-up link when the
+group sits in one node, the NIC when it spans nodes), flagged under :data:`FAR_BELOW` for calls of
+16 MiB and more (smaller ones are latency-bound: nccl-tests itself stays far under the link there).
 """
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from mfuscope import hardware
 from mfuscope.event_table import EventTable
 
 from . import breakdown, group_dims
@@ -32,6 +39,78 @@ from . import intervals as iv
 SIZE_BUCKETS = [0, 64 << 10, 1 << 20, 16 << 20, 256 << 20, np.inf]
 BUCKET_NAMES = ["<64KiB", "64KiB-1MiB", "1-16MiB", "16-256MiB", ">=256MiB"]
 UNKNOWN = "unknown size"
+#: Buckets whose calls are judged against the links: from 16 MiB a collective's time is its bytes over the
+#: bandwidth; below, latency (launch, protocol handshakes, a ring's n-1 hops) sets it and nccl-tests
+#: itself stays far under the link (16 H100s on two nodes: 9.7 GB/s bus bandwidth at 1 MiB, 33 at 16 MiB,
+#: 339 at 8 GiB; tests/fixtures/nccl_tests/all_reduce_perf_h100_2x8.txt).
+BANDWIDTH_BOUND = ("16-256MiB", ">=256MiB")
+#: A bandwidth-bound row is flagged when its bus bandwidth is under this share of what its tier's link
+#: carries: at 16 MiB nccl-tests reaches two thirds of the NIC across two H100 nodes, so a row under 10%
+#: lost most of its bandwidth to something other than message size.
+FAR_BELOW = 0.10
+
+
+@dataclass(frozen=True)
+class Links:
+    """What one device's links carry a direction (GB/s, the unit of nccl-tests' bus bandwidth), and
+    which ranks share a node.  From the hardware table (half its bidirectional figures) and, for the
+    node, the run's ``local_world_size`` or hosts when the manifest has them, else the device's
+    scale-up domain (8 on an HGX/DGX board or an MI300X platform, 72 in an NVL72 rack), assumed."""
+
+    device: str
+    scale_up_gbps: float
+    scale_out_gbps: float | None
+    ranks_per_node: int
+    world: int | None
+    node_source: str
+    link_source: str
+
+    @classmethod
+    def of(cls, device_name: str | None, world: int | None,
+           manifest: Mapping[str, Any] | None = None) -> Links | None:
+        acc = hardware.lookup(device_name, warn=False)  # an unknown device is already warned about for MFU
+        if acc is None:
+            return None
+        raw = manifest or {}
+        hosts = raw.get("hosts") or []
+        if raw.get("local_world_size"):
+            rpn, how = int(raw["local_world_size"]), "the run's local world size"
+        elif len(hosts) > 1 and world and world % len(hosts) == 0:
+            rpn, how = world // len(hosts), f"{world} ranks on {len(hosts)} hosts"
+        else:
+            rpn, how = acc.scaleup_domain, (f"assumed from the {acc.key}'s reference system, whose scale-up link "
+                                            f"joins {acc.scaleup_domain}")
+        source = f"hardware table: {acc.key}, scale-up link {acc.link_gbps:g} GB/s bidirectional" + (
+            f", NIC {acc.nic_gbps:g} GB/s bidirectional ({acc.nic_source})" if acc.nic_gbps else ", no NIC figure")
+        return cls(acc.key, acc.link_gbps / 2, acc.nic_gbps / 2 if acc.nic_gbps else None, max(rpn, 1),
+                   world, how, source)
+
+    def tier(self, group_size: int, ranks: str | None = None) -> tuple[str, str]:
+        """("scale-up" or "scale-out", how it is known) for a group of ``group_size`` ranks, whose
+        members (``"0,1,2"``) are given when the calls carry them.  Ranks fill nodes in order
+        (torchrun's node-major numbering)."""
+        members = _members(ranks)
+        if members:
+            nodes = {r // self.ranks_per_node for r in members}
+            return ("scale-up", "its ranks share a node") if len(nodes) == 1 else ("scale-out", "its ranks span nodes")
+        if group_size > self.ranks_per_node:
+            return "scale-out", "the group is larger than a node"
+        if self.world and self.world <= self.ranks_per_node:
+            return "scale-up", "the whole job fits in a node"
+        return "scale-out", "assumed: the group's ranks are not known, so the lower figure"
+
+    def attainable_gbps(self, tier: str) -> float | None:
+        return self.scale_up_gbps if tier == "scale-up" else self.scale_out_gbps
+
+
+def _members(ranks: Any) -> list[int] | None:
+    """``"0,1,2"`` -> [0, 1, 2]; None for a missing or truncated list (Kineto's ``"[0, 1, ..., 29, ...]"``)."""
+    if not isinstance(ranks, str) or not ranks:
+        return None
+    try:
+        return [int(r) for r in ranks.split(",")]
+    except ValueError:
+        return None
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -154,8 +233,10 @@ def _owned(starts: np.ndarray, ends: np.ndarray, points: np.ndarray, weight: np.
     return out
 
 
-def summarize(calls: pd.DataFrame) -> list[dict[str, Any]]:
-    """Per (dim, op, size bucket): count, bytes, total and exposed seconds, overlap, bandwidths."""
+def summarize(calls: pd.DataFrame, links: Links | None = None) -> list[dict[str, Any]]:
+    """Per (dim, op, size bucket): count, bytes, total and exposed seconds, overlap, bandwidths, the
+    group size and median message size; with ``links``, the bus bandwidth against the link of the
+    row's tier (:func:`against_links`)."""
     if calls.empty:
         return []
     # A call whose size the trace does not give is in its own bucket, and out of the bandwidths:
@@ -176,8 +257,38 @@ def summarize(calls: pd.DataFrame) -> list[dict[str, Any]]:
                      "exposed_s": None if exposed is None else float(exposed),
                      "overlap": None if exposed is None or total == 0 else float(1 - exposed / total),
                      "algbw_gbps": None if algbw is None else algbw / 1e9,
-                     "busbw_gbps": None if algbw is None else algbw * bus_factor(op, n) / 1e9})
+                     "busbw_gbps": None if algbw is None else algbw * bus_factor(op, n) / 1e9,
+                     "group_size": n, "median_bytes": float(timed["bytes"].median()) if len(timed) else None})
+        if links is not None:
+            rows[-1].update(against_links(rows[-1], g, links))
     return sorted(rows, key=lambda r: -(r["exposed_s"] or r["total_s"]))
+
+
+def against_links(row: dict[str, Any], g: pd.DataFrame, links: Links) -> dict[str, Any]:
+    """A row's tier (the most common among its calls), what that tier's link carries a direction
+    (``attainable_busbw_gbps``), the row's bus bandwidth as a share of it, and ``flag``: True when a
+    bandwidth-bound row (:data:`BANDWIDTH_BOUND`) is under :data:`FAR_BELOW` of it, False when it is
+    not, None when the row cannot be judged (``link_note`` says why)."""
+    sizes = g["group_size"].fillna(row["group_size"]).astype(int)
+    ranks = g["group_ranks"] if "group_ranks" in g else pd.Series([None] * len(g), index=g.index)
+    tiers = pd.Series([links.tier(int(n), r) for n, r in zip(sizes, ranks)], index=g.index)
+    tier, how = tiers.value_counts().index[0]
+    attainable = links.attainable_gbps(tier)
+    busbw = row["busbw_gbps"]
+    share = busbw / attainable if busbw is not None and attainable else None
+    if attainable is None:
+        flag, note = None, f"no {tier} figure for the {links.device} in the hardware table"
+    elif share is None:
+        flag, note = None, "no bandwidth: no call of known size and duration"
+    elif row["size"] not in BANDWIDTH_BOUND:
+        flag, note = None, "latency-bound size (under 16 MiB): not judged"
+    else:
+        flag = share < FAR_BELOW
+        note = (f"{busbw:.3g} GB/s, {share:.1%} of the {tier} link's {attainable:.0f} GB/s a direction"
+                + (f" (under {FAR_BELOW:.0%} at 16 MiB and more)" if flag else ""))
+    return {"tier": tier, "tier_source": f"{how}; {links.ranks_per_node} ranks a node, {links.node_source}",
+            "attainable_busbw_gbps": attainable, "attainable_source": links.link_source,
+            "busbw_of_attainable": share, "flag": flag, "link_note": note}
 
 
 def overlap_by_rank(events: EventTable) -> pd.DataFrame:

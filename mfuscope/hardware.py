@@ -11,7 +11,7 @@ Scale-out (the inter-node network), where a vendor's reference system states it:
 way, 100 GB/s), with ``nic_source``; ``None`` where no reference system says it
 (the network is the buyer's choice).  ``scaleup_domain`` is how many devices a
 scale-up link joins in that reference system (8 on an HGX/DGX board or an MI300X
-platform, 72 in an NVL72 rack).
+platform, 72 in an NVL72 rack, 2 for PCIe cards joined by an NVLink bridge).
 
 An unknown device yields ``None`` (so no MFU) and one warning per device name:
 a guessed peak would make every MFU number wrong without anyone noticing.
@@ -61,7 +61,8 @@ _DGX_H = ("NVIDIA DGX BasePOD reference architecture, DGX H100/H200: eight singl
 _TABLE: list[tuple[str, Accelerator]] = [
     # NVIDIA H100 Tensor Core GPU datasheet (2023): H100 PCIe column.
     (r"H100.*PCIe", Accelerator("H100-PCIe", "nvidia", 756.0, 756.0, 1513.0, 80, 2.0, 600,
-                                 "NVIDIA H100 datasheet, PCIe: 1,513 TF bf16 / 3,026 TF fp8 with sparsity")),
+                                 "NVIDIA H100 datasheet, PCIe: 1,513 TF bf16 / 3,026 TF fp8 with sparsity",
+                                 scaleup_domain=2)),  # the datasheet's NVLink is a bridge joining two cards
     # NVIDIA H100 Tensor Core GPU datasheet (2023): H100 SXM column.
     (r"H100", Accelerator("H100-SXM", "nvidia", 989.4, 989.4, 1978.9, 80, 3.35, 900,
                           "NVIDIA H100 datasheet, SXM: 1,979 TF bf16 / 3,958 TF fp8 with sparsity",
