@@ -29,8 +29,10 @@ Progress = Callable[[float, str], None]
 
 
 def analyze(path: str | Path, report_path: str | Path, views_dir: str | Path | None, *,
-            on_progress: Progress | None = None, **load_options: Any) -> tuple[dict[str, Any], trace_set.LoadResult]:
-    """Load ``path``, write its report (and views), return (report, what was loaded)."""
+            on_progress: Progress | None = None, nccl_tests: list | None = None,
+            **load_options: Any) -> tuple[dict[str, Any], trace_set.LoadResult]:
+    """Load ``path``, write its report (and views), return (report, what was loaded).  ``nccl_tests``:
+    tables of :func:`.nccl_tests.read_all` the communication rows are compared with."""
     say = on_progress or (lambda fraction, message: None)
     is_run = run_dir.is_run_dir(path)
     say(0.0, "loading traces")
@@ -40,7 +42,7 @@ def analyze(path: str | Path, report_path: str | Path, views_dir: str | Path | N
     say(0.7, "analyzing")
     context = Context.of(result.events, path if is_run else None)
     report = overview.build_report(context, source=str(path), files=[str(f) for f in result.files],
-                                   run=path if is_run else None)
+                                   run=path if is_run else None, nccl_tests=nccl_tests)
     if views_dir is not None:
         say(0.9, "building timelines")
         write_views(views_dir, context)

@@ -208,10 +208,12 @@ def _communication(leaves: dict[str, float], step_s: float, add, waited: dict[st
         dim, op = (leaf.split("/") + [""])[1:3]
         if dim.startswith("dp") or dim in _DP_DIMS:
             fix, where = FIXES["overlap_dp_grads"], f"{dim} dimension"
-        elif dim in ("tp", "cp", "ep"):
+        elif set(dim.split("_")) & {"tp", "cp", "ep", "etp"}:  # tp, cp, ep and groups that join them (tp_cp)
             fix, where = FIXES["overlap_tp_comm"], f"{dim} dimension"
-        else:
+        elif dim == "unknown":
             fix, where = FIXES["overlap_comm"], "dimension unknown: no process-group names in the trace"
+        else:
+            fix, where = FIXES["overlap_comm"], f"{dim} group"
         if fix.applies(seconds / step_s):
             add(fix.id, f"exposed {op} communication ({where}): {seconds / step_s:.0%} of the step",
                 min(seconds, compute), {"leaf": leaf, "seconds_per_step": seconds, "share_of_step": seconds / step_s,

@@ -57,11 +57,16 @@ class _Args(msgspec.Struct, gc=False):
     pg_name: str | None = _field(name="Process Group Name", default=None)
     pg_desc: str | None = _field(name="Process Group Description", default=None)
     pg_ranks: msgspec.Raw = _field(name="Process Group Ranks", default=msgspec.Raw())
+    group_size: int | str | None = _field(name="Group size", default=None)
+    rank_start: int | str | None = _field(name="Global rank start", default=None)
+    rank_stride: int | str | None = _field(name="Global rank stride", default=None)
     in_nelems: int | None = _field(name="In msg nelems", default=None)
+    out_nelems: int | None = _field(name="Out msg nelems", default=None)
     dtype: str | None = None
     seq: int | None = _field(name="Seq", default=None)
     input_dims: msgspec.Raw = _field(name="Input Dims", default=msgspec.Raw())
     input_type: msgspec.Raw = _field(name="Input type", default=msgspec.Raw())
+    concrete: msgspec.Raw = _field(name="Concrete Inputs", default=msgspec.Raw())
     name: str | None = None  # thread_name / process_name metadata
 
 
@@ -80,6 +85,7 @@ class _PgConfig(msgspec.Struct, gc=False):
     pg_name: str | None = None
     pg_desc: str | None = None
     pg_size: int | None = None
+    group_size: int | None = None  # older PyTorch's name for pg_size
     ranks: list[int] | str | None = None
     backend_config: str | None = None
 
@@ -140,8 +146,9 @@ _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation",
 
 #: CPU ops whose input shapes are kept (FLOPs from shapes; collective sizes).
 _SHAPE_OPS = re.compile(
-    r"^(aten::(mm|addmm|bmm|baddbmm|linear|matmul|_scaled_dot_product\w*|scaled_dot_product\w*"
-    r"|_flash_attention\w*|_efficient_attention\w*)|record_param_comms|nccl:|gloo:|c10d::)")
+    r"^(aten::(mm|addmm|bmm|baddbmm|linear|matmul|_scaled_mm|_scaled_dot_product\w*|scaled_dot_product\w*"
+    r"|_flash_attention\w*|_efficient_attention\w*|convolution|convolution_backward)$|record_param_comms|nccl:|"
+    r"gloo:|c10d::)")
 
 _RANK_IN_NAME = re.compile(r"(?:^|[^a-z])(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 
@@ -410,9 +417,7 @@ def _pg_config(dist: _DistInfo | None) -> list[dict[str, Any]]:
         return []
     out = []
     for pg in dist.pg_config:
-        out.append({"name": pg.pg_name, "desc": pg.pg_desc, "size": pg.pg_size,
-                    "ranks": collectives.parse_group_ranks(pg.ranks),
-                    "dim": collectives.dim_from_group_desc(pg.pg_desc)})
+        out.append(collectives.call_group(pg.pg_name, pg.pg_desc, pg.ranks, pg.pg_size or pg.group_size))
     return out
 
 
@@ -459,15 +464,21 @@ class _KeptArgs(NamedTuple):
     pg_desc: str | None
     pg_ranks: bytes
     in_nelems: int | None
+    out_nelems: int | None
     dtype: str | None
     seq: int | None
     input_dims: bytes
     input_type: bytes
+    concrete: bytes
+    group_size: int | str | None = None
+    rank_start: int | str | None = None
+    rank_stride: int | str | None = None
 
 
 def _kept(a: _Args) -> _KeptArgs:
-    return _KeptArgs(a.collective, a.pg_name, a.pg_desc, bytes(a.pg_ranks), a.in_nelems, a.dtype, a.seq,
-                     bytes(a.input_dims), bytes(a.input_type))
+    return _KeptArgs(a.collective, a.pg_name, a.pg_desc, bytes(a.pg_ranks), a.in_nelems, a.out_nelems, a.dtype,
+                     a.seq, bytes(a.input_dims), bytes(a.input_type), bytes(a.concrete), a.group_size,
+                     a.rank_start, a.rank_stride)
 
 
 def _needs_args(name: str) -> bool:
@@ -621,6 +632,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     seq = np.full(n, -1, dtype=np.int64)
     shapes = np.full(n, None, dtype=object)
     comm_rows = np.flatnonzero(comm_cpu_name[name_idx] | (kind == "comm"))
+    groups: dict[str, dict[str, Any]] = {}  # process groups the calls name: meta["comm_groups"]
     for i in comm_rows:
         a = args.get(i)
         if a is None:
@@ -629,15 +641,22 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
             op[i] = collectives.normalize_op(a.collective) or op[i]
         if a.pg_name is not None:
             pg[i] = a.pg_name
-        if a.pg_desc and dim[i] is None:
-            dim[i] = collectives.dim_from_group_desc(a.pg_desc)
-        if a.pg_ranks:
-            group_ranks[i] = collectives.parse_group_ranks(msgspec.json.decode(a.pg_ranks))
+        if (a.pg_desc or a.pg_name) and dim[i] is None:
+            dim[i] = collectives.group_dim(a.pg_name, a.pg_desc)
+        if a.pg_ranks or a.group_size is not None:
+            listed = msgspec.json.decode(a.pg_ranks) if a.pg_ranks else None
+            group = collectives.call_group(a.pg_name, a.pg_desc, listed, _as_int(a.group_size),
+                                           _as_int(a.rank_start), _as_int(a.rank_stride))
+            group_ranks[i] = group["ranks"]
+            if a.pg_name is not None:
+                groups.setdefault(a.pg_name, group)
         if a.seq is not None:
             seq[i] = a.seq
         size = collectives.dtype_bytes(a.dtype)
-        if a.in_nelems is not None and size is not None:
-            nbytes[i] = a.in_nelems * size
+        # nccl-tests' size, as the collectors record it: an all-gather's output, every other's input
+        nelems = a.out_nelems if op[i] == "all_gather" and a.out_nelems is not None else a.in_nelems
+        if nelems is not None and size is not None:
+            nbytes[i] = nelems * size
         elif a.input_dims and a.input_type:
             b = collectives.bytes_from_dims(a.input_dims.decode(), a.input_type.decode())
             if b is not None:
@@ -645,8 +664,9 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     for i in np.flatnonzero(shape_name[name_idx]):
         a = args.get(i)
         if a is not None and a.input_dims:
-            shapes[i] = a.input_dims.decode()
+            shapes[i] = _shapes_json(a)
 
+    meta["comm_groups"] = list(groups.values())
     _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
                       op, dim, pg, group_ranks, nbytes, seq)
     gloo = np.array([str(v).startswith("gloo:") for v in name_values] or [False], dtype=bool)[name_idx]
@@ -666,6 +686,18 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     columns["peer"] = np.full(n, -1, dtype=np.int32)
     table = build_table(columns)
     return table, steps
+
+
+def _shapes_json(a: _KeptArgs) -> str:
+    """The ``shapes`` column: ``{"dims": Input Dims, "types": Input type, "concrete": Concrete
+    Inputs}`` as the profiler recorded them (the last two where it did: scalar arguments such as a
+    convolution's stride, padding and groups are in ``Concrete Inputs`` from PyTorch 2.1)."""
+    out = b'{"dims":' + a.input_dims
+    if a.input_type:
+        out += b',"types":' + a.input_type
+    if a.concrete:
+        out += b',"concrete":' + a.concrete
+    return (out + b"}").decode()
 
 
 def _ints(values: list) -> np.ndarray:

@@ -23,13 +23,15 @@ from mfuscope.report import new_report
 
 from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, stragglers
 from .context import Context
+from .nccl_tests import Table, compare
 from .steps import DEVICE_SPAN, WHOLE_TRACE
 
 
 def build_report(events: EventTable | Context, *, source: str, files: list[str],
-                 run: str | Path | None = None) -> dict[str, Any]:
+                 run: str | Path | None = None, nccl_tests: list[Table] | None = None) -> dict[str, Any]:
     """``events``: the traces, or the analysis context that holds them with the run's manifest
-    (``mfuscope analyze`` shares one with the timeline views); ``run``: the run directory, if any."""
+    (``mfuscope analyze`` shares one with the timeline views); ``run``: the run directory, if any;
+    ``nccl_tests``: nccl-tests tables (:mod:`.nccl_tests`) each communication row is compared with."""
     ctx = events if isinstance(events, Context) else Context.of(events, run)
     events, manifest = ctx.events, ctx.manifest
     step_s, tokens, step_source = _step_times(events, run)
@@ -75,9 +77,12 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
     found, summary["findings_note"] = _findings(ctx, bub, strag, launch.to_dict("records"), summary["cuda_graphs"],
                                                 calls)
     overlap = comm_stats.overlap_by_rank(events)
+    comm = comm_stats.summarize(calls, comm_stats.Links.of(device, world, recorded.raw))
+    if nccl_tests:
+        compare(comm, nccl_tests)
     return new_report(
         source, files, summary, breakdown=tree, bubbles=[bub] if bub else [],
-        comm=comm_stats.summarize(calls),
+        comm=comm,
         stragglers=strag,
         kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count), "total_s": k.total_ns / 1e9,
                   "mean_us": k.mean_ns / 1e3, "median_us": k.median_ns / 1e3, "share": float(k.share)}
@@ -228,13 +233,7 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append("stragglers    " + ", ".join(f"rank {x['rank']} (+{x['cost_s'] * 1e3:.1f} ms/step)"
                                               for x in report["stragglers"]))
     if report.get("comm"):
-        lines += ["", f"communication  {'dim':<12} {'op':<15} {'size':<11} {'calls':>7} {'total ms':>10} "
-                      f"{'exposed ms':>11} {'busbw GB/s':>11}"]
-        for c in report["comm"][:8]:
-            exposed = f"{c['exposed_s'] * 1e3:11.1f}" if c["exposed_s"] is not None else f"{'-':>11}"
-            bw = f"{c['busbw_gbps']:11.3f}" if c["busbw_gbps"] is not None else f"{'-':>11}"
-            lines.append(f"               {c['dim']:<12} {c['op']:<15} {c['size']:<11} {c['count']:>7} "
-                         f"{c['total_s'] * 1e3:10.1f} {exposed} {bw}")
+        lines += _comm_lines(report["comm"])
     if s.get("findings_note"):
         lines += ["", f"no per-step finding: {s['findings_note']}"]
     per_step = [f for f in report.get("findings") or [] if f.get("per_step", True)]
@@ -250,6 +249,35 @@ def format_text(report: dict[str, Any]) -> str:
         for k in report["kernels"][:5]:
             lines.append(f"  {k['share']:6.1%} {k['total_s'] * 1e3:10.3f} ms {k['count']:>7}x  {k['name'][:90]}")
     return "\n".join(lines)
+
+
+def _comm_lines(comm: list[dict[str, Any]]) -> list[str]:
+    """The communication table; with the link's and nccl-tests' figures when the rows have them, and a
+    line for each row far below its link."""
+    link = any(c.get("busbw_of_attainable") is not None for c in comm)
+    nccl = any(c.get("busbw_of_nccl_tests") is not None for c in comm)
+    lines = ["", f"communication  {'dim':<12} {'op':<15} {'size':<11} {'calls':>7} {'total ms':>10} "
+                 f"{'exposed ms':>11} {'busbw GB/s':>11}" + (f" {'of link':>9}" if link else "")
+             + (f" {'of nccl-tests':>13}" if nccl else "")]
+    for c in comm[:8]:
+        exposed = f"{c['exposed_s'] * 1e3:11.1f}" if c["exposed_s"] is not None else f"{'-':>11}"
+        bw = f"{c['busbw_gbps']:11.3f}" if c["busbw_gbps"] is not None else f"{'-':>11}"
+        share, ref = c.get("busbw_of_attainable"), c.get("busbw_of_nccl_tests")
+        lines.append(f"               {c['dim']:<12} {c['op']:<15} {c['size']:<11} {c['count']:>7} "
+                     f"{c['total_s'] * 1e3:10.1f} {exposed} {bw}"
+                     + ((f" {share:8.1%}" + ("!" if c.get("flag") else " ") if share is not None else f" {'-':>9}")
+                        if link else "")
+                     + ((f" {ref:13.1%}" if ref is not None else f" {'-':>13}") if nccl else ""))
+    for c in comm:
+        if c.get("flag"):
+            lines.append(f"  ! {c['dim']}/{c['op']} {c['size']}: bus bandwidth {c['link_note']}; "
+                         f"{c['tier']}: {c['tier_source']}")
+    used = {(c["nccl_tests_file"], c["nccl_tests_test"], c["nccl_tests_ranks"]) for c in comm
+            if c.get("nccl_tests_file")}
+    for path, test, ranks in sorted(used, key=str):
+        lines.append(f"  of nccl-tests: achieved bus bandwidth over {test}'s at the same message size "
+                     f"({path}{f', {ranks} ranks' if ranks else ''})")
+    return lines
 
 
 def _pct(v: float | None) -> str:

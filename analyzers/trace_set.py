@@ -24,7 +24,7 @@ from tqdm import tqdm
 from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable
 
-from . import trace_cache
+from . import group_dims, trace_cache
 from .kineto_json import load_kineto_file, peek_header, rank_from_file_name
 from .nsys_sqlite import is_nsys_sqlite, load_nsys_sqlite
 
@@ -152,7 +152,7 @@ def _take_hand_off(path: str) -> EventTable:
 def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
          use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
          progress: bool | None = None, on_file: Callable[[int, int], None] | None = None,
-         allow_mixed: bool = False) -> LoadResult:
+         allow_mixed: bool = False, layout: str | None = None, rank_order: str | None = None) -> LoadResult:
     """Load every trace under ``path`` into one EventTable.
 
     The files must be ranks of one job (:func:`check_one_job`); ``allow_mixed`` loads them
@@ -161,8 +161,11 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     ``rank`` applies to a single file without rank information.  With
     ``skip_bad``, files that fail to load are listed in ``skipped`` instead of
     failing the whole set (at least one must load).  ``on_file(done, total)`` is called as each
-    file is loaded (the dashboard's progress bar).
+    file is loaded (the dashboard's progress bar).  ``layout`` / ``rank_order`` (``--layout
+    tp=8,pp=4``, ``--rank-order tp-cp-ep-dp-pp``) place the process groups nothing in the traces
+    names (:mod:`.group_dims`).
     """
+    groups = group_dims.RankLayout.parse(layout, rank_order)  # bad flags fail before any file is read
     files = discover(path)
     single = len(files) == 1
     jobs = []
@@ -254,6 +257,7 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
     results.sort(key=lambda fe: min(fe[1].ranks))
     events = EventTable.concat([ev for _, ev in results])
     check_one_job(events.ranks, Path(path), allow_mixed)
+    events = group_dims.assign(events, groups)
     return LoadResult(events, [f for f, _ in results], skipped, cached)
 
 

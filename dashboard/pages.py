@@ -490,7 +490,8 @@ def comm_page(run: Run, a: Analysis) -> html.Div:
     rows = [{"dim": c["dim"], "op": c["op"], "size": c["size"], "count": c["count"],
              "bytes": None if c["bytes"] is None else c["bytes"] / 2**20,
              "total_ms": c["total_s"] * 1e3, "exposed_ms": None if c["exposed_s"] is None else c["exposed_s"] * 1e3,
-             "overlap": c.get("overlap"), "algbw": c.get("algbw_gbps"), "busbw": c.get("busbw_gbps")}
+             "overlap": c.get("overlap"), "algbw": c.get("algbw_gbps"), "busbw": c.get("busbw_gbps"),
+             "of_link": c.get("busbw_of_attainable"), "of_nccl_tests": c.get("busbw_of_nccl_tests")}
             for c in r.get("comm") or []]
     dim_style = {"styleConditions": [{"condition": f"params.value == '{d}'",
                                       "style": {"backgroundColor": col, "color": "white"}}
@@ -504,7 +505,9 @@ def comm_page(run: Run, a: Analysis) -> html.Div:
         {"field": "exposed_ms", "headerName": "exposed (ms)", "valueFormatter": NUM, "sort": "desc"},
         {"field": "overlap", "headerName": "overlapped", "valueFormatter": PCT},
         {"field": "algbw", "headerName": "algbw (GB/s)", "valueFormatter": NUM},
-        {"field": "busbw", "headerName": "busbw (GB/s)", "valueFormatter": NUM}]) if rows else \
+        {"field": "busbw", "headerName": "busbw (GB/s)", "valueFormatter": NUM},
+        {"field": "of_link", "headerName": "of link", "valueFormatter": PCT},
+        {"field": "of_nccl_tests", "headerName": "of nccl-tests", "valueFormatter": PCT}]) if rows else \
         info_panel("No communication in this run.")
     skew = r.get("comm_skew") or []
     skew_text = [html.Li(f"{k['dim']}: {k['instances']} matched calls, arrival skew median "

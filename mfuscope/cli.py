@@ -28,6 +28,12 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-mixed", action="store_true",
                    help="load traces that disagree on world size or device as one job anyway (with a warning)")
     p.add_argument("--workers", type=int, default=None, help="parallel parse processes (default: CPU count)")
+    p.add_argument("--layout", metavar="DEGREES", default=None,
+                   help="the job's parallel degrees, e.g. tp=8,pp=4,dp=2 (dp: what the world leaves; also cp, ep, "
+                        "etp, or dp_replicate/dp_shard), to name process groups the traces do not")
+    p.add_argument("--rank-order", metavar="ORDER", default=None,
+                   help="with --layout: the dimensions that number the ranks, fastest first "
+                        "(default tp-cp-ep-dp-pp, Megatron-Core's)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
 
 
@@ -54,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predict", action="store_true",
                    help="also print the cost model's prediction for this run, leaf by leaf (runs with a model spec)")
     p.add_argument("--hardware", type=Path, default=None, help="with --predict: a profile from `mfuscope calibrate`")
+    p.add_argument("--nccl-tests", type=Path, action="append", default=[], metavar="FILE",
+                   help="an nccl-tests output (all_reduce_perf and the like) to compare each communication row's "
+                        "bus bandwidth with, at the same message size; repeatable")
     p.set_defaults(func=cmd_analyze)
     p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer through torchrun",
                        description="Train the reference Llama/MoE model on N local ranks (gloo on CPU, NCCL on "
@@ -383,7 +392,7 @@ def _load(args: argparse.Namespace):
 
     result = trace_set.load(args.path, rank=args.rank, step_annotation=args.step_annotation,
                             use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers,
-                            allow_mixed=args.allow_mixed)
+                            allow_mixed=args.allow_mixed, layout=args.layout, rank_order=args.rank_order)
     for _, reason in result.skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     return result
@@ -415,17 +424,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from mfuscope.analyzers import overview
+    from mfuscope.analyzers import nccl_tests, overview
     from mfuscope.analyzers.analysis import analyze
     from mfuscope.run_dir import REPORT, VIEWS, is_run_dir
 
     run = is_run_dir(args.path)
     out = args.out or (Path(args.path) / REPORT if run else Path("mfuscope-report.json"))
     _check_overwrite(out, args.force)
+    references = nccl_tests.read_all(args.nccl_tests)  # a bad file fails before the traces load
     # A run directory keeps the dashboard's views beside its report.
-    report, result = analyze(args.path, out, Path(args.path) / VIEWS if run else None, rank=args.rank,
+    report, result = analyze(args.path, out, Path(args.path) / VIEWS if run else None, nccl_tests=references,
+                             rank=args.rank,
                              step_annotation=args.step_annotation, use_cache=not args.no_cache,
-                             skip_bad=args.skip_bad, workers=args.workers, allow_mixed=args.allow_mixed)
+                             skip_bad=args.skip_bad, workers=args.workers, allow_mixed=args.allow_mixed,
+                             layout=args.layout, rank_order=args.rank_order)
     for _, reason in result.skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     if args.json:

@@ -25,7 +25,7 @@ op             string (nullable)          collective: all_reduce, all_gather, re
 dim            string (nullable)          parallel dimension: dp, fsdp, tp, pp, cp, ep, world
 pg             string (nullable)          process-group name
 group_ranks    string (nullable)          process-group ranks, comma separated
-bytes          int64                      collective payload in bytes (input side), -1 unknown
+bytes          int64                      collective size, as nccl-tests counts it (all_gather: output), -1 unknown
 seq            int64                      collective sequence number in its group, -1 unknown
 peer           int32                      p2p peer rank, -1 unknown
 shapes         string (nullable)          JSON of input dims, kept for GEMM/attention/comm ops only

@@ -43,7 +43,12 @@ class Accelerator:
     scaleup_domain: int = 8
 
     def peak_flops(self, dtype: str = "bf16") -> float | None:
-        """Dense peak FLOP/s for ``dtype``; bf16 falls back to fp16 on chips without bf16 (V100)."""
+        """Dense peak FLOP/s for ``dtype`` (bf16, fp16, fp8, tf32, fp32); bf16 falls back to fp16
+        on chips without bf16 (V100).  fp32 is the non-tensor-core peak (matrix cores on AMD)."""
+        if dtype in ("fp32", "tf32"):
+            fp32, tf32 = _FP32_TF32.get(self.key, (None, None))
+            value = fp32 if dtype == "fp32" else tf32
+            return value * TFLOP if value is not None else None
         value = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp8": self.fp8_tflops}.get(dtype)
         if value is None and dtype == "bf16":
             value = self.fp16_tflops
@@ -102,6 +107,19 @@ _TABLE: list[tuple[str, Accelerator]] = [
     (r"MI300X", Accelerator("MI300X", "amd", 1307.4, 1307.4, 2614.9, 192, 5.3, 896,
                             "AMD Instinct MI300X data sheet: 7 x 128 GB/s Infinity Fabric links")),
 ]
+
+#: Dense FP32 (CUDA cores; AMD: matrix cores) and TF32 tensor-core peaks, TFLOP/s, by table key, from
+#: the same datasheets as the table (TF32 there is quoted with sparsity: halved).  A key that is not
+#: here has no such peak in mfuscope: HFU of FP32 operators on it is null, never guessed.
+_FP32_TF32: dict[str, tuple[float | None, float | None]] = {
+    "H100-SXM": (67.0, 494.7),   # NVIDIA H100 datasheet, SXM: FP32 67 TF, TF32 989 TF with sparsity
+    "H100-PCIe": (51.0, 378.0),  # NVIDIA H100 datasheet, PCIe: FP32 51 TF, TF32 756 TF with sparsity
+    "H200-SXM": (67.0, 494.7),   # NVIDIA H200 datasheet: FP32 67 TF, TF32 989 TF with sparsity
+    "H800-SXM": (67.0, 494.7),   # H100 SXM compute
+    "A100": (19.5, 156.0),       # NVIDIA A100 datasheet: FP32 19.5 TF, TF32 156 TF (312 with sparsity)
+    "V100-SXM2": (15.7, None),   # NVIDIA V100 datasheet, SXM2: FP32 15.7 TF; no TF32
+    "MI300X": (163.4, 653.7),    # AMD Instinct MI300X data sheet: FP32 matrix 163.4 TF, TF32 653.7 TF
+}
 
 _warned: set[str] = set()
 

@@ -390,7 +390,7 @@ def test_every_page_renders(tab, runs, run):
                 "optimize": ["Optimize: pp8", "interleaved_schedule", "predicted gain"]},
         "dlrm": {"overview": ["Tesla V100", "hardware table: V100", "launch-bound"],
                  "timeline": ["rank 7", "comm/unknown"],
-                 "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce", "send_recv"],
+                 "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce", "all_to_all"],
                  "stragglers": ["No straggler"], "kernels": ["ncclKernel_SendRecv", "gemm"],
                  "optimize": ["No model spec"]},
     }[run]

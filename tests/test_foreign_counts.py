@@ -72,3 +72,85 @@ def test_the_operation_the_trace_states_wins_over_the_kernel_name(tmp_path):
     df = loaded.to_pandas(["kind", "name", "op"])
     ops = dict(zip(df[df["kind"] == "comm"]["name"].astype(str).str[:10], df[df["kind"] == "comm"]["op"]))
     assert ops == {"ncclKernel": "all_to_all", "ncclDevKer": "all_reduce"}
+
+
+# ----------------------------------------------------------------------------- HFU from shapes and dtypes
+V100, H100, B200 = "Tesla V100-SXM2-32GB", "NVIDIA H100 80GB HBM3", "NVIDIA B200"
+
+
+def _shaped(name, ts, dims, types, concrete=None, corr=None, kernel="volta_scudnn_128x64_relu_interior_nn_v1",
+            kernel_ran=True):
+    """A shaped operator as record_shapes writes it, launching one 100 us kernel (or a launch
+    whose kernel never ran in the window, as inside a CUDA graph capture)."""
+    args = {"Input Dims": dims, "Input type": types}
+    if concrete is not None:
+        args["Concrete Inputs"] = concrete
+    out = [_op(name, ts, 50.0, **args), _launch(ts + 10.0, corr)]
+    if kernel_ran:
+        out.append(_kernel(kernel, ts + 20.0, 100.0, corr))
+    return out
+
+
+def _hfu(tmp_path, name, device, ops, step_us=10_000.0):
+    events = [_op("ProfilerStep#1", 0.0, step_us, "user_annotation")] + ops + [_op("aten::empty", step_us - 5, 5.0)]
+    path = write_trace(tmp_path / name, events, distributedInfo={"rank": 0, "world_size": 1},
+                       deviceProperties=[{"id": 0, "name": device}])
+    return overview.build_report(trace_set.load(path, use_cache=False).events, source=name, files=[])["summary"]
+
+
+def test_convolution_flops_from_the_traces_dims_stride_and_padding(tmp_path):
+    """A ResNet stem and a 3x3 block conv, forward and backward, FP32 on a V100.  By hand:
+    stem 7x7 stride 2 padding 3 on 224x224 -> 112x112: 2*32*64*3*49*112*112 = 7.55 GFLOP;
+    3x3 stride 1 padding 1 on 56x56 -> 56x56: 2*32*64*64*9*56*56 = 7.40 GFLOP forward, and its
+    backward with both gradients asked twice that.  HFU against the V100's FP32 peak (15.7 TF/s,
+    not its 125 TF/s fp16 tensor peak) over a 10 ms step."""
+    stem = 2 * 32 * 64 * 3 * 49 * 112 * 112
+    block = 2 * 32 * 64 * 64 * 9 * 56 * 56
+    conv = ["", "", "", "[2, 2]", "[3, 3]", "[1, 1]", "False", "[0, 0]", "1"]
+    block_args = ["", "", "", "[1, 1]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1"]
+    ops = (_shaped("aten::convolution", 100.0, [[32, 3, 224, 224], [64, 3, 7, 7], [], [], [], [], [], [], []],
+                   ["float", "float", "", "", "", "", "", "", ""], conv, corr=1)
+           + _shaped("aten::convolution", 1000.0, [[32, 64, 56, 56], [64, 64, 3, 3], [], [], [], [], [], [], []],
+                     ["float", "float"], block_args, corr=2)
+           + _shaped("aten::convolution_backward", 2000.0,
+                     [[32, 64, 56, 56], [32, 64, 56, 56], [64, 64, 3, 3], [], [], [], [], [], [], [], []],
+                     ["float", "float", "float"],
+                     ["", "", "", "[0]", "[1, 1]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1", "[True, True, False]"],
+                     corr=3))
+    s = _hfu(tmp_path, "conv.json", V100, ops)
+    flops = stem + block + 2 * block
+    assert s["hfu"] == pytest.approx(flops / (10e-3 * 15.7e12), rel=1e-9)
+    assert "fp32 100%" in s["peak_source"]
+
+
+def test_each_operator_is_held_to_its_dtypes_peak(tmp_path):
+    """On an H100: a bf16 GEMM (4096^3: 137.4 GFLOP) against 989.4 TF/s and an FP8 _scaled_mm of the
+    same shape against 1,978.9 TF/s.  By hand the step's time at peak is the sum of the two."""
+    g = 2.0 * 4096 ** 3
+    ops = (_shaped("aten::mm", 100.0, [[4096, 4096], [4096, 4096]], ["c10::BFloat16", "c10::BFloat16"], corr=1,
+                   kernel="sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64")
+           + _shaped("aten::_scaled_mm", 1000.0, [[4096, 4096], [4096, 4096], [], []],
+                     ["c10::Float8_e4m3fn", "c10::Float8_e4m3fn", "float", "float"], corr=2,
+                     kernel="sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n"))
+    s = _hfu(tmp_path, "mixed.json", H100, ops)
+    assert s["hfu"] == pytest.approx((g / 989.4e12 + g / 1978.9e12) / 10e-3, rel=1e-9)
+
+
+def test_operators_whose_work_did_not_run_in_the_window_count_nothing(tmp_path):
+    """Two bf16 GEMMs; the second was recorded while a CUDA graph was captured (its launch made no
+    kernel in the trace).  Only the first counts."""
+    g = 2.0 * 1024 ** 3
+    ops = (_shaped("aten::mm", 100.0, [[1024, 1024], [1024, 1024]], ["c10::BFloat16", "c10::BFloat16"], corr=1,
+                   kernel="sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n")
+           + _shaped("aten::mm", 1000.0, [[1024, 1024], [1024, 1024]], ["c10::BFloat16", "c10::BFloat16"], corr=2,
+                     kernel_ran=False))
+    s = _hfu(tmp_path, "graph.json", H100, ops)
+    assert s["hfu"] == pytest.approx(g / (10e-3 * 989.4e12), rel=1e-9)
+
+
+def test_no_hfu_where_a_dtype_that_ran_has_no_peak(tmp_path):
+    """FP32 GEMMs on a B200: the table has no FP32 peak for it, so no HFU, and the note says why."""
+    ops = _shaped("aten::mm", 100.0, [[1024, 1024], [1024, 1024]], ["float", "float"], corr=1,
+                  kernel="sm100_sgemm_128x64")
+    s = _hfu(tmp_path, "b200.json", B200, ops)
+    assert s["hfu"] is None and "no fp32 peak" in s["mfu_note"]

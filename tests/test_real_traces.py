@@ -93,11 +93,13 @@ def test_undefined_figures_are_written_as_null_and_compare_says_not_comparable(t
 
 def test_shape_flops_are_shared_over_the_ranks_loaded_not_the_world(tmp_path):
     """One rank of an 8-rank job: its GEMM is one device's work.  By hand: 2*M*N*K FLOPs in a
-    1000 us step on one A100."""
+    1000 us step on one A100, against its FP32 peak (19.5 TF/s: the inputs are float and the
+    kernel an FP32 SIMT sgemm)."""
     m, k, n = 64, 128, 256
     path = _gpu_trace(tmp_path / "rank0.json", world=8)
     report = overview.build_report(trace_set.load(path, use_cache=False).events, source=str(path), files=[])
-    peak = hardware.lookup(A100).peak_flops("bf16")
+    peak = hardware.lookup(A100).peak_flops("fp32")
+    assert peak == 19.5e12
     s = report["summary"]
     assert s["hfu"] == pytest.approx(2 * m * n * k / (1000e-6 * peak), rel=1e-9)
     assert s["ranks"] == 1 and s["world_size"] == 8
