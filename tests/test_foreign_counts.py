@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from mfuscope.analyzers import overview, trace_set
-from mfuscope.tests.helpers import write_trace
+from mfuscope.tests.helpers import TRACES, needs_corpus, read_raw, write_trace
+
+QWEN_H100 = TRACES / "TraceLens/tests/traces/h100"
 
 SENDRECV = "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)"
 
@@ -154,3 +156,28 @@ def test_no_hfu_where_a_dtype_that_ran_has_no_peak(tmp_path):
                   kernel="sm100_sgemm_128x64")
     s = _hfu(tmp_path, "b200.json", B200, ops)
     assert s["hfu"] is None and "no fp32 peak" in s["mfu_note"]
+
+
+@needs_corpus(QWEN_H100)
+def test_hfu_of_a_real_inference_trace_is_the_hand_count_of_its_shapes():
+    """Qwen1.5-0.5B on an H100 (TraceLens corpus): every aten::mm/addmm/bmm (2*M*N*K) and flash
+    attention forward (4*B*H*Sq*Sk*D) counted by hand over the trace's JSON with the standard
+    library, bf16, over the report's step against the H100's 989.4 TF/s."""
+    folder = QWEN_H100
+    flops = 0.0
+    for e in read_raw(next(folder.glob("*.json.gz")))["traceEvents"]:
+        dims = (e.get("args") or {}).get("Input Dims")
+        if e.get("cat") != "cpu_op" or not dims:
+            continue
+        if e["name"] in ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"):
+            a, b = (dims[1], dims[2]) if e["name"] in ("aten::addmm", "aten::baddbmm") else (dims[0], dims[1])
+            batch = 1
+            for x in a[:-2]:
+                batch *= x
+            flops += 2.0 * batch * a[-2] * a[-1] * b[-1]
+        elif e["name"] == "aten::_scaled_dot_product_flash_attention":
+            q, k = dims[0], dims[1]
+            flops += 4.0 * q[0] * q[1] * q[2] * k[2] * q[3]
+    s = overview.build_report(trace_set.load(folder).events, source="qwen", files=[])["summary"]
+    assert s["hfu"] == pytest.approx(flops / (s["step_time_s"] * 989.4e12), rel=1e-6)
+    assert s["hfu"] == pytest.approx(0.123, abs=0.002)
