@@ -416,9 +416,9 @@ def late_arrivals(calls: pd.DataFrame) -> pd.DataFrame:
     c = _match(calls)
     if c.empty:
         return pd.DataFrame(columns=cols)
-    g = c.groupby("key")
+    g = c.groupby("key")  # rows sorted by key, then arrival (_match)
     last = g["arrival"].transform("last")
-    second = g["arrival"].transform(lambda a: a.iloc[-2] if len(a) > 1 else a.iloc[-1])
+    second = c["arrival"].groupby(c["key"]).shift(1).groupby(c["key"]).transform("last").fillna(last)
     late_rank = g["rank"].transform("last")
     first = g["arrival"].transform("first")
     out = c.assign(late_rank=late_rank, gap_ns=last - second, waited_ns=last - c["arrival"],

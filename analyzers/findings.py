@@ -50,6 +50,7 @@ WARMUP_SHARE = 0.5
 MIN_ONE_TIME_S = 1e-3
 #: A late rank whose lateness costs the step this share is a finding of its own.
 LATE_RANK_SHARE = 0.05
+LATE_RANK_OUTLIER = 3.0
 #: Kernels shorter than this finish before the host can launch the next one.
 SHORT_KERNEL_NS = 10_000
 
@@ -63,6 +64,19 @@ class LateArrivals:
 
     ranks: list[dict] = field(default_factory=list)   # rank, gain_s, waited_s, collectives, doing
     waited: dict[str, float] = field(default_factory=dict)  # comm leaf -> seconds a rank-step spent waiting
+    others: int = 0  # ranks of the job never last at a matched collective (their lateness: 0)
+
+    def culprits(self, step_s: float) -> list[dict]:
+        """The ranks late beyond the job's noise: lateness costing :data:`LATE_RANK_SHARE` of the
+        step and :data:`LATE_RANK_OUTLIER` times the median of the other ranks'.  Ranks that take
+        turns being last (time-shared cores, jitter) hold nobody up in particular."""
+        out = []
+        for r in self.ranks:
+            rest = [x["gain_s"] for x in self.ranks if x is not r] + [0.0] * self.others
+            typical = float(np.median(rest)) if rest else 0.0
+            if r["gain_s"] >= max(LATE_RANK_SHARE * step_s, LATE_RANK_OUTLIER * typical):
+                out.append(r)
+        return out
 
 
 @dataclass
@@ -158,8 +172,8 @@ def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: flo
         late = late or LateArrivals()
         _communication(leaves, step_s, add, late.waited)
         straggling = {s["rank"] for s in stragglers}
-        for r in late.ranks:
-            if r["rank"] in straggling or r["gain_s"] < LATE_RANK_SHARE * step_s:
+        for r in late.culprits(step_s):
+            if r["rank"] in straggling:
                 continue
             doing = _in_words(max(r["doing"], key=r["doing"].get)) if r["doing"] else None
             add("straggler_rank", f"late rank {r['rank']}: the others wait {r['waited_s'] * 1e3:.1f} ms a step for it "
@@ -310,13 +324,14 @@ def _waiting(leaves: dict[str, float], step_s: float, add, share, ev: Evidence, 
 
 
 # ----------------------------------------------------------------------------- late ranks
-def late_ranks(rows: pd.DataFrame, plans, pairs: pd.DataFrame, max_intervals: int = 500) -> LateArrivals:
+def late_ranks(rows: pd.DataFrame, plans, pairs: pd.DataFrame, step_s: float | None = None) -> LateArrivals:
     """:class:`LateArrivals` from :func:`.comm_stats.late_arrivals` rows of the steady steps.
 
     A late rank's gain is its lead over the second-last arrival, summed over its collectives a
     step (the critical path: everyone leaves together once the last arrives); ``waited_s`` the
     others' wait a rank-step; ``doing`` the late rank's own breakdown leaves while the others
-    waited (``plans``: the analysis's step plans), what it was doing instead."""
+    waited (``plans``: the analysis's step plans), what it was doing instead -- worked out for the
+    ranks whose lateness reaches :data:`LATE_RANK_SHARE` of ``step_s`` (the findings)."""
     if rows.empty or pairs.empty:
         return LateArrivals()
     steps = pairs["step"].nunique()
@@ -325,19 +340,21 @@ def late_ranks(rows: pd.DataFrame, plans, pairs: pd.DataFrame, max_intervals: in
     one = rows.drop_duplicates("key")
     out = []
     for rank, g in one.groupby("late_rank"):
+        gain = float(g["gap_ns"].sum()) / 1e9 / steps
         doing: dict[str, float] = {}
-        if rank in plan_of:
-            for a, b in g[["late_from_ns", "late_to_ns"]].head(max_intervals).itertuples(index=False):
-                for leaf, ns in iv.assign_by_priority((int(a), int(b)), plan_of[rank], "idle").items():
-                    doing[leaf] = doing.get(leaf, 0.0) + ns / 1e9
+        if rank in plan_of and (step_s is None or gain >= LATE_RANK_SHARE * step_s):  # worth naming
+            late = iv.union(g["late_from_ns"].to_numpy(dtype=np.int64), g["late_to_ns"].to_numpy(dtype=np.int64))
+            doing = {leaf: ns / 1e9 for leaf, ns in
+                     iv.assign_by_priority_within(late, plan_of[rank], "idle").items() if ns > 0}
         mine = rows[rows["late_rank"] == rank]
-        out.append({"rank": int(rank), "gain_s": float(g["gap_ns"].sum()) / 1e9 / steps,
+        out.append({"rank": int(rank), "gain_s": gain,
                     "waited_s": float(mine["waited_ns"].sum()) / 1e9 / per_rank_step,
                     "collectives": sorted(set(g["dim"].astype(str) + "/" + g["op"].astype(str))),
                     "instances_per_step": len(g) / steps, "doing": doing})
     leaf = "comm/" + rows["dim"].astype(str) + "/" + rows["op"].astype(str)
     waited = (rows["waited_ns"].groupby(leaf).sum() / 1e9 / per_rank_step).to_dict()
-    return LateArrivals(sorted(out, key=lambda r: -r["gain_s"]), {k: float(v) for k, v in waited.items()})
+    return LateArrivals(sorted(out, key=lambda r: -r["gain_s"]), {k: float(v) for k, v in waited.items()},
+                        max(pairs["rank"].nunique() - len(out), 0))
 
 
 # ----------------------------------------------------------------------------- evidence from the events
@@ -347,15 +364,15 @@ def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], p
     ``events``: the analysis's EventTable; ``steady_steps``: (rank, step) pairs the findings read;
     ``plans``: the analysis's step plans (for what the host did while the device waited on it)."""
     ev = Evidence()
-    df = events.to_pandas(["rank", "kind", "name", "ts_ns", "dur_ns", "step", "device", "tid", "correlation"])
-    kind = df["kind"].astype(str)
-    device_work = kind.isin(["kernel", "comm", "memcpy", "memset"]) & (df["device"] >= 0)
-    if not device_work.any():
-        hint = _gpu_hint(df, kind, ranks_meta)
+    head = events.to_pandas(["kind", "device"])
+    if not (head["kind"].isin(["kernel", "comm", "memcpy", "memset"]) & (head["device"] >= 0)).any():
+        df = events.to_pandas(["kind", "name"])
+        hint = _gpu_hint(df, df["kind"].astype(str), ranks_meta)
         if hint:
             ev.device_work_missing = (f"the trace records no device activity, though the job ran on a GPU ({hint}): "
                                       "nothing can be said about device time")
         return ev
+    df = events.to_pandas(["rank", "kind", "name", "ts_ns", "dur_ns", "step", "device", "tid", "correlation"])
     n = max(len(steady_steps), 1)
     keys = pd.MultiIndex.from_frame(steady_steps[["rank", "step"]])
     df = df[pd.MultiIndex.from_frame(df[["rank", "step"]]).isin(keys)]
@@ -475,7 +492,7 @@ def _gpu_hint(df: pd.DataFrame, kind: pd.Series, ranks_meta: Mapping[int, dict])
             return f"device {meta['device_name']}"
         if str(meta.get("backend") or "").lower() in ("nccl", "rccl"):
             return f"{meta['backend']} backend"
-    nccl = df["name"].astype(str).str.startswith("nccl:")
-    if nccl.any():
-        return f"{int(nccl.sum())} NCCL operator(s) ({df['name'][nccl].astype(str).iloc[0]})"
+    nccl = [str(n) for n in df["name"].unique() if str(n).startswith("nccl:")]
+    if nccl:
+        return f"NCCL operators ({', '.join(sorted(nccl)[:3])})"
     return None

@@ -96,6 +96,27 @@ def assign_by_priority(window: tuple[int, int], categories: list[tuple[str, tupl
     return out
 
 
+def assign_by_priority_within(windows: tuple[np.ndarray, np.ndarray],
+                              categories: list[tuple[str, tuple[np.ndarray, np.ndarray]]], rest: str) -> dict[str, int]:
+    """:func:`assign_by_priority` over a disjoint set of windows at once (their union, not one
+    window after another): each category's instants inside the windows not taken by an earlier
+    one; ``rest`` the windows' instants no category covers."""
+    covered = (np.empty(0, np.int64), np.empty(0, np.int64))
+    out: dict[str, int] = {}
+    done = 0
+    for name, interval_set in categories:
+        part = intersect(interval_set, windows)
+        if part[0].size == 0:
+            continue
+        covered = combine(covered, part)
+        now = length(covered)
+        if now > done:
+            out[name] = out.get(name, 0) + now - done
+            done = now
+    out[rest] = out.get(rest, 0) + length(windows) - done
+    return out
+
+
 def segments_by_priority(window: tuple[int, int], categories: list[tuple[str, tuple[np.ndarray, np.ndarray]]],
                          rest: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """The same split as :func:`assign_by_priority`, kept in time order: (starts, ends, names), one

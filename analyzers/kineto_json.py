@@ -33,7 +33,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
 from . import collectives, kernel_kinds
-from .steps import UNMARKED, Steps, assign_steps, extend_to_device_tail, find_steps, with_whole_trace_marker
+from .steps import UNMARKED, Steps, assign_steps, device_window, find_steps, with_whole_trace_marker
 
 try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
     from isal import igzip as _gzip
@@ -621,7 +621,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     # --- steps.
     steps = find_steps(kind, name_values, name_idx, ts_ns, dur_ns, step_annotation, path, on_device)
     step_col = assign_steps(steps, kind, on_device, ts_ns, correlation)
-    extend_to_device_tail(steps, kind, on_device, ts_ns, dur_ns, step_col)
+    device_window(steps, kind, on_device, ts_ns, dur_ns, step_col, name_idx)
 
     # --- collectives: op/dim/pg/ranks/bytes/seq for comm-related rows.
     op = op_of_name[name_idx].copy()

@@ -22,7 +22,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
 from . import collectives
-from .steps import UNMARKED, assign_steps, extend_to_device_tail, find_steps, with_whole_trace_marker
+from .steps import UNMARKED, assign_steps, device_window, find_steps, with_whole_trace_marker
 
 SUPPORTED_MAJOR = 3
 
@@ -180,7 +180,7 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
     steps = find_steps(kind, name_arr.dictionary.to_pylist(), name_arr.indices.to_numpy(), ts, dur,
                        step_annotation, path, on_device)
     step = assign_steps(steps, kind, on_device, ts, correlation)
-    extend_to_device_tail(steps, kind, on_device, ts, dur, step)
+    device_window(steps, kind, on_device, ts, dur, step, name_arr.indices.to_numpy())
     n = len(ts)
     op = np.array([collectives.normalize_op(x) if c else None for x, c in zip(names, comm)], dtype=object)
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -112,29 +111,33 @@ def assign_steps(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: n
     return step
 
 
-def extend_to_device_tail(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: np.ndarray,
-                          dur_ns: np.ndarray, step: np.ndarray) -> None:
-    """A one-step trace's device work outlives its CPU range when the host does not wait for it:
-    the step ends when the device work it launched ends.  (A real EP trace: a 112 ms marker, the
-    device busy to 129 ms, 121 kernels left out.)  With more steps, each CPU window holds a step's
-    worth of device work in the steady state -- the previous step's tail in place of its own --
-    so the windows stay on the markers, and the last step is not stretched by the drain of the
-    queue.  Changes ``steps`` and the marker row's ``dur_ns`` in place."""
-    work = on_device & np.isin(kind, ("kernel", "comm", "memcpy", "memset")) & (step >= 0)
-    if not work.any() or len(steps.number) != 1:
-        return
-    ends = pd.Series(ts_ns[work] + dur_ns[work]).groupby(step[work]).max()
-    tail = ends.reindex(steps.number).to_numpy(dtype="float64")
-    next_start = np.append(steps.start[1:], np.iinfo(np.int64).max).astype("float64")
-    new_end = np.where(np.isnan(tail), steps.end, np.minimum(np.fmax(tail, steps.end), next_start)).astype(np.int64)
-    new_end = np.maximum(new_end, steps.end)
-    if (new_end == steps.end).all():
-        return
+def device_window(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: np.ndarray, dur_ns: np.ndarray,
+                  step: np.ndarray, name_idx: np.ndarray) -> None:
+    """The one step of a one-step trace, on the device: the device-side annotation of the same
+    name where the trace has one (Kineto's ``gpu_user_annotation`` ``ProfilerStep#N``), else the
+    CPU range stretched to the end of the device work it launched.  The CPU range alone cuts the
+    tail the host did not wait for (a real EP trace: a 112 ms marker, the device busy to 129 ms,
+    121 kernels left out) and holds work launched before it (the Qwen traces: 363 kernels of the
+    untraced warm-up step).
+
+    With more steps, each CPU window holds a step's worth of device work in the steady state --
+    the previous step's tail in place of its own -- and device windows would drop what happens
+    between steps' device work (data loading, the optimizer's host time), so the windows stay
+    on the markers.  Changes ``steps`` and the marker row's ``ts_ns``/``dur_ns`` in place."""
     rows = np.flatnonzero(kind == "step")
-    order = np.argsort(ts_ns[rows], kind="stable")
-    if steps.source not in UNMARKED and len(rows) == len(steps.number):
-        dur_ns[rows[order]] = new_end - steps.start
-    steps.end = new_end
+    if len(steps.number) != 1 or steps.source in UNMARKED or len(rows) != 1:
+        return
+    row = rows[0]
+    twin = np.flatnonzero((kind == "gpu_annotation") & (name_idx == name_idx[row]))
+    if len(twin):
+        start, end = int(ts_ns[twin].min()), int((ts_ns[twin] + dur_ns[twin]).max())
+    else:
+        work = on_device & np.isin(kind, ("kernel", "comm", "memcpy", "memset")) & (step == steps.number[0])
+        if not work.any():
+            return
+        start, end = int(steps.start[0]), max(int(steps.end[0]), int((ts_ns[work] + dur_ns[work]).max()))
+    ts_ns[row], dur_ns[row] = start, end - start
+    steps.start, steps.end = np.array([start]), np.array([end])
 
 
 def with_whole_trace_marker(table: pa.Table, rank: int, steps: Steps) -> pa.Table:

@@ -273,3 +273,19 @@ def test_a_slow_optimizer_step_is_a_finding(tmp_path):
     opt = next(f for f in report["findings"] if f["fix"] == "fused_optimizer")
     assert opt["gain_s"] == pytest.approx(3.8e-3) and "38%" in opt["title"]
     assert report["summary"]["findings_note"] is None  # a CPU-only job: its operators are its compute
+
+
+def test_ranks_that_take_turns_being_last_hold_nobody_up():
+    """Eight ranks time-sharing two cores are each last at some collectives (lateness 100-160 ms a
+    step each): no rank is the culprit.  One rank 120 ms late while the others are 5 ms is."""
+    from mfuscope.analyzers.findings import LateArrivals
+
+    def rank(r, gain):
+        return {"rank": r, "gain_s": gain, "waited_s": gain, "collectives": ["dp/all_gather"], "doing": {}}
+
+    turns = LateArrivals([rank(r, 0.10 + 0.01 * (r % 7)) for r in range(8)])
+    assert turns.culprits(step_s=0.8) == []
+    one = LateArrivals([rank(0, 0.12)] + [rank(r, 0.005) for r in range(1, 8)])
+    assert [r["rank"] for r in one.culprits(step_s=0.8)] == [0]
+    two_ranks = LateArrivals([rank(1, 0.0215), rank(0, 0.001)])  # the DDP run above, by its numbers
+    assert [r["rank"] for r in two_ranks.culprits(step_s=0.03)] == [1]
