@@ -29,9 +29,9 @@ HOST = {"reduce_host_overhead", "cuda_graphs"}
 COMM = {"overlap_comm", "overlap_dp_grads", "overlap_tp_comm"}
 
 #: key section -> (path, accepted fix ids, size in ms a step, share of the step or None): an
-#: expert's first finding.  The share is the key's where it says "accept that the percentages
-#: agree": the Qwen steps' device work runs 2.2 ms (H100) and 4.2 ms (MI300) past the CPU marker,
-#: and mfuscope's one-step window ends with it, so the milliseconds are of another window.
+#: expert's first finding.  The share is the key's where it says "use the GPU-side step or accept
+#: that the percentages agree": mfuscope's window for a one-step trace is the GPU-side step (Qwen
+#: H100: 20.2 ms of 34.9, the key's gpu: row), so the CPU window's milliseconds do not apply.
 FIRST = {
     8: (HTA_DATA / "df_index_resolver", HOST, 142.9, None),
     10: (HTA_DATA / "nccl_parser_config", HOST, 169.2, None),
