@@ -530,8 +530,9 @@ def comm_page(run: Run, a: Analysis) -> html.Div:
         html.H3("Per dimension, op and message size (all ranks)"), table,
         html.H3("Arrival skew"), html.Ul(skew_text) if skew_text else None,
         dcc.Graph(id="skew-heatmap", figure=heat, config={"displaylogo": False}) if heat is not None else
-        info_panel("No collective could be matched across ranks (these traces carry no process-group "
-                   "sequence numbers), so there is no arrival skew to show."),
+        info_panel("No collective could be matched across ranks (matching needs at least two ranks of a "
+                   "group, and sequence numbers or same-size calls of a replicated collective), so there is "
+                   "no arrival skew to show."),
     ])
 
 
