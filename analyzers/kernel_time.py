@@ -67,8 +67,9 @@ def launch_stats(events: EventTable) -> pd.DataFrame:
     kernels = df[(kind == "kernel") & (df["device"] >= 0)]
     launches = df[kind.isin(["runtime", "driver"]) & df["name"].str.contains("LaunchKernel", regex=False)]
     rows = []
+    launch_of = dict(tuple(launches.groupby("rank")["dur_ns"]))  # one pass, not a scan per rank
     for rank, k in kernels.groupby("rank"):
-        lr = launches[launches["rank"] == rank]["dur_ns"]
+        lr = launch_of.get(rank, pd.Series(dtype="int64"))
         small = k["dur_ns"] < SMALL_KERNEL_NS
         median_kernel, median_launch = float(k["dur_ns"].median()), float(lr.median()) if len(lr) else None
         small_time = float(k["dur_ns"][small].sum())

@@ -162,10 +162,15 @@ def _ranks(events: EventTable, rank_steps: pd.DataFrame) -> list[dict[str, Any]]
     dev = kernel_time.device_time(events)
     comm = events.to_pandas(["rank", "kind", "dur_ns"])
     comm_ns = comm[comm["kind"] == "comm"].groupby("rank")["dur_ns"].sum()
+    by_rank = dict(tuple(rank_steps.groupby("rank"))) if len(rank_steps) else {}
+    dev_by_rank = dev.groupby(["rank", "kind"], observed=True)["total_ns"].sum() if len(dev) else pd.Series(
+        dtype=float)
+    dev_ranks = set(dev_by_rank.index.get_level_values(0)) if len(dev_by_rank) else set()
+    empty = rank_steps.iloc[0:0]
     out = []
-    for r in events.rank_ids:
-        rs = rank_steps[rank_steps["rank"] == r]
-        dr = dev[dev["rank"] == r].groupby("kind")["total_ns"].sum()
+    for r in events.rank_ids:  # one pass over each table, not one per rank
+        rs = by_rank.get(r, empty)
+        dr = dev_by_rank.loc[r] if r in dev_ranks else pd.Series(dtype=float)
         out.append({
             "rank": r, "steps": int(len(rs)),
             "step_time_s": float(rs["step_s"].median()) if len(rs) else None,

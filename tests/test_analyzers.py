@@ -379,3 +379,17 @@ def test_small_kernels_and_launch_bound_ranks(tmp_path):
     assert stats.loc[0, "small_kernel_share"] == 1.0 and stats.loc[1, "small_kernel_share"] == 0.0
     assert stats.loc[0, "small_kernel_s"] == pytest.approx(50 * 2e-6)
     assert stats.loc[0, "median_launch_us"] == pytest.approx(5.0)
+
+
+def test_the_leave_one_out_median_is_the_median_of_the_others():
+    """Against the definition (np.median with the element deleted), ties and even/odd sizes
+    included: the straggler detector's centre, in O(n log n) for thousands of ranks."""
+    import numpy as np
+
+    from mfuscope.analyzers.stragglers import leave_one_out_median
+
+    rng = np.random.default_rng(7)
+    for n in (2, 3, 4, 5, 8, 33, 1000):
+        v = rng.integers(0, 5, size=n).astype(float)  # many ties
+        expected = np.array([np.median(np.delete(v, i)) for i in range(n)])
+        assert np.array_equal(leave_one_out_median(v), expected), n
