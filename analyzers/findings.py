@@ -28,6 +28,7 @@ warm-up pass), or a window that is mostly one-time initialization.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from mfuscope.fix_registry import FIXES
 
 from . import breakdown, kernel_kinds
 from . import intervals as iv
+from .kernel_kinds import per_name
 
 #: With this many traced steps or more, a rank's first step is warm-up: findings read the rest.
 STEADY_FROM = 3
@@ -367,7 +369,7 @@ def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], p
     head = events.to_pandas(["kind", "device"])
     if not (head["kind"].isin(["kernel", "comm", "memcpy", "memset"]) & (head["device"] >= 0)).any():
         df = events.to_pandas(["kind", "name"])
-        hint = _gpu_hint(df, df["kind"].astype(str), ranks_meta)
+        hint = _gpu_hint(df, df["kind"], ranks_meta)
         if hint:
             ev.device_work_missing = (f"the trace records no device activity, though the job ran on a GPU ({hint}): "
                                       "nothing can be said about device time")
@@ -376,13 +378,13 @@ def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], p
     n = max(len(steady_steps), 1)
     keys = pd.MultiIndex.from_frame(steady_steps[["rank", "step"]])
     df = df[pd.MultiIndex.from_frame(df[["rank", "step"]]).isin(keys)]
-    kind = df["kind"].astype(str)
-    names = df["name"].astype(str)
+    kind = df["kind"]  # categorical: compared and matched per category, never expanded to strings
+    names = df["name"]
 
     def top(rows: pd.DataFrame, k: int = 5) -> list[dict]:
         if rows.empty:
             return []
-        g = rows.assign(name=rows["name"].astype(str)).groupby("name")["dur_ns"].agg(["count", "sum"])
+        g = rows.groupby(rows["name"].astype(str))["dur_ns"].agg(["count", "sum"])
         g = g.sort_values("sum", ascending=False).head(k)
         return [{"name": name, "calls_per_step": r["count"] / n, "seconds_per_step": r["sum"] / 1e9 / n}
                 for name, r in g.iterrows()]
@@ -391,26 +393,24 @@ def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], p
     if len(calls):
         init, alloc = breakdown._init_and_allocator_calls(calls)
         ev.one_time_calls, ev.allocator_calls = top(init), top(alloc)
-        blocking = calls["name"].astype(str).str.contains(r"Synchronize|Memcpy|StreamWaitEvent", regex=True)
+        blocking = _matches(calls["name"], r"Synchronize|Memcpy|StreamWaitEvent")
         ev.blocking_calls = top(calls[blocking])
         if ev.blocking_calls:
             ev.blocking_calls[0].update(_context(df, calls[calls["name"].astype(str) == ev.blocking_calls[0]["name"]]))
-        launches = calls[calls["name"].astype(str).str.contains("Launch", regex=False)]
+        launches = calls[_matches(calls["name"], "Launch")]
         kernels = df[(kind == "kernel") & (df["device"] >= 0)]
         ev.launches = {"per_step": len(launches) / n, "host_s_per_step": launches["dur_ns"].sum() / 1e9 / n,
                        "kernels_per_step": len(kernels) / n,
                        "short_kernel_share": float((kernels["dur_ns"] < SHORT_KERNEL_NS).mean()) if len(kernels)
                        else None}
-    ev.loader = top(df[names.str.contains("DataLoader", regex=False) & kind.isin(["annotation", "cpu_op", "python"])])
+    ev.loader = top(df[_matches(names, "DataLoader") & kind.isin(["annotation", "cpu_op", "python"])])
     if plans is not None:
         ev.host = _host_while_waited(df, kind, plans, steady_steps, n)
     ev.copies = top(df[kind.isin(["memcpy", "memset"]) & (df["device"] >= 0)])
     kernels = df[(kind == "kernel") & (df["device"] >= 0)]
     if len(kernels):
-        names = kernels["name"].astype(str)
-        unique = names.unique()
-        kinds = names.map(dict(zip(unique, map(breakdown.kernel_kind, unique))))
-        simt = names.map(dict(zip(unique, map(kernel_kinds.is_fp32_simt, unique))))
+        kinds = pd.Series(per_name(kernels["name"], breakdown.kernel_kind), index=kernels.index)
+        simt = pd.Series(per_name(kernels["name"], kernel_kinds.is_fp32_simt, default=False), index=kernels.index)
         ev.elementwise_kernels = top(kernels[kinds == "norm_elementwise"])
         math = kernels[kinds.isin(["gemm", "conv"]) | simt]
         fp32 = simt[math.index]
@@ -432,13 +432,13 @@ def _context(df: pd.DataFrame, calls: pd.DataFrame) -> dict[str, Any]:
     longest = calls.loc[calls["dur_ns"].idxmax()]
     start, end = longest["ts_ns"], longest["ts_ns"] + longest["dur_ns"]
     host = df[(df["tid"] == longest["tid"]) & (df["rank"] == longest["rank"])
-              & df["kind"].astype(str).isin(["cpu_op", "annotation"])]
+              & df["kind"].isin(["cpu_op", "annotation"])]
     around = host[(host["ts_ns"] <= start) & (host["ts_ns"] + host["dur_ns"] >= end)].sort_values("ts_ns")
     out: dict[str, Any] = {"longest_s": float(longest["dur_ns"]) / 1e9,
                            "inside": [str(n) for n in around["name"].head(4)]}
     if longest["correlation"] >= 0:
         copy = df[(df["correlation"] == longest["correlation"]) & (df["rank"] == longest["rank"])
-                  & df["kind"].astype(str).isin(["memcpy", "memset"])]
+                  & df["kind"].isin(["memcpy", "memset"])]
         if len(copy):
             out["copy"] = str(copy["name"].iloc[0])
     return out
@@ -459,7 +459,7 @@ def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans, steady_steps: p
             waits.setdefault(rank, []).append((a[mask], b[mask]))
     ops: dict[str, float] = {}
     after_sync = 0
-    syncs = df[kind.isin(["runtime", "driver"]) & df["name"].astype(str).str.contains(_SYNC_CALL, regex=True)]
+    syncs = df[kind.isin(["runtime", "driver"]) & _matches(df["name"], _SYNC_CALL)]
     host = df[kind.isin(["cpu_op", "annotation"])]
     for rank, parts in waits.items():
         starts = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64)
@@ -480,6 +480,12 @@ def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans, steady_steps: p
     return {"host_ops": [{"name": k, "seconds_per_step": v / n} for k, v in top if v > 0],
             "after_sync_s": after_sync / 1e9 / n,
             "sync_calls_per_step": len(syncs) / n}
+
+
+def _matches(names: pd.Series, pattern: str) -> np.ndarray:
+    """Which rows' names match ``pattern`` (a regular expression), tested once per distinct name."""
+    rule = re.compile(pattern)
+    return per_name(names, lambda n: bool(rule.search(n)), default=False)
 
 
 def _gpu_hint(df: pd.DataFrame, kind: pd.Series, ranks_meta: Mapping[int, dict]) -> str | None:

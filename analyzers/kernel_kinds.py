@@ -212,7 +212,7 @@ def classify(rdf: pd.DataFrame, kernels: pd.DataFrame) -> pd.Series:
     """Kind of each of one rank's ``kernels`` (rows of its EventTable frame ``rdf``: columns
     kind, name, ts_ns, dur_ns, tid, correlation), by name and by the operators that launched it;
     see the module docstring.  Without launches or operators in ``rdf``, by name alone."""
-    base = _per_name(kernels["name"], kernel_kind)
+    base = per_name(kernels["name"], kernel_kind)
     out = pd.Series(base, index=kernels.index, dtype=object)
     if kernels.empty or not set(_NEEDED) <= set(rdf.columns) or "correlation" not in kernels.columns:
         return out
@@ -230,8 +230,8 @@ def classify(rdf: pd.DataFrame, kernels: pd.DataFrame) -> pd.Series:
     in_attention_op = np.zeros(n, bool)     # inside an SDPA / flash / efficient-attention operator
     in_attention_scope = np.zeros(n, bool)  # inside anything named for attention (modules too)
     t_all, tid_all = launch["ts"], launch["tid"]
-    attention_op = _per_name(ops["name"], lambda s: bool(_ATTENTION_OP.search(_text(s))), default=False)
-    attention_scope = _per_name(scopes["name"], lambda s: bool(_ATTENTION_SCOPE.search(_text(s))), default=False)
+    attention_op = per_name(ops["name"], lambda s: bool(_ATTENTION_OP.search(_text(s))), default=False)
+    attention_scope = per_name(scopes["name"], lambda s: bool(_ATTENTION_SCOPE.search(_text(s))), default=False)
     op_tid = ops["tid"].to_numpy()
     op_start = ops["ts_ns"].to_numpy()
     op_end = op_start + ops["dur_ns"].to_numpy()
@@ -255,13 +255,13 @@ def classify(rdf: pd.DataFrame, kernels: pd.DataFrame) -> pd.Series:
         return out
     op_name = np.full(n, None, dtype=object)
     known = inner >= 0
-    op_name[known] = _per_name(ops["name"], str)[inner[known]]
+    op_name[known] = per_name(ops["name"], str)[inner[known]]
 
     def op_is(predicate: Callable[[str], bool]) -> np.ndarray:
         res = np.zeros(n, bool)
         if known.any():
             names = pd.Series(op_name[known], dtype="category")
-            res[known] = _per_name(names, predicate, default=False)
+            res[known] = per_name(names, predicate, default=False)
         return res
 
     conv = op_is(lambda s: bool(_CONV_OP.search(_text(s))))
@@ -278,7 +278,7 @@ def classify(rdf: pd.DataFrame, kernels: pd.DataFrame) -> pd.Series:
     return pd.Series(kind, index=kernels.index, dtype=object)
 
 
-def _per_name(names: pd.Series, fn: Callable[[str], object], default: object = "other") -> np.ndarray:
+def per_name(names: pd.Series, fn: Callable[[str], object], default: object = "other") -> np.ndarray:
     """``fn`` of each row's name, evaluated once per distinct name (names are categoricals)."""
     cat = names if isinstance(names.dtype, pd.CategoricalDtype) else names.astype("category")
     codes = cat.cat.codes.to_numpy()

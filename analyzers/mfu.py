@@ -33,7 +33,7 @@ from mfuscope.event_table import EventTable
 from mfuscope.flops import train_flops_per_token
 from mfuscope.manifest import Manifest
 
-from .kernel_kinds import is_fp32_simt
+from .kernel_kinds import is_fp32_simt, per_name
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 _CONVS = ("aten::convolution", "aten::convolution_backward")
@@ -208,9 +208,8 @@ def shape_flops_by_dtype(events: EventTable) -> pd.DataFrame:
     at 1% HFU)."""
     df = events.to_pandas(["rank", "kind", "name", "step", "shapes", "ts_ns", "dur_ns", "tid", "correlation",
                            "device"])
-    names = df["name"].astype(str)
-    counted = df[(df["kind"] == "cpu_op") & df["shapes"].notna()
-                 & (names.isin(_GEMMS) | names.str.startswith(_ATTENTION) | names.isin(_CONVS))]
+    shaped = per_name(df["name"], lambda n: n in _GEMMS or n in _CONVS or n.startswith(_ATTENTION), default=False)
+    counted = df[(df["kind"] == "cpu_op") & df["shapes"].notna() & shaped]
     if counted.empty:
         return pd.DataFrame(columns=["step", "dtype", "flops"])
     counted = counted[_ran_on_device(df, counted)]
