@@ -127,7 +127,9 @@ def run_analyze(trace_dir: Path, cache: Path, cold: bool) -> dict:
     out = trace_dir.parent / f"{trace_dir.name}.report.json"
     cmd = [sys.executable, "-m", "mfuscope", "analyze", str(trace_dir), "--out", str(out), "--force", "--json"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    log = trace_dir.parent / f"{trace_dir.name}.stderr"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
     tree = parent = worker = 0
     while proc.poll() is None:
         kids = _descendants(proc.pid)
@@ -137,7 +139,8 @@ def run_analyze(trace_dir: Path, cache: Path, cold: bool) -> dict:
         time.sleep(0.05)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"mfuscope analyze failed on {trace_dir} (exit {proc.returncode})")
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"mfuscope analyze failed on {trace_dir} (exit {proc.returncode}):\n{tail}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {"wall": wall, "cpu": cpu, "tree_mb": tree / 2**20, "parent_mb": parent / 2**20,
