@@ -213,8 +213,9 @@ def test_a_late_rank_is_named_not_its_peers_communication(tmp_path):
     50 ms before every other step.  Rank 0 waits for it in the gradient all-reduce: that is a late
     rank, not a bandwidth or overlap problem.  By hand: the steady steps of window 1:4 are 2-4
     (the first traced step is warm-up), of which step 3 is odd: rank 1 comes ~50 ms late once in
-    three steps, so the what-if gain is ~50/3 ms a step (sleep overshoot and the two ranks'
-    different compute, a few ms, bound the margin)."""
+    three steps, so the what-if gain is ~50/3 ms a step.  The margin: sleep overshoot and the two
+    ranks' different compute (a few ms), and on a loaded machine a preemption of rank 1 adds to its
+    lateness (a scheduler period or two, tens of ms), of rank 0 takes from it."""
     import subprocess
     import sys
 
@@ -231,7 +232,7 @@ def test_a_late_rank_is_named_not_its_peers_communication(tmp_path):
     first = report["findings"][0]
     assert first["id"] == "late_rank:1" and first["fix"] == "straggler_rank", report["findings"]
     assert first["title"].startswith("late rank 1: the others wait") and "world/all_reduce" in first["title"]
-    assert 40e-3 <= first["gain_s"] * 3 <= 75e-3, first
+    assert 40e-3 <= first["gain_s"] * 3 <= 100e-3, first
     assert first["evidence"]["doing"], first  # what it did while the others waited
     comm = [f for f in report["findings"] if f["fix"] == "overlap_dp_grads"]
     assert all(f["evidence"]["waiting_for_late_peers_s"] > 0 and f["gain_s"] < first["gain_s"] for f in comm)
