@@ -38,7 +38,7 @@ import pandas as pd
 
 from mfuscope.fix_registry import FIXES
 
-from . import breakdown, kernel_kinds
+from . import breakdown, kernel_kinds, kernel_time
 from . import intervals as iv
 from .kernel_kinds import per_name
 
@@ -53,8 +53,6 @@ MIN_ONE_TIME_S = 1e-3
 #: A late rank whose lateness costs the step this share is a finding of its own.
 LATE_RANK_SHARE = 0.05
 LATE_RANK_OUTLIER = 3.0
-#: Kernels shorter than this finish before the host can launch the next one.
-SHORT_KERNEL_NS = 10_000
 
 _DP_DIMS = ("fsdp", "world", "inner", "outer")
 _IDLE_LEAVES = ("queued", "one_time_init", "allocator", "data_loading", "host_bound", "idle")
@@ -399,10 +397,10 @@ def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], p
             ev.blocking_calls[0].update(_context(df, calls[calls["name"].astype(str) == ev.blocking_calls[0]["name"]]))
         launches = calls[_matches(calls["name"], "Launch")]
         kernels = df[(kind == "kernel") & (df["device"] >= 0)]
+        short = (kernels["dur_ns"] < kernel_time.SMALL_KERNEL_NS).mean() if len(kernels) else None
         ev.launches = {"per_step": len(launches) / n, "host_s_per_step": launches["dur_ns"].sum() / 1e9 / n,
                        "kernels_per_step": len(kernels) / n,
-                       "short_kernel_share": float((kernels["dur_ns"] < SHORT_KERNEL_NS).mean()) if len(kernels)
-                       else None}
+                       "short_kernel_share": None if short is None else float(short)}
     ev.loader = top(df[_matches(names, "DataLoader") & kind.isin(["annotation", "cpu_op", "python"])])
     if plans is not None:
         ev.host = _host_while_waited(df, kind, plans, steady_steps, n)
