@@ -113,12 +113,13 @@ def host_wait_s(leaves: Mapping[str, float]) -> float:
     return leaves.get("host_bound", 0.0) + leaves.get("idle", 0.0)
 
 
-def _leaves(tree: dict) -> dict[str, float]:
+def leaf_seconds(tree: dict) -> dict[str, float]:
+    """The breakdown tree's leaves: {leaf name: seconds}."""
     if not tree["children"]:
         return {tree["name"]: tree["seconds"]}
     out: dict[str, float] = {}
     for c in tree["children"]:
-        out.update(_leaves(c))
+        out.update(leaf_seconds(c))
     return out
 
 
@@ -151,7 +152,7 @@ def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: flo
     if not step_s:
         return []
     ev = evidence or Evidence()
-    leaves = _leaves(tree)
+    leaves = leaf_seconds(tree)
     found: list[dict[str, Any]] = []
 
     def add(fix: str, title: str, gain: float, detail: dict, basis: str = "the cause's time (what-if: removed)",
@@ -459,17 +460,19 @@ def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans, steady_steps: p
     after_sync = 0
     syncs = df[kind.isin(["runtime", "driver"]) & _matches(df["name"], _SYNC_CALL)]
     host = df[kind.isin(["cpu_op", "annotation"])]
+    host_of, syncs_of = dict(tuple(host.groupby("rank"))), dict(tuple(syncs.groupby("rank")))  # one pass each
     for rank, parts in waits.items():
         starts = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64)
         ends = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64)
         if not len(starts):
             continue
         wait = iv.union(starts, ends)
-        mine = host[host["rank"] == rank]
+        mine = host_of.get(rank, host.iloc[0:0])
         covered = iv.overlap(wait, mine["ts_ns"].to_numpy(), (mine["ts_ns"] + mine["dur_ns"]).to_numpy())
         for name, ns in pd.Series(covered, index=mine["name"].astype(str).to_numpy()).groupby(level=0).sum().items():
             ops[name] = ops.get(name, 0.0) + ns / 1e9
-        done = np.sort((syncs["ts_ns"] + syncs["dur_ns"])[syncs["rank"] == rank].to_numpy())
+        rs = syncs_of.get(rank, syncs.iloc[0:0])
+        done = np.sort((rs["ts_ns"] + rs["dur_ns"]).to_numpy())
         if len(done):  # a sync returned in [gap start - 100 us, gap end]
             first = np.searchsorted(done, wait[0] - AFTER_SYNC_NS)
             hit = (first < len(done)) & (done[np.clip(first, 0, len(done) - 1)] <= wait[1])

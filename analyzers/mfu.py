@@ -237,12 +237,14 @@ def _ran_on_device(df: pd.DataFrame, ops: pd.DataFrame) -> np.ndarray:
     kind = df["kind"]
     work = df[kind.isin(["kernel", "comm", "memcpy", "memset"]) & (df["device"] >= 0) & (df["correlation"] >= 0)]
     launches = df[kind.isin(["runtime", "driver"]) & (df["correlation"] >= 0)]
+    work_of = dict(tuple(work.groupby("rank")["correlation"]))  # one pass, not a scan per rank
+    launches_of = dict(tuple(launches.groupby("rank")))
     for rank, rows in ops.groupby("rank").indices.items():
-        rank_work = work[work["rank"] == rank]
-        if rank_work.empty:
+        if rank not in work_of:
             continue
         mine = ops.iloc[rows]
-        done = launches[(launches["rank"] == rank) & launches["correlation"].isin(set(rank_work["correlation"]))]
+        lr = launches_of.get(rank, launches.iloc[0:0])
+        done = lr[lr["correlation"].isin(set(work_of[rank]))]
         hit = np.zeros(len(rows), bool)
         for tid, lt in done.groupby("tid")["ts_ns"]:
             on = np.flatnonzero(mine["tid"].to_numpy() == tid)

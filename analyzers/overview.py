@@ -111,11 +111,10 @@ def _findings(ctx: Context, bub: dict | None, strag: list[dict], launch: list[di
     step_s = float(breakdown.per_rank_step(leaves)["step_s"].mean())
     pairs = leaves[["rank", "step"]].drop_duplicates()
     evidence = findings.gather(ctx.events, pairs, ctx.events.ranks, ctx.plans)
-    mean = {k: float(v) for k, v in (leaves.groupby("leaf")["seconds"].sum() / len(pairs)).items()}
     late_rows = comm_stats.late_arrivals(calls[calls["step"].isin(set(pairs["step"]))])
     late = findings.late_ranks(late_rows, ctx.plans, pairs, step_s)
     return (findings.derive(tree, bub, strag, step_s, launch, graphs, evidence, late),
-            findings.inconclusive(mean, step_s, evidence))
+            findings.inconclusive(findings.leaf_seconds(tree), step_s, evidence))
 
 
 def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None, str | None]:
