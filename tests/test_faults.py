@@ -45,8 +45,11 @@ def test_loader_gc_and_optimizer_faults_land_in_their_leaves(tmp_path):
     assert hit and miss
     for rank in (0, 1):
         loading = leaf.loc[rank]["data_loading"]
-        # every second step, on both ranks: a DataLoader region of 80 ms; nothing on the others
-        assert all(0.080 <= loading[s] <= 0.080 + WAKE_S for s in hit), loading
+        # every second step, on both ranks: a DataLoader region of 80 ms; nothing on the others.  A
+        # sleep never ends early; its wake-up can come a scheduler period late on a loaded host
+        # (17 ms seen with a core kept busy), so the upper bound holds for the median step.
+        assert all(loading[s] >= 0.080 for s in hit), loading
+        assert np.median([loading[s] for s in hit]) <= 0.080 + WAKE_S, loading
         assert all(loading[s] == 0.0 for s in miss), loading
     # rank 0's thread pauses 60 ms with no operator running: idle, only on the fault's steps
     idle0 = leaf.loc[0]["idle"]
