@@ -145,12 +145,12 @@ class ProfileSession:
                 return
             self.running = False
         try:
-            if self.kineto is not None:
-                self.kineto.stop()
-            self.nvml.stop()
-            self.comm.uninstall()
-            self.pipeline_labels.uninstall()
-            self._restore_signal_handlers()
+            # Each stop on its own: the rows already captured are written even if one collector
+            # fails to stop (a signal can land anywhere, e.g. inside a DDP comm hook).
+            stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall,
+                     self._restore_signal_handlers]
+            for stop in ([self.kineto.stop] if self.kineto is not None else []) + stops:
+                _warn_on_failure(stop, f"rank {self.rank}: stopping {stop.__qualname__}")
             self.flush()
         finally:
             if ended_early:
@@ -159,13 +159,19 @@ class ProfileSession:
                 run_dir.update_manifest(self.out, self._finish_manifest)
 
     def flush(self, upto_step: int | None = None) -> None:
-        """Write this rank's finished rows as new table parts."""
-        steps = self.steps.take_rows()
-        comm = [dict(zip(("rank", *COMM_COLUMNS), (self.rank, *row))) for row in self.comm.take_rows(upto_step)]
-        for name, rows in ((run_dir.STEPS, steps), (run_dir.COMM, comm), (run_dir.NVML, self.nvml.take_rows())):
-            if rows:
-                run_dir.write_rank_table(self.out, name, self.rank, self._parts[name], rows)
-                self._parts[name] += 1
+        """Write this rank's finished rows as new table parts; a table that cannot be taken or
+        written is named on stderr and does not cost the others their rows."""
+        tables = ((run_dir.STEPS, self.steps.take_rows),
+                  (run_dir.COMM, lambda: [dict(zip(("rank", *COMM_COLUMNS), (self.rank, *row)))
+                                          for row in self.comm.take_rows(upto_step)]),
+                  (run_dir.NVML, self.nvml.take_rows))
+        for name, take in tables:
+            _warn_on_failure(lambda name=name, take=take: self._write_part(name, take()), f"rank {self.rank}: writing {name}")
+
+    def _write_part(self, name: str, rows: list[dict]) -> None:
+        if rows:
+            run_dir.write_rank_table(self.out, name, self.rank, self._parts[name], rows)
+            self._parts[name] += 1
 
     # ------------------------------------------------------------------ run directory
     def _agree_on_run_dir(self) -> None:
@@ -242,6 +248,16 @@ class ProfileSession:
         elif previous == signal.SIG_DFL:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+
+def _warn_on_failure(action: Any, what: str) -> bool:
+    """Run ``action``; on an error say what failed on stderr and go on (True when it worked)."""
+    try:
+        action()
+        return True
+    except Exception as e:  # noqa: BLE001 - the profiler must never lose the rest of a rank's rows
+        print(f"mfuscope: {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
 
 
 def _identity() -> tuple[int, int]:

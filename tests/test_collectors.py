@@ -182,7 +182,9 @@ def test_no_code_wrap_profiles_a_plain_torchrun_script(tmp_path):
 def test_sigterm_to_one_rank_leaves_a_readable_run_marked_ended_early(tmp_path):
     cmd = [sys.executable, "-m", "mfuscope", "profile", "--out", str(tmp_path / "run"), "--window", "none", "--",
            *TORCHRUN, "--nproc-per-node", "2", str(PLAIN_DDP), "--steps", "400", "--sleep-ms", "20"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    log = tmp_path / "stderr.txt"  # the ranks' own words, for the failure message
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     victim = None
     deadline = time.monotonic() + 240
     for line in proc.stdout:
@@ -201,7 +203,8 @@ def test_sigterm_to_one_rank_leaves_a_readable_run_marked_ended_early(tmp_path):
     assert info.returncode == 0, info.stderr
     run = json.loads(info.stdout)["run"]
     assert run["status"] == "ended_early" and run["ended_reason"]
-    assert run["steps"]["last_step_by_rank"]["1"] >= 5  # rank 1 flushed its steps on SIGTERM
+    said = f"run: {run}\nstderr: {log.read_text()[-3000:]}"
+    assert run["steps"] and run["steps"]["last_step_by_rank"].get("1", -1) >= 5, said  # flushed on SIGTERM
     rank1 = run_dir.read_table(out, run_dir.STEPS).to_pandas().query("rank == 1")
     assert rank1["step"].tolist() == list(range(len(rank1)))
 
