@@ -129,15 +129,16 @@ def calls_from_run(comm: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def calls_from_trace(events: EventTable) -> pd.DataFrame:
+def calls_from_trace(events: EventTable, world: int | None = None) -> pd.DataFrame:
     """The trace's communication work as calls.  ``group_size``: the whole rank list's length where
     the call has it, else the size the rank's trace states for its process group (``Group size``,
     ``pg_config``: :func:`.group_dims.group_size_of`), else the world; never a cut list's
-    (Kineto keeps 30 ranks of a larger group, which the loader does not take for the group)."""
+    (Kineto keeps 30 ranks of a larger group, which the loader does not take for the group).
+    ``world``: the job's world size where no trace states it (a rank summarized alone)."""
     df = events.to_pandas(["rank", "kind", "step", "dim", "op", "bytes", "group_ranks", "pg", "seq", "ts_ns", "dur_ns"])
     df = df[df["kind"] == "comm"]
     sizes = df["group_ranks"].fillna("").map(lambda s: s.count(",") + 1 if s else 0)
-    world = max((m.get("world_size") or 0 for m in events.ranks.values()), default=0) or len(events.rank_ids)
+    world = max((m.get("world_size") or 0 for m in events.ranks.values()), default=0) or world or len(events.rank_ids)
     groups = group_dims.groups_by_rank(events)
     stated = pd.Series([group_dims.group_size_of(groups, int(r), pg) or 0 for r, pg in zip(df["rank"], df["pg"])],
                        index=df.index, dtype="int64")
@@ -291,6 +292,9 @@ def against_links(row: dict[str, Any], g: pd.DataFrame, links: Links) -> dict[st
             "busbw_of_attainable": share, "flag": flag, "link_note": note}
 
 
+OVERLAP_COLUMNS = ["rank", "comm_s", "overlap", "compute_s", "non_compute_s", "idle_s"]
+
+
 def overlap_by_rank(events: EventTable) -> pd.DataFrame:
     """Per rank (GPU ranks only), over the whole trace:
 
@@ -317,7 +321,7 @@ def overlap_by_rank(events: EventTable) -> pd.DataFrame:
                      "overlap": covered / comm_ns if comm_ns else None,
                      "compute_s": compute_ns / 1e9, "non_compute_s": (busy_ns - compute_ns) / 1e9,
                      "idle_s": (span - busy_ns) / 1e9})
-    return pd.DataFrame(rows, columns=["rank", "comm_s", "overlap", "compute_s", "non_compute_s", "idle_s"])
+    return pd.DataFrame(rows, columns=OVERLAP_COLUMNS)
 
 
 def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -61,6 +61,11 @@ class Context:
         """The context of ``events``, with the manifest of ``run`` (a run directory) if given."""
         return cls(SharedColumns(events.table, events.ranks), run_dir.read_manifest(run) if run is not None else None)
 
+    @classmethod
+    def of_events(cls, events: EventTable, manifest: dict[str, Any] | None = None) -> Context:
+        """The context of ``events`` with a manifest already read (a worker gets it from the parent)."""
+        return cls(SharedColumns(events.table, events.ranks), manifest)
+
     @property
     def stage_of(self) -> dict[int, int]:
         """Rank -> pipeline stage, from the manifest's rank coordinates (empty without them)."""

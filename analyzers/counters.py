@@ -27,9 +27,18 @@ from .comm_stats import bus_factor
 COUNTED_KINDS = ("kernel", "comm", "memcpy", "memset", "cpu_op")
 
 
-def per_step(events: EventTable, calls: pd.DataFrame, steps: list[int], flops: dict[str, Any],
+def event_counts(events: EventTable) -> pd.DataFrame:
+    """Columns kind, step, count: the events of :data:`COUNTED_KINDS` per step (ranks read apart
+    concatenate; :func:`per_step` sums them)."""
+    df = events.to_pandas(["kind", "step"])
+    df = df[df["kind"].isin(COUNTED_KINDS)]
+    return df.groupby([df["kind"].astype(str), "step"]).size().rename("count").reset_index()
+
+
+def per_step(counts: pd.DataFrame, calls: pd.DataFrame, steps: list[int], flops: dict[str, Any],
              calls_source: str) -> dict[str, Any]:
-    """``calls``: one row per communication call (rank, step, dim, op, bytes) of the ``steps``."""
+    """``counts``: :func:`event_counts` of the ranks; ``calls``: one row per communication call
+    (rank, step, dim, op, bytes) of the ``steps``."""
     calls = calls[calls["step"].isin(steps)]
     comm, bus = [], []
     if len(calls):
@@ -46,11 +55,10 @@ def per_step(events: EventTable, calls: pd.DataFrame, steps: list[int], flops: d
             g = g.reindex(pd.MultiIndex.from_product([[dim], [op], steps]), fill_value=0)
             comm.append({"dim": str(dim), "op": str(op), "calls_per_step": float(g["calls"].median()),
                          "bytes_per_step": float(g["bytes"].median())})
-    df = events.to_pandas(["kind", "step"])
-    df = df[df["step"].isin(steps) & df["kind"].isin(COUNTED_KINDS)]
+    counts = counts[counts["step"].isin(steps)]
     kinds = []
-    if len(df):
-        counts = df.groupby([df["kind"].astype(str), "step"]).size()
+    if len(counts):
+        counts = counts.groupby(["kind", "step"])["count"].sum()
         for kind, g in counts.groupby(level=0):
             g = g.droplevel(0).reindex(steps, fill_value=0)
             kinds.append({"kind": kind, "count_per_step": float(g.median())})

@@ -325,28 +325,29 @@ def _waiting(leaves: dict[str, float], step_s: float, add, share, ev: Evidence, 
 
 
 # ----------------------------------------------------------------------------- late ranks
-def late_ranks(rows: pd.DataFrame, plans, pairs: pd.DataFrame, step_s: float | None = None) -> LateArrivals:
+def late_ranks(rows: pd.DataFrame, plan_of, pairs: pd.DataFrame, step_s: float | None = None) -> LateArrivals:
     """:class:`LateArrivals` from :func:`.comm_stats.late_arrivals` rows of the steady steps.
 
     A late rank's gain is its lead over the second-last arrival, summed over its collectives a
     step (the critical path: everyone leaves together once the last arrives); ``waited_s`` the
     others' wait a rank-step; ``doing`` the late rank's own breakdown leaves while the others
-    waited (``plans``: the analysis's step plans), what it was doing instead -- worked out for the
-    ranks whose lateness reaches :data:`LATE_RANK_SHARE` of ``step_s`` (the findings)."""
+    waited, what it was doing instead -- worked out for the ranks whose lateness reaches
+    :data:`LATE_RANK_SHARE` of ``step_s`` (the findings).  ``plan_of``: rank -> the rank's plan
+    (:func:`.breakdown.rank_plan`) or None, asked only for those ranks (a reduce over thousands of
+    ranks reads them again for the few it names)."""
     if rows.empty or pairs.empty:
         return LateArrivals()
     steps = pairs["step"].nunique()
     per_rank_step = len(pairs)
-    plan_of = {rank: plan for rank, _, _, plan in plans}
     one = rows.drop_duplicates("key")
     out = []
     for rank, g in one.groupby("late_rank"):
         gain = float(g["gap_ns"].sum()) / 1e9 / steps
         doing: dict[str, float] = {}
-        if rank in plan_of and (step_s is None or gain >= LATE_RANK_SHARE * step_s):  # worth naming
+        plan = plan_of(int(rank)) if step_s is None or gain >= LATE_RANK_SHARE * step_s else None  # worth naming
+        if plan is not None:
             late = iv.union(g["late_from_ns"].to_numpy(dtype=np.int64), g["late_to_ns"].to_numpy(dtype=np.int64))
-            doing = {leaf: ns / 1e9 for leaf, ns in
-                     iv.assign_by_priority_within(late, plan_of[rank], "idle").items() if ns > 0}
+            doing = {leaf: ns / 1e9 for leaf, ns in iv.assign_by_priority_within(late, plan, "idle").items() if ns > 0}
         mine = rows[rows["late_rank"] == rank]
         out.append({"rank": int(rank), "gain_s": gain,
                     "waited_s": float(mine["waited_ns"].sum()) / 1e9 / per_rank_step,
@@ -359,63 +360,141 @@ def late_ranks(rows: pd.DataFrame, plans, pairs: pd.DataFrame, step_s: float | N
 
 
 # ----------------------------------------------------------------------------- evidence from the events
-def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], plans=None) -> Evidence:
-    """The calls, kernels and annotations the findings name, per steady rank-step.
+#: The named lists of :class:`Evidence`, each summed per name over the ranks (:class:`EvidenceParts`).
+_NAMED = ("one_time_calls", "allocator_calls", "blocking_calls", "loader", "copies", "elementwise_kernels",
+          "fp32_kernels")
 
-    ``events``: the analysis's EventTable; ``steady_steps``: (rank, step) pairs the findings read;
-    ``plans``: the analysis's step plans (for what the host did while the device waited on it)."""
-    ev = Evidence()
-    head = events.to_pandas(["kind", "device"])
-    if not (head["kind"].isin(["kernel", "comm", "memcpy", "memset"]) & (head["device"] >= 0)).any():
-        df = events.to_pandas(["kind", "name"])
-        hint = _gpu_hint(df, df["kind"], ranks_meta)
-        if hint:
-            ev.device_work_missing = (f"the trace records no device activity, though the job ran on a GPU ({hint}): "
-                                      "nothing can be said about device time")
+
+@dataclass
+class EvidenceParts:
+    """One rank's (or any set of ranks') evidence as sums, so that ranks summarized apart merge
+    into the :class:`Evidence` of all of them (:func:`merge_evidence`): per named list the calls and
+    nanoseconds of each name, the longest blocking call of each name with where it was made, and
+    the counters the per-step figures divide by the steady rank-steps."""
+
+    pairs: int = 0                        # steady (rank, step) pairs read
+    device_work: bool = False             # any device activity in the trace (any step)
+    runtime_calls: int = 0                # for the hint when there is none
+    nccl_ops: list[str] = field(default_factory=list)
+    named: dict[str, pd.DataFrame] = field(default_factory=dict)   # list -> name, count, sum (ns)
+    blocking_longest: list[dict] = field(default_factory=list)     # name, longest_ns, inside, copy
+    has_runtime: bool = False
+    launch_calls: int = 0
+    launch_host_ns: float = 0.0
+    kernels: int = 0
+    short_kernels: int = 0
+    math_ns: float = 0.0                  # GEMM/conv (and FP32 SIMT) kernel time
+    fp32_ns: float = 0.0                  # of it, FP32 SIMT
+    host_ops_ns: dict[str, float] | None = None
+    after_sync_ns: int = 0
+    sync_calls: int = 0
+
+
+def gather(events, steady_steps: pd.DataFrame, ranks_meta: Mapping[int, dict], plans=None) -> Evidence:
+    """The calls, kernels and annotations the findings name, per steady rank-step (all ranks of
+    ``events`` at once: :func:`gather_parts` then :func:`merge_evidence`)."""
+    return merge_evidence([gather_parts(events, steady_steps, plans)], ranks_meta)
+
+
+def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidenceParts:
+    """The sums behind :class:`Evidence` for the ranks of ``events``.
+
+    ``events``: an EventTable; ``steady_steps``: (rank, step) pairs the findings read; ``plans``:
+    the step plans of ``events`` (for what the host did while the device waited on it)."""
+    ev = EvidenceParts(pairs=len(steady_steps))
+    head = events.to_pandas(["kind", "device", "name"])
+    ev.device_work = bool((head["kind"].isin(["kernel", "comm", "memcpy", "memset"]) & (head["device"] >= 0)).any())
+    if not ev.device_work:
+        ev.runtime_calls = int(head["kind"].isin(["runtime", "driver"]).sum())
+        ev.nccl_ops = sorted({str(n) for n in head["name"].unique() if str(n).startswith("nccl:")})
         return ev
     df = events.to_pandas(["rank", "kind", "name", "ts_ns", "dur_ns", "step", "device", "tid", "correlation"])
-    n = max(len(steady_steps), 1)
     keys = pd.MultiIndex.from_frame(steady_steps[["rank", "step"]])
     df = df[pd.MultiIndex.from_frame(df[["rank", "step"]]).isin(keys)]
     kind = df["kind"]  # categorical: compared and matched per category, never expanded to strings
     names = df["name"]
 
-    def top(rows: pd.DataFrame, k: int = 5) -> list[dict]:
-        if rows.empty:
+    def sums(rows: pd.DataFrame) -> pd.DataFrame:
+        return rows.groupby(rows["name"].astype(str))["dur_ns"].agg(["count", "sum"])
+
+    calls = df[kind.isin(["runtime", "driver"])]
+    kernels = df[(kind == "kernel") & (df["device"] >= 0)]
+    if len(calls):
+        ev.has_runtime = True
+        init, alloc = breakdown._init_and_allocator_calls(calls)
+        ev.named["one_time_calls"], ev.named["allocator_calls"] = sums(init), sums(alloc)
+        blocking = calls[_matches(calls["name"], r"Synchronize|Memcpy|StreamWaitEvent")]
+        ev.named["blocking_calls"] = sums(blocking)
+        for name, rows in blocking.groupby(blocking["name"].astype(str)):
+            ev.blocking_longest.append({"name": name, **_context(df, rows)})
+        launches = calls[_matches(calls["name"], "Launch")]
+        ev.launch_calls, ev.launch_host_ns = len(launches), float(launches["dur_ns"].sum())
+    ev.kernels, ev.short_kernels = len(kernels), int((kernels["dur_ns"] < kernel_time.SMALL_KERNEL_NS).sum())
+    ev.named["loader"] = sums(df[_matches(names, "DataLoader") & kind.isin(["annotation", "cpu_op", "python"])])
+    if plans is not None:
+        ev.host_ops_ns, ev.after_sync_ns, ev.sync_calls = _host_while_waited(df, kind, plans, steady_steps)
+    ev.named["copies"] = sums(df[kind.isin(["memcpy", "memset"]) & (df["device"] >= 0)])
+    if len(kernels):
+        kinds = pd.Series(per_name(kernels["name"], breakdown.kernel_kind), index=kernels.index)
+        simt = pd.Series(per_name(kernels["name"], kernel_kinds.is_fp32_simt, default=False), index=kernels.index)
+        ev.named["elementwise_kernels"] = sums(kernels[kinds == "norm_elementwise"])
+        math = kernels[kinds.isin(["gemm", "conv"]) | simt]
+        fp32 = simt[math.index]
+        ev.math_ns, ev.fp32_ns = float(math["dur_ns"].sum()), float(math["dur_ns"][fp32].sum())
+        ev.named["fp32_kernels"] = sums(math[fp32])
+    return ev
+
+
+def merge_evidence(parts: list[EvidenceParts], ranks_meta: Mapping[int, dict]) -> Evidence:
+    """The :class:`Evidence` of the ranks ``parts`` summarize (in rank order), per steady rank-step."""
+    ev = Evidence()
+    if not any(p.device_work for p in parts):
+        hint = _gpu_hint(sum(p.runtime_calls for p in parts), sorted({n for p in parts for n in p.nccl_ops}),
+                         ranks_meta)
+        if hint:
+            ev.device_work_missing = (f"the trace records no device activity, though the job ran on a GPU ({hint}): "
+                                      "nothing can be said about device time")
+        return ev
+    n = max(sum(p.pairs for p in parts), 1)
+
+    def top(key: str, k: int = 5) -> list[dict]:
+        frames = [p.named[key] for p in parts if key in p.named and len(p.named[key])]
+        if not frames:
             return []
-        g = rows.groupby(rows["name"].astype(str))["dur_ns"].agg(["count", "sum"])
+        g = pd.concat(frames).groupby(level=0).sum() if len(frames) > 1 else frames[0]
         g = g.sort_values("sum", ascending=False).head(k)
         return [{"name": name, "calls_per_step": r["count"] / n, "seconds_per_step": r["sum"] / 1e9 / n}
                 for name, r in g.iterrows()]
 
-    calls = df[kind.isin(["runtime", "driver"])]
-    if len(calls):
-        init, alloc = breakdown._init_and_allocator_calls(calls)
-        ev.one_time_calls, ev.allocator_calls = top(init), top(alloc)
-        blocking = _matches(calls["name"], r"Synchronize|Memcpy|StreamWaitEvent")
-        ev.blocking_calls = top(calls[blocking])
+    if any(p.has_runtime for p in parts):
+        ev.one_time_calls, ev.allocator_calls, ev.blocking_calls = (top("one_time_calls"), top("allocator_calls"),
+                                                                     top("blocking_calls"))
         if ev.blocking_calls:
-            ev.blocking_calls[0].update(_context(df, calls[calls["name"].astype(str) == ev.blocking_calls[0]["name"]]))
-        launches = calls[_matches(calls["name"], "Launch")]
-        kernels = df[(kind == "kernel") & (df["device"] >= 0)]
-        short = (kernels["dur_ns"] < kernel_time.SMALL_KERNEL_NS).mean() if len(kernels) else None
-        ev.launches = {"per_step": len(launches) / n, "host_s_per_step": launches["dur_ns"].sum() / 1e9 / n,
-                       "kernels_per_step": len(kernels) / n,
-                       "short_kernel_share": None if short is None else float(short)}
-    ev.loader = top(df[_matches(names, "DataLoader") & kind.isin(["annotation", "cpu_op", "python"])])
-    if plans is not None:
-        ev.host = _host_while_waited(df, kind, plans, steady_steps, n)
-    ev.copies = top(df[kind.isin(["memcpy", "memset"]) & (df["device"] >= 0)])
-    kernels = df[(kind == "kernel") & (df["device"] >= 0)]
-    if len(kernels):
-        kinds = pd.Series(per_name(kernels["name"], breakdown.kernel_kind), index=kernels.index)
-        simt = pd.Series(per_name(kernels["name"], kernel_kinds.is_fp32_simt, default=False), index=kernels.index)
-        ev.elementwise_kernels = top(kernels[kinds == "norm_elementwise"])
-        math = kernels[kinds.isin(["gemm", "conv"]) | simt]
-        fp32 = simt[math.index]
-        if len(math) and fp32.any():
-            ev.fp32_math = {"share": float(math["dur_ns"][fp32].sum() / max(math["dur_ns"].sum(), 1)),
-                            "kernels": top(math[fp32])}
+            first = ev.blocking_calls[0]["name"]
+            longest = [b for p in parts for b in p.blocking_longest if b["name"] == first]
+            best = max(longest, key=lambda b: b["longest_s"])  # the first of equals: the lowest rank's
+            ev.blocking_calls[0].update({k: v for k, v in best.items() if k != "name"})
+        kernels = sum(p.kernels for p in parts)
+        ev.launches = {"per_step": sum(p.launch_calls for p in parts) / n,
+                       "host_s_per_step": sum(p.launch_host_ns for p in parts) / 1e9 / n,
+                       "kernels_per_step": kernels / n,
+                       "short_kernel_share": sum(p.short_kernels for p in parts) / kernels if kernels else None}
+    ev.loader = top("loader")
+    hosts = [p for p in parts if p.host_ops_ns is not None]
+    if hosts:
+        ops: dict[str, float] = {}
+        for p in hosts:
+            for name, ns in p.host_ops_ns.items():
+                ops[name] = ops.get(name, 0.0) + ns
+        best = sorted(ops.items(), key=lambda kv: -kv[1])[:6]
+        ev.host = {"host_ops": [{"name": k, "seconds_per_step": v / 1e9 / n} for k, v in best if v > 0],
+                   "after_sync_s": sum(p.after_sync_ns for p in hosts) / 1e9 / n,
+                   "sync_calls_per_step": sum(p.sync_calls for p in hosts) / n}
+    ev.copies = top("copies")
+    ev.elementwise_kernels = top("elementwise_kernels")
+    fp32_ns = sum(p.fp32_ns for p in parts)
+    if fp32_ns > 0 or any(len(p.named.get("fp32_kernels", ())) for p in parts):
+        ev.fp32_math = {"share": fp32_ns / max(sum(p.math_ns for p in parts), 1), "kernels": top("fp32_kernels")}
     return ev
 
 
@@ -443,8 +522,8 @@ def _context(df: pd.DataFrame, calls: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
-def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans, steady_steps: pd.DataFrame,
-                       n: int) -> dict[str, Any]:
+def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans,
+                       steady_steps: pd.DataFrame) -> tuple[dict[str, float], int, int]:
     """What the host did while the device waited on it (``host_bound`` and ``idle`` time): the
     operators and annotations that overlap it most, and how much of it follows a synchronizing
     call (within :data:`AFTER_SYNC_NS`: the device drained at the sync and idles while the host
@@ -470,17 +549,14 @@ def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans, steady_steps: p
         mine = host_of.get(rank, host.iloc[0:0])
         covered = iv.overlap(wait, mine["ts_ns"].to_numpy(), (mine["ts_ns"] + mine["dur_ns"]).to_numpy())
         for name, ns in pd.Series(covered, index=mine["name"].astype(str).to_numpy()).groupby(level=0).sum().items():
-            ops[name] = ops.get(name, 0.0) + ns / 1e9
+            ops[name] = ops.get(name, 0.0) + ns
         rs = syncs_of.get(rank, syncs.iloc[0:0])
         done = np.sort((rs["ts_ns"] + rs["dur_ns"]).to_numpy())
         if len(done):  # a sync returned in [gap start - 100 us, gap end]
             first = np.searchsorted(done, wait[0] - AFTER_SYNC_NS)
             hit = (first < len(done)) & (done[np.clip(first, 0, len(done) - 1)] <= wait[1])
             after_sync += int((wait[1] - wait[0])[hit].sum())
-    top = sorted(ops.items(), key=lambda kv: -kv[1])[:6]
-    return {"host_ops": [{"name": k, "seconds_per_step": v / n} for k, v in top if v > 0],
-            "after_sync_s": after_sync / 1e9 / n,
-            "sync_calls_per_step": len(syncs) / n}
+    return ops, after_sync, len(syncs)
 
 
 def _matches(names: pd.Series, pattern: str) -> np.ndarray:
@@ -489,17 +565,15 @@ def _matches(names: pd.Series, pattern: str) -> np.ndarray:
     return per_name(names, lambda n: bool(rule.search(n)), default=False)
 
 
-def _gpu_hint(df: pd.DataFrame, kind: pd.Series, ranks_meta: Mapping[int, dict]) -> str | None:
+def _gpu_hint(runtime_calls: int, nccl_ops: list[str], ranks_meta: Mapping[int, dict]) -> str | None:
     """What says a trace without device activity is of a GPU job, if anything does."""
-    runtime = df[kind.isin(["runtime", "driver"])]
-    if len(runtime):
-        return f"{len(runtime):,} CUDA/HIP runtime calls"
+    if runtime_calls:
+        return f"{runtime_calls:,} CUDA/HIP runtime calls"
     for meta in ranks_meta.values():
         if meta.get("device_name"):
             return f"device {meta['device_name']}"
         if str(meta.get("backend") or "").lower() in ("nccl", "rccl"):
             return f"{meta['backend']} backend"
-    nccl = [str(n) for n in df["name"].unique() if str(n).startswith("nccl:")]
-    if nccl:
-        return f"NCCL operators ({', '.join(sorted(nccl)[:3])})"
+    if nccl_ops:
+        return f"NCCL operators ({', '.join(nccl_ops[:3])})"
     return None

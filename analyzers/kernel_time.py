@@ -12,6 +12,8 @@ import pandas as pd
 
 from mfuscope.event_table import EventTable
 
+from . import duration_sketch
+
 DEVICE_WORK = ("kernel", "comm", "memcpy", "memset")
 
 
@@ -36,20 +38,48 @@ def step_spans(events: EventTable) -> pd.DataFrame:
     return out[["rank", "step", "start_ns", "end_ns", "dur_ns"]].sort_values(["rank", "step"], ignore_index=True)
 
 
-def top_kernels(events: EventTable, n: int = 20) -> pd.DataFrame:
-    """Columns: name, kind, count, total_ns, mean_ns, median_ns, share (of all device time)."""
+KERNEL_STAT_COLUMNS = ["name", "kind", "bucket", "count", "total_ns"]
+
+
+def kernel_stats(events: EventTable) -> pd.DataFrame:
+    """Device work per (name, kind) as a mergeable histogram of durations: one row per (name,
+    kind, :mod:`.duration_sketch` bucket) with its count and total time.  Stats of ranks read apart
+    concatenate into the stats of all of them (:func:`top_kernels` reads them)."""
     df = _device_work(events)
     if df.empty:
+        return pd.DataFrame(columns=KERNEL_STAT_COLUMNS)
+    df = df.assign(name=df["name"].astype(str), kind=df["kind"].astype(str),
+                   bucket=duration_sketch.buckets(df["dur_ns"].to_numpy()))
+    out = df.groupby(["name", "kind", "bucket"])["dur_ns"].agg(count="count", total_ns="sum").reset_index()
+    return out[KERNEL_STAT_COLUMNS]
+
+
+def top_kernels(stats: pd.DataFrame | EventTable, n: int = 20) -> pd.DataFrame:
+    """Columns: name, kind, count, total_ns, mean_ns, median_ns (within the sketch's
+    :data:`~.duration_sketch.RELATIVE_ERROR`), share (of all device time).  ``stats``: the
+    concatenated :func:`kernel_stats` of the ranks (or an EventTable)."""
+    if isinstance(stats, EventTable):
+        stats = kernel_stats(stats)
+    if stats.empty:
         return pd.DataFrame(columns=["name", "kind", "count", "total_ns", "mean_ns", "median_ns", "share"])
-    g = df.groupby(["name", "kind"], observed=True)["dur_ns"]
-    out = g.agg(count="count", total_ns="sum", mean_ns="mean", median_ns="median").reset_index()
+    per = stats.groupby(["name", "kind", "bucket"], as_index=False)[["count", "total_ns"]].sum()
+    g = per.groupby(["name", "kind"])
+    out = g[["count", "total_ns"]].sum().reset_index()
+    out["mean_ns"] = out["total_ns"] / out["count"]
     out["share"] = out["total_ns"] / out["total_ns"].sum()
-    out["name"] = out["name"].astype(str)
-    return out.sort_values("total_ns", ascending=False, ignore_index=True).head(n)
+    out = out.sort_values("total_ns", ascending=False, ignore_index=True).head(n)
+    medians = {key: duration_sketch.median(h["bucket"].to_numpy(), h["count"].to_numpy())
+               for key, h in g if key in set(zip(out["name"], out["kind"]))}
+    out["median_ns"] = [medians[k] for k in zip(out["name"], out["kind"])]
+    return out[["name", "kind", "count", "total_ns", "mean_ns", "median_ns", "share"]]
 
 
 SMALL_KERNEL_NS = 10_000  # kernels under 10 us do too little work to hide their own launch
 LAUNCH_BOUND_TIME_SHARE = 0.25  # ...and where they hold this much of the kernel time, launches set the pace
+
+
+LAUNCH_COLUMNS = ["rank", "kernels", "median_kernel_us", "median_launch_us", "small_kernel_share", "small_kernel_s",
+                  "launch_bound"]
 
 
 def launch_stats(events: EventTable) -> pd.DataFrame:
@@ -79,8 +109,7 @@ def launch_stats(events: EventTable) -> pd.DataFrame:
                      "small_kernel_share": float(small.mean()), "small_kernel_s": small_time / 1e9,
                      "launch_bound": bool(median_launch is not None and median_kernel < median_launch
                                           and short_enough)})
-    return pd.DataFrame(rows, columns=["rank", "kernels", "median_kernel_us", "median_launch_us",
-                                       "small_kernel_share", "small_kernel_s", "launch_bound"])
+    return pd.DataFrame(rows, columns=LAUNCH_COLUMNS)
 
 
 _CAPTURE = re.compile(r"^(cuda|hip)(StreamBeginCapture|StreamEndCapture|GraphInstantiate)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,11 +41,37 @@ _CONVS = ("aten::convolution", "aten::convolution_backward")
 _ATTENTION = "aten::_scaled_dot_product_"  # the fused kernels (the public op is their parent)
 
 
-def _table_peak(events: EventTable) -> tuple[float | None, str | None]:
+@dataclass
+class TraceShapes:
+    """What MFU reads of the traces themselves, as sums that merge over ranks summarized apart:
+    FLOPs per (step, dtype) from operator shapes, kernel time in TF32 and FP32-SIMT kernels, the
+    device the traces name, and how many ranks were loaded."""
+
+    by_dtype: pd.DataFrame   # step, dtype, flops
+    tf32_ns: float = 0.0
+    simt_ns: float = 0.0
+    device_name: str | None = None
+    ranks: int = 0
+
+    @classmethod
+    def of(cls, events: EventTable) -> TraceShapes:
+        tf32, simt = _tf32_and_simt_ns(events)
+        name = next((m.get("device_name") for m in events.ranks.values() if m.get("device_name")), None)
+        return cls(shape_flops_by_dtype(events), tf32, simt, name, len(events.ranks))
+
+    @classmethod
+    def merge(cls, parts: list[TraceShapes]) -> TraceShapes:
+        frames = [p.by_dtype for p in parts if len(p.by_dtype)]
+        by_dtype = (pd.concat(frames).groupby(["step", "dtype"], as_index=False)["flops"].sum() if frames
+                    else pd.DataFrame(columns=["step", "dtype", "flops"]))
+        return cls(by_dtype, sum(p.tf32_ns for p in parts), sum(p.simt_ns for p in parts),
+                   next((p.device_name for p in parts if p.device_name), None), sum(p.ranks for p in parts))
+
+
+def _table_peak(shapes: TraceShapes) -> tuple[float | None, str | None]:
     """The hardware table's 16-bit dense peak for the device the traces name (traces do not say
     which dtype ran; MFU is conventionally taken against the tensor-core peak)."""
-    name = next((m.get("device_name") for m in events.ranks.values() if m.get("device_name")), None)
-    acc = hardware.lookup(name)
+    acc = hardware.lookup(shapes.device_name)
     peak = acc.peak_flops("bf16") if acc else None
     if peak is None:
         return None, None
@@ -52,7 +79,7 @@ def _table_peak(events: EventTable) -> tuple[float | None, str | None]:
 
 
 def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | None,
-            events: EventTable | None = None, devices: int | None = None,
+            shapes: TraceShapes | EventTable | None = None, devices: int | None = None,
             rank_step_times: pd.DataFrame | None = None) -> dict[str, Any]:
     """``step_times``/``tokens``: per step (index = step), seconds and global tokens;
     ``devices``: the job's world size, if known; ``rank_step_times``: rank, step, seconds (for
@@ -61,14 +88,17 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
 
     FLOPs from the model spec are the job's (global tokens), so they are shared over the job's
     world size; FLOPs from trace shapes are the loaded ranks' own, so they are shared over the
-    ranks loaded -- one rank of an 8-rank job is one device's work, not an eighth of it."""
+    ranks loaded -- one rank of an 8-rank job is one device's work, not an eighth of it.
+    ``shapes``: :class:`TraceShapes` of the traces (or their EventTable), None without traces."""
+    if isinstance(shapes, EventTable):
+        shapes = TraceShapes.of(shapes)
     manifest = Manifest.of(manifest)
     hw = manifest.hardware
     peak, peak_source = hw.get("peak_flops"), hw.get("peak_source")
-    if peak is None and events is not None:  # a trace set: the device the traces name
-        peak, peak_source = _table_peak(events)
+    if peak is None and shapes is not None:  # a trace set: the device the traces name
+        peak, peak_source = _table_peak(shapes)
     devices = devices or manifest.raw.get("world_size")
-    loaded = len(events.ranks) if events is not None else None
+    loaded = shapes.ranks if shapes is not None else None
     spec = manifest.model or {}
     train = manifest.train
     seq_len = train.get("seq_len") or spec.get("max_seq_len")
@@ -86,8 +116,8 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
         per_token = train_flops_per_token(spec, seq_len, train.get("recompute") or "none")
         model_flops, hw_flops = tokens * per_token[0], tokens * per_token[1]
         out["flops_source"] = "model spec"
-    elif events is not None:
-        by_dtype = shape_flops_by_dtype(events)
+    elif shapes is not None:
+        by_dtype = shapes.by_dtype
         shaped = by_dtype.groupby("step")["flops"].sum() if len(by_dtype) else pd.Series(dtype=float)
         if len(shaped) and shaped.reindex(step_times.index).notna().any():
             hw_flops = shaped.reindex(step_times.index)
@@ -95,7 +125,7 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
             out["flops_source"] = (f"GEMM, convolution and attention shapes in the trace (hardware FLOPs) of the "
                                    f"{loaded} rank(s) loaded")
             if not hw.get("peak_flops"):  # a trace set: a peak for each dtype the operators ran in
-                peak, peak_source, seconds_at_peak = _dtype_peaks(events, by_dtype)
+                peak, peak_source, seconds_at_peak = _dtype_peaks(shapes)
                 out["peak_flops"], out["peak_source"] = peak, peak_source
     if hw_flops is None:
         out["mfu_note"] = ("no model spec with tokens, and no GEMM, convolution or attention shapes in the trace "
@@ -115,8 +145,7 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
         out["mfu_note"] = f"no peak FLOP/s: {peak_source}"
         return out
     if not peak:
-        name = next((m.get("device_name") for m in (events.ranks.values() if events is not None else [])
-                     if m.get("device_name")), None)
+        name = shapes.device_name if shapes is not None else None
         out["mfu_note"] = (f"no peak FLOP/s for {name!r} (not in the hardware table)" if name
                            else "no peak FLOP/s: the traces do not name their device")
         return out
@@ -146,17 +175,18 @@ def compute(step_times: pd.Series, tokens: pd.Series | None, manifest: dict | No
 _TF32_KERNEL = re.compile(r"tf32|s1688|s16816", re.I)
 
 
-def _dtype_peaks(events: EventTable, by_dtype: pd.DataFrame) -> tuple[float | None, str | None, pd.Series | None]:
+def _dtype_peaks(shapes: TraceShapes) -> tuple[float | None, str | None, pd.Series | None]:
     """(the 16-bit peak as the reported one, its source, seconds a step the operators would take
     at their own dtype's peak) for a trace set: FP32 operators against the FP32 peak -- or the TF32
-    one where the trace's GEMM/convolution kernels run TF32 on tensor cores --, 16-bit against the
-    16-bit peak, FP8 against FP8's, operators of unstated dtype against the 16-bit peak (the
-    trace does not say).  No peak (None) where a dtype that ran has none for this device."""
-    name = next((m.get("device_name") for m in events.ranks.values() if m.get("device_name")), None)
-    acc = hardware.lookup(name)
+    one where the trace's GEMM/convolution kernels run TF32 on tensor cores (more kernel time in
+    TF32 kernels than in FP32 SIMT ones) --, 16-bit against the 16-bit peak, FP8 against FP8's,
+    operators of unstated dtype against the 16-bit peak (the trace does not say).  No peak (None)
+    where a dtype that ran has none for this device."""
+    acc = hardware.lookup(shapes.device_name)
     if acc is None:
         return None, None, None
-    fp32 = "tf32" if _runs_tf32(events) else "fp32"
+    by_dtype = shapes.by_dtype
+    fp32 = "tf32" if shapes.tf32_ns > shapes.simt_ns else "fp32"
     classes = {"fp32": fp32, "bf16": "bf16", "fp8": "fp8", "unknown": "bf16"}
     peaks = {d: acc.peak_flops(classes[d]) for d in by_dtype["dtype"].unique()}
     missing = sorted(classes[d] for d, p in peaks.items() if not p)
@@ -171,17 +201,16 @@ def _dtype_peaks(events: EventTable, by_dtype: pd.DataFrame) -> tuple[float | No
                   f"FLOPs){unknown}; {acc.source}"), at_peak
 
 
-def _runs_tf32(events: EventTable) -> bool:
-    """The trace's FP32 GEMMs and convolutions run TF32 on tensor cores (more kernel time in TF32
-    kernels than in FP32 SIMT ones)."""
+def _tf32_and_simt_ns(events: EventTable) -> tuple[float, float]:
+    """Kernel time in TF32 tensor-core kernels and in FP32 SIMT ones."""
     df = events.to_pandas(["kind", "name", "dur_ns"])
     k = df[df["kind"] == "kernel"]
     if k.empty:
-        return False
+        return 0.0, 0.0
     per = k.groupby(k["name"].astype(str))["dur_ns"].sum()
     tf32 = per[[bool(_TF32_KERNEL.search(n)) for n in per.index]].sum()
     simt = per[[is_fp32_simt(n) for n in per.index]].sum()
-    return bool(tf32 > simt)
+    return float(tf32), float(simt)
 
 
 def shape_flops_per_step(events: EventTable) -> pd.Series:

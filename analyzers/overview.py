@@ -10,18 +10,20 @@ when present, else the trace's communication work.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
-from mfuscope import labels, run_dir
+from mfuscope import run_dir
 from mfuscope.event_table import EventTable
 from mfuscope.manifest import Manifest
 from mfuscope.report import new_report
 
-from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, stragglers
+from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, rank_summary, stragglers, timeline
 from .context import Context
 from .nccl_tests import Table, compare
 from .steps import DEVICE_SPAN, WHOLE_TRACE
@@ -29,38 +31,86 @@ from .steps import DEVICE_SPAN, WHOLE_TRACE
 
 def build_report(events: EventTable | Context, *, source: str, files: list[str],
                  run: str | Path | None = None, nccl_tests: list[Table] | None = None) -> dict[str, Any]:
-    """``events``: the traces, or the analysis context that holds them with the run's manifest
-    (``mfuscope analyze`` shares one with the timeline views); ``run``: the run directory, if any;
-    ``nccl_tests``: nccl-tests tables (:mod:`.nccl_tests`) each communication row is compared with."""
+    """The report of traces held in memory: each rank summarized here (:mod:`.rank_summary`),
+    then reduced -- the path ``mfuscope analyze`` takes in worker processes (:mod:`.map_reduce`).
+    ``events``: the traces, or the analysis context that holds them with the run's manifest;
+    ``run``: the run directory, if any; ``nccl_tests``: nccl-tests tables (:mod:`.nccl_tests`)
+    each communication row is compared with."""
     ctx = events if isinstance(events, Context) else Context.of(events, run)
-    events, manifest = ctx.events, ctx.manifest
-    step_s, tokens, step_source = _step_times(events, run)
-    metas = events.ranks
+    comm = run_comm(run)
+    world = job_world(ctx.events.ranks, ctx.manifest)
+    by_rank = split_ranks(ctx.events)
+    summaries = [rank_summary.summarize(part, ctx.manifest, world=world,
+                                        run_comm=None if comm is None else comm[comm["rank"] == rank])
+                 for rank, part in by_rank.items()]
+
+    def plan_of(rank: int):
+        return next((plan for r, _, _, plan in breakdown.step_plans(by_rank[rank])), None) if rank in by_rank else None
+
+    return reduce(summaries, ctx.manifest, source=source, files=files, run=run, nccl_tests=nccl_tests,
+                  plan_of=plan_of)
+
+
+def split_ranks(events: EventTable) -> dict[int, EventTable]:
+    """One EventTable per rank (in rank order), each with its own metadata."""
+    ranks = events.column("rank")
+    order = np.argsort(ranks, kind="stable")
+    bounds = np.flatnonzero(np.diff(ranks[order])) + 1
+    out = {}
+    for idx in np.split(order, bounds) if len(order) else []:
+        r = int(ranks[idx[0]])
+        out[r] = EventTable(events.table.take(pa.array(idx)), {r: events.ranks.get(r, {})})
+    for r in events.rank_ids:  # a rank whose trace holds no events still counts
+        out.setdefault(r, EventTable(events.table.slice(0, 0), {r: events.ranks[r]}))
+    return dict(sorted(out.items()))
+
+
+def run_comm(run: str | Path | None) -> pd.DataFrame | None:
+    """The collectors' communication table of a run directory, if it has one."""
+    if run is None or not (Path(run) / run_dir.COMM).exists():
+        return None
+    return run_dir.read_table(run, run_dir.COMM).to_pandas()
+
+
+def job_world(metas: dict[int, dict], manifest: dict | None) -> int | None:
+    """The job's world size: the manifest's, else the largest a trace states."""
+    return Manifest.of(manifest).raw.get("world_size") or max(
+        (m.get("world_size") or 0 for m in metas.values()), default=0) or None
+
+
+def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, source: str, files: list[str],
+           run: str | Path | None = None, nccl_tests: list[Table] | None = None,
+           plan_of: Callable[[int], Any] = lambda rank: None) -> dict[str, Any]:
+    """The report from every rank's summary (in any order).  ``plan_of``: rank -> its breakdown
+    plan, asked for the few ranks named late (what they were doing while the others waited)."""
+    summaries = sorted(summaries, key=lambda s: s.rank)
+    metas = {s.rank: s.meta for s in summaries}
     recorded = Manifest.of(manifest)
+    step_s, tokens, step_source = _step_times(_concat([s.spans for s in summaries]), metas, run)
     device = next((m.get("device_name") for m in metas.values() if m.get("device_name")), None)
     device = device or recorded.device_name
-    world = recorded.raw.get("world_size") or max((m.get("world_size") or 0 for m in metas.values()),
-                                                  default=0) or None
-    leaves = ctx.leaves
+    world = job_world(metas, manifest)
+    leaves = _concat([s.leaves for s in summaries], ["rank", "step", "leaf", "seconds"])
     tree = breakdown.tree(leaves)
     rank_steps = breakdown.per_rank_step(leaves)
-    flops = mfu.compute(step_s, tokens, manifest, events, devices=world, rank_step_times=_rank_step_times(run))
+    flops = mfu.compute(step_s, tokens, manifest, mfu.TraceShapes.merge([s.shapes for s in summaries]),
+                        devices=world, rank_step_times=_rank_step_times(run))
     strag, matrix = stragglers.find(rank_steps, recorded.stages)
     pp = recorded.pp
-    bub = bubbles.analyze(leaves, rank_steps, manifest, ctx.microbatches if pp > 1 else None)
+    microbatches = _concat([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
+    bub = bubbles.analyze(leaves, rank_steps, manifest, microbatches if pp > 1 else None)
 
+    calls = _concat([s.calls for s in summaries], rank_summary.CALL_COLUMNS)
     if run is not None and (Path(run) / run_dir.COMM).exists():
-        calls = comm_stats.calls_from_run(run_dir.read_table(run, run_dir.COMM).to_pandas())
         calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
         calls_source = "the collectors' communication table"
     else:
-        calls = comm_stats.calls_from_trace(events)
         calls_source = "the traces' communication work"
     counted_steps = sorted(int(s) for s in (leaves["step"] if not leaves.empty else calls["step"]).unique() if s >= 0)
-    calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(events, ctx.plans))
     skew, offsets = comm_stats.matched(calls)
 
     step_time = float(step_s.mean()) if len(step_s) else None
+    graphs = {k: sum(s.graphs[k] for s in summaries) for k in ("captures", "replays")}
     summary = {
         "mfu": flops["mfu"], "hfu": flops["hfu"], "mfu_note": flops["mfu_note"],
         "flops_source": flops["flops_source"], "peak_flops": flops["peak_flops"], "peak_source": flops["peak_source"],
@@ -70,13 +120,13 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
         "tokens_per_s": flops["tokens_per_s"], "tflops_per_device": flops["tflops_per_device"],
         "device": device, "world_size": world, "ranks": len(metas), "steps": int(len(step_s)),
         "status": recorded.raw.get("status"),
-        "cuda_graphs": kernel_time.graph_activity(events),
+        "cuda_graphs": graphs,
     }
-    kernels = kernel_time.top_kernels(events, n=20)
-    launch = kernel_time.launch_stats(events)
-    found, summary["findings_note"] = _findings(ctx, bub, strag, launch.to_dict("records"), summary["cuda_graphs"],
-                                                calls)
-    overlap = comm_stats.overlap_by_rank(events)
+    kernels = kernel_time.top_kernels(_concat([s.kernels for s in summaries], kernel_time.KERNEL_STAT_COLUMNS), n=20)
+    launch = _concat([s.launch for s in summaries], kernel_time.LAUNCH_COLUMNS)
+    found, summary["findings_note"] = _findings(leaves, summaries, metas, bub, strag, launch.to_dict("records"),
+                                                graphs, calls, plan_of)
+    overlap = _concat([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
     comm = comm_stats.summarize(calls, comm_stats.Links.of(device, world, recorded.raw))
     if nccl_tests:
         compare(comm, nccl_tests)
@@ -94,30 +144,40 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
         comm_overlap=overlap.to_dict("records"),
         straggler_matrix=matrix.to_dict("records"),
         breakdown_by_rank=_by_rank(leaves),
-        ranks=_ranks(events, rank_steps),
-        comm_calls=_comm_by_op(events, calls=True),
-        counters=counters.per_step(events, calls, counted_steps, flops, calls_source),
+        ranks=[s.row for s in summaries],
+        comm_calls=_comm_calls([s.comm_ops for s in summaries]),
+        counters=counters.per_step(_concat([s.counts for s in summaries], ["kind", "step", "count"]), calls,
+                                   counted_steps, flops, calls_source),
     )
 
 
-def _findings(ctx: Context, bub: dict | None, strag: list[dict], launch: list[dict],
-              graphs: dict, calls: pd.DataFrame) -> tuple[list[dict[str, Any]], str | None]:
+def _concat(frames: list[pd.DataFrame], columns: list[str] | None = None) -> pd.DataFrame:
+    """The rows of ``frames`` (empty ones left out, so dtypes stay those of the rows)."""
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=columns)
+    return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
+
+
+def _findings(leaves: pd.DataFrame, summaries: list[rank_summary.RankSummary], metas: dict[int, dict],
+              bub: dict | None, strag: list[dict], launch: list[dict], graphs: dict, calls: pd.DataFrame,
+              plan_of: Callable[[int], Any]) -> tuple[list[dict[str, Any]], str | None]:
     """The findings on the steady steps (a rank's first left out when it has three or more), and
     why they cannot be judged, if they cannot."""
-    leaves = findings.steady(ctx.leaves)
+    leaves = findings.steady(leaves)
     if leaves.empty:
         return [], None
     tree = breakdown.tree(leaves)
     step_s = float(breakdown.per_rank_step(leaves)["step_s"].mean())
     pairs = leaves[["rank", "step"]].drop_duplicates()
-    evidence = findings.gather(ctx.events, pairs, ctx.events.ranks, ctx.plans)
+    evidence = findings.merge_evidence([s.evidence for s in summaries], metas)
     late_rows = comm_stats.late_arrivals(calls[calls["step"].isin(set(pairs["step"]))])
-    late = findings.late_ranks(late_rows, ctx.plans, pairs, step_s)
+    late = findings.late_ranks(late_rows, plan_of, pairs, step_s)
     return (findings.derive(tree, bub, strag, step_s, launch, graphs, evidence, late),
             findings.inconclusive(findings.leaf_seconds(tree), step_s, evidence))
 
 
-def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None, str | None]:
+def _step_times(spans: pd.DataFrame, metas: dict[int, dict], run) -> tuple[pd.Series, pd.Series | None, str | None]:
     if run is not None and (Path(run) / run_dir.STEPS).exists():
         steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
         if len(steps):
@@ -128,10 +188,9 @@ def _step_times(events: EventTable, run) -> tuple[pd.Series, pd.Series | None, s
                 step_s, tokens = step_s.iloc[1:], tokens.iloc[1:]
                 source += ", the first (warm-up) left out"
             return step_s, (tokens if tokens.notna().all() else None), source
-    spans = kernel_time.step_spans(events)
     if spans.empty:
         return pd.Series(dtype=float), None, None
-    sources = {m.get("steps_source") for m in events.ranks.values()}
+    sources = {m.get("steps_source") for m in metas.values()}
     unmarked = {DEVICE_SPAN: "the device span (first device activity to last), no step markers",
                 WHOLE_TRACE: "the whole trace, no step markers"}
     return spans.groupby("step")["dur_ns"].max() / 1e9, None, (
@@ -157,44 +216,13 @@ def _by_rank(leaves: pd.DataFrame) -> list[dict[str, Any]]:
     return g.to_dict("records")
 
 
-def _ranks(events: EventTable, rank_steps: pd.DataFrame) -> list[dict[str, Any]]:
-    dev = kernel_time.device_time(events)
-    comm = events.to_pandas(["rank", "kind", "dur_ns"])
-    comm_ns = comm[comm["kind"] == "comm"].groupby("rank")["dur_ns"].sum()
-    by_rank = dict(tuple(rank_steps.groupby("rank"))) if len(rank_steps) else {}
-    dev_by_rank = dev.groupby(["rank", "kind"], observed=True)["total_ns"].sum() if len(dev) else pd.Series(
-        dtype=float)
-    dev_ranks = set(dev_by_rank.index.get_level_values(0)) if len(dev_by_rank) else set()
-    empty = rank_steps.iloc[0:0]
-    out = []
-    for r in events.rank_ids:  # one pass over each table, not one per rank
-        rs = by_rank.get(r, empty)
-        dr = dev_by_rank.loc[r] if r in dev_ranks else pd.Series(dtype=float)
-        out.append({
-            "rank": r, "steps": int(len(rs)),
-            "step_time_s": float(rs["step_s"].median()) if len(rs) else None,
-            "wait_s": float(rs["wait_s"].median()) if len(rs) else None,
-            "compute_kernel_s": float(dr.get("kernel", 0) / 1e9),
-            "comm_s": float(comm_ns.get(r, 0) / 1e9),  # GPU communication kernels, or gloo work on CPU threads
-            "memory_s": float((dr.get("memcpy", 0) + dr.get("memset", 0)) / 1e9),
-        })
-    return out
-
-
-def _comm_by_op(events: EventTable, calls: bool = False) -> list[dict[str, Any]]:
-    """Communication per (dimension, op): the work itself (NCCL kernels, gloo threads), or with
-    ``calls`` the labelled call regions on the training thread (``mfuscope.comm/<dim>/<op>``)."""
-    df = events.to_pandas(["rank", "kind", "name", "op", "dim", "bytes", "dur_ns"])
-    if calls:
-        df = df[df["name"].str.startswith(labels.COMM)]
-    else:
-        df = df[df["kind"] == "comm"]
+def _comm_calls(parts: list[pd.DataFrame]) -> list[dict[str, Any]]:
+    """Communication per (dimension, op) of the labelled call regions on the training thread
+    (``mfuscope.comm/<dim>/<op>``), summed over the ranks' :attr:`RankSummary.comm_ops`."""
+    df = _concat(parts)
     if df.empty:
         return []
-    df = df.assign(op=df["op"].fillna("unknown"), dim=df["dim"].fillna("unknown"),
-                   known_bytes=df["bytes"].where(df["bytes"] >= 0, 0))
-    g = df.groupby(["dim", "op"]).agg(count=("dur_ns", "size"), total_ns=("dur_ns", "sum"),
-                                      bytes=("known_bytes", "sum")).reset_index()
+    g = df.groupby(["dim", "op"])[["count", "total_ns", "bytes"]].sum().reset_index()
     return [{"dim": r.dim, "op": r.op, "count": int(r.count), "total_s": r.total_ns / 1e9, "bytes": int(r.bytes)}
             for r in g.itertuples()]
 

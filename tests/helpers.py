@@ -73,3 +73,19 @@ microbatches = {microbatches}
 
 #: How long a process on a loaded 2-core host can wait for a core: the slack of timing checks.
 WAKE_S = 0.015
+
+
+def replicated_set(out: Path, sources: list[Path], copies: int, shift_us: float = 10.0) -> Path:
+    """A larger job made of real ranks: ``sources`` (rank files of one job, ranks 0..n-1) copied
+    ``copies`` times as ranks ``k*n + r`` of a world of ``copies*n``, copy k's clock shifted by
+    ``k * shift_us`` (so matched collectives have known arrival lags).  Written gzip'ed."""
+    out.mkdir(parents=True, exist_ok=True)
+    docs = [read_raw(p) for p in sources]
+    n = len(docs)
+    for k in range(copies):
+        for r, doc in enumerate(docs):
+            events = [dict(e, ts=e["ts"] + k * shift_us) if "ts" in e else e for e in doc["traceEvents"]]
+            info = dict(doc.get("distributedInfo") or {}, rank=k * n + r, world_size=copies * n)
+            top = {key: v for key, v in doc.items() if key not in ("traceEvents", "distributedInfo")}
+            write_trace(out / f"rank{k * n + r}.json.gz", events, **top, distributedInfo=info)
+    return out

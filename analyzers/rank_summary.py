@@ -1,0 +1,129 @@
+"""The map of an analysis: one rank's events in, a :class:`RankSummary` of tens of KB out.
+
+A job of thousands of ranks cannot be analyzed as one table (one ~130-byte row an event, for
+every rank at once).  Nearly everything the report says is per rank first -- the breakdown's
+leaves per step, the step spans, the launch statistics, the communication calls and their
+exposure, the FLOPs from shapes, the counters -- and only then combined over ranks.  So an
+analysis summarizes each rank alone, in a worker (:mod:`.map_reduce`), from the rank's own
+table, and the parent folds the summaries (:func:`.overview.reduce`).  No EventTable leaves the
+worker: the summary holds small frames, and the rank's timeline segments and collective calls
+are written by the worker as its own Parquet parts of the views (:data:`TIMELINE`,
+:data:`COMM_CALLS`), which the dashboard and the cross-rank matching read.
+
+Everything here is a function of the rank's events alone, except what the caller passes that
+belongs to the job: the run's manifest (stages), the collectors' communication rows of the rank,
+and the job's world size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+
+from mfuscope import atomic, labels
+from mfuscope.event_table import EventTable
+
+from . import breakdown, comm_stats, counters, findings, kernel_time, mfu, timeline
+from .context import Context
+
+#: The views' per-rank parts (directories of ``rankNNNNN.parquet`` files, read as one dataset).
+TIMELINE = "timeline.parquet"
+COMM_CALLS = "comm_calls.parquet"
+#: The columns of the collective view: one row a call.
+CALL_COLUMNS = ["rank", "step", "dim", "op", "bytes", "group_size", "group_ranks", "pg", "seq",
+                "enqueue_ns", "start_ns", "end_ns", "dur_ns", "inflight_ns", "exposed_ns"]
+
+
+@dataclass
+class RankSummary:
+    """What the reduce needs of one rank (see the module docstring).  Frames carry a ``rank``
+    column where the reduce concatenates them."""
+
+    rank: int
+    meta: dict[str, Any]
+    leaves: pd.DataFrame                 # rank, step, leaf, seconds (breakdown.step_leaves)
+    spans: pd.DataFrame                  # rank, step, start_ns, end_ns, dur_ns (step markers)
+    calls: pd.DataFrame                  # CALL_COLUMNS: the rank's communication calls with exposure
+    kernels: pd.DataFrame                # kernel_time.kernel_stats
+    launch: pd.DataFrame                 # kernel_time.launch_stats (a row, or none on a CPU rank)
+    graphs: dict[str, int]               # kernel_time.graph_activity
+    shapes: mfu.TraceShapes
+    overlap: pd.DataFrame                # comm_stats.overlap_by_rank
+    row: dict[str, Any]                  # the report's ``ranks`` entry
+    comm_ops: pd.DataFrame               # dim, op, count, total_ns, bytes: labelled call regions
+    counts: pd.DataFrame                 # counters.event_counts
+    evidence: findings.EvidenceParts
+    microbatches: pd.DataFrame           # timeline.microbatches
+    file: str | None = None
+    cached: bool = False
+
+
+def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
+              run_comm: pd.DataFrame | None = None, world: int | None = None,
+              views_dir: str | Path | None = None) -> RankSummary:
+    """The summary of the one rank ``events`` holds.
+
+    ``manifest``: the run's (stages, for the microbatches); ``run_comm``: the collectors'
+    communication rows of this rank (``comm.parquet``), used instead of the trace's own when
+    given; ``world``: the job's world size where the trace does not say it; ``views_dir``: where
+    the rank writes its parts of the views."""
+    (rank,) = events.rank_ids
+    ctx = Context.of_events(events, manifest)
+    ev = ctx.events
+    leaves = ctx.leaves
+    rank_steps = breakdown.per_rank_step(leaves)
+    if run_comm is not None:
+        calls = comm_stats.calls_from_run(run_comm)
+        calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
+    else:
+        calls = comm_stats.calls_from_trace(ev, world=world)
+    calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(ev, ctx.plans))
+    calls = calls.reindex(columns=CALL_COLUMNS)
+    steady = findings.steady(leaves)[["rank", "step"]].drop_duplicates()
+    summary = RankSummary(
+        rank=rank, meta=events.ranks[rank], leaves=leaves, spans=kernel_time.step_spans(ev), calls=calls,
+        kernels=kernel_time.kernel_stats(ev), launch=kernel_time.launch_stats(ev),
+        graphs=kernel_time.graph_activity(ev), shapes=mfu.TraceShapes.of(ev),
+        overlap=comm_stats.overlap_by_rank(ev), row=_rank_row(ev, rank, rank_steps),
+        comm_ops=_comm_ops(ev), counts=counters.event_counts(ev),
+        evidence=findings.gather_parts(ev, steady, ctx.plans), microbatches=ctx.microbatches)
+    if views_dir is not None:
+        _write_views(Path(views_dir), rank, timeline.segments(ev, ctx.plans), calls)
+    return summary
+
+
+def _write_views(views_dir: Path, rank: int, segments: pd.DataFrame, calls: pd.DataFrame) -> None:
+    for name, frame in ((TIMELINE, segments), (COMM_CALLS, calls)):
+        part = views_dir / name / f"rank{rank:05d}.parquet"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_parquet(part, pa.Table.from_pandas(frame, preserve_index=False))
+
+
+def _rank_row(events: EventTable, rank: int, rank_steps: pd.DataFrame) -> dict[str, Any]:
+    """The report's ``ranks`` entry: median step and wait, device time by kind, communication."""
+    dev = kernel_time.device_time(events)
+    by_kind = dev.groupby("kind", observed=True)["total_ns"].sum() if len(dev) else pd.Series(dtype=float)
+    comm = events.to_pandas(["kind", "dur_ns"])
+    comm_ns = comm.loc[comm["kind"] == "comm", "dur_ns"].sum()
+    return {"rank": rank, "steps": int(len(rank_steps)),
+            "step_time_s": float(rank_steps["step_s"].median()) if len(rank_steps) else None,
+            "wait_s": float(rank_steps["wait_s"].median()) if len(rank_steps) else None,
+            "compute_kernel_s": float(by_kind.get("kernel", 0) / 1e9),
+            "comm_s": float(comm_ns / 1e9),  # GPU communication kernels, or gloo work on CPU threads
+            "memory_s": float((by_kind.get("memcpy", 0) + by_kind.get("memset", 0)) / 1e9)}
+
+
+def _comm_ops(events: EventTable) -> pd.DataFrame:
+    """The labelled call regions on the training thread (``mfuscope.comm/<dim>/<op>``) per (dim,
+    op): count, total_ns, bytes (the report's ``comm_calls``, summed over ranks by the reduce)."""
+    df = events.to_pandas(["name", "op", "dim", "bytes", "dur_ns"])
+    df = df[df["name"].str.startswith(labels.COMM)]
+    if df.empty:
+        return pd.DataFrame(columns=["dim", "op", "count", "total_ns", "bytes"])
+    df = df.assign(op=df["op"].fillna("unknown"), dim=df["dim"].fillna("unknown"),
+                   known_bytes=df["bytes"].where(df["bytes"] >= 0, 0))
+    return df.groupby(["dim", "op"]).agg(count=("dur_ns", "size"), total_ns=("dur_ns", "sum"),
+                                         bytes=("known_bytes", "sum")).reset_index()
