@@ -1,63 +1,82 @@
 """Analyze a run or a trace set once: ``report.json`` plus the views a viewer draws from.
 
-The views (``views/timeline.parquet``: every rank's step as time-ordered
-breakdown segments; ``views/microbatches.parquet``: the executed pipeline
-schedule) exist so the dashboard never parses a trace per request.  A run
-directory keeps both inside itself; ``mfuscope analyze`` and the dashboard
-write them the same way.  The report and the views read one analysis
-:class:`~.context.Context`, so what they share (the step plans, the schedule) is made once.
+The analysis is a map over ranks and a reduce (:mod:`.map_reduce`): each rank is summarized
+in a worker, which also writes the rank's parts of the views -- ``views/timeline.parquet/``
+(every step as time-ordered breakdown segments) and ``views/comm_calls.parquet/`` (one row a
+communication call), one ``rankNNNNN.parquet`` file a rank, read as one dataset -- and the
+parent adds ``views/microbatches.parquet`` (the executed pipeline schedule).  The views exist
+so the dashboard never parses a trace per request.  A run directory keeps them inside itself.
+
+The views are written to a staging folder beside the final one and swapped in whole once the
+report is ready: an analysis that fails midway leaves the previous views and report as they
+were, never half of each.  A trace set of more than :data:`.rank_lists.LIMIT` ranks gets a views
+folder beside its report (``<report>.views``), for the whole per-rank lists the report cuts.
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pyarrow as pa
 
-from mfuscope import atomic, run_dir
 from mfuscope.report import write_report
 
-from . import overview, timeline, trace_set
-from .context import Context
+from . import map_reduce, rank_lists, rank_summary, timeline, trace_set
+from .trace_set import LoadResult
 
-TIMELINE = "timeline.parquet"
-MICROBATCHES = "microbatches.parquet"
+TIMELINE = rank_summary.TIMELINE
+MICROBATCHES = map_reduce.MICROBATCHES
 
 Progress = Callable[[float, str], None]
 
 
 def analyze(path: str | Path, report_path: str | Path, views_dir: str | Path | None, *,
             on_progress: Progress | None = None, nccl_tests: list | None = None,
-            **load_options: Any) -> tuple[dict[str, Any], trace_set.LoadResult]:
-    """Load ``path``, write its report (and views), return (report, what was loaded).  ``nccl_tests``:
-    tables of :func:`.nccl_tests.read_all` the communication rows are compared with."""
+            **load_options: Any) -> tuple[dict[str, Any], LoadResult]:
+    """Analyze ``path``, write its report (and views), return (report, what was loaded: files,
+    skipped files, ranks from the cache; no events).  ``nccl_tests``: tables of
+    :func:`.nccl_tests.read_all` the communication rows are compared with; ``load_options``: as
+    :func:`.map_reduce.analyze_ranks`."""
     say = on_progress or (lambda fraction, message: None)
-    is_run = run_dir.is_run_dir(path)
-    say(0.0, "loading traces")
-    result = trace_set.load(path, on_file=lambda done, total: say(0.7 * done / total,
-                                                                  f"loading traces: {done}/{total} files"),
-                            **load_options)
-    say(0.7, "analyzing")
-    context = Context.of(result.events, path if is_run else None)
-    report = overview.build_report(context, source=str(path), files=[str(f) for f in result.files],
-                                   run=path if is_run else None, nccl_tests=nccl_tests)
-    if views_dir is not None:
-        say(0.9, "building timelines")
-        write_views(views_dir, context)
-    write_report(report_path, report)  # last: a report on disk means the views are there too
+    say(0.0, "analyzing ranks")
+    found = trace_set.rank_files(path, load_options.get("rank"), load_options.get("skip_bad", False))
+    if views_dir is None and len(found[0]) > rank_lists.LIMIT:
+        views_dir = Path(report_path).with_suffix(".views")  # the per-rank lists' whole versions go there
+    staging = _staging(views_dir)
+    try:
+        report, files, skipped, cached = map_reduce.analyze_ranks(
+            path, views_dir=staging, nccl_tests=nccl_tests, files=found,
+            on_file=lambda done, total: say(0.9 * done / total, f"analyzing ranks: {done}/{total} files"),
+            **load_options)
+        if staging is not None:
+            _swap(staging, Path(views_dir))
+        write_report(report_path, report)  # last: a report on disk means the views are there too
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
     say(1.0, "done")
-    return report, result
+    return report, LoadResult(None, files, skipped, cached)
 
 
-def write_views(views_dir: str | Path, context: Context) -> None:
-    """The timeline segments and the executed schedule, from the analysis's own step plans."""
-    views_dir = Path(views_dir)
-    views_dir.mkdir(parents=True, exist_ok=True)
-    segments = timeline.segments(context.events, context.plans)
-    atomic.write_parquet(views_dir / TIMELINE, pa.Table.from_pandas(segments, preserve_index=False))
-    atomic.write_parquet(views_dir / MICROBATCHES, pa.Table.from_pandas(context.microbatches, preserve_index=False))
+def _staging(views_dir: str | Path | None) -> Path | None:
+    if views_dir is None:
+        return None
+    staging = Path(views_dir).with_name(Path(views_dir).name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)  # a previous analysis that was killed
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _swap(staging: Path, views_dir: Path) -> None:
+    """Replace ``views_dir`` by ``staging`` (the old views removed only once the new are whole)."""
+    old = views_dir.with_name(views_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if views_dir.exists():
+        views_dir.rename(old)
+    staging.rename(views_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_views(views_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

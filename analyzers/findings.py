@@ -445,6 +445,34 @@ def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidencePart
     return ev
 
 
+def combine_parts(parts: list[EvidenceParts]) -> EvidenceParts:
+    """One :class:`EvidenceParts` holding the sums of ``parts`` (in rank order): merged, it gives
+    the same :class:`Evidence` as they do, in the space of one rank's."""
+    out = EvidenceParts(pairs=sum(p.pairs for p in parts), device_work=any(p.device_work for p in parts),
+                        runtime_calls=sum(p.runtime_calls for p in parts),
+                        nccl_ops=sorted({n for p in parts for n in p.nccl_ops}),
+                        has_runtime=any(p.has_runtime for p in parts))
+    for key in _NAMED:
+        frames = [p.named[key] for p in parts if key in p.named]
+        if frames:
+            out.named[key] = pd.concat(frames).groupby(level=0).sum() if len(frames) > 1 else frames[0]
+    longest: dict[str, dict] = {}
+    for b in (b for p in parts for b in p.blocking_longest):
+        if b["name"] not in longest or b["longest_s"] > longest[b["name"]]["longest_s"]:
+            longest[b["name"]] = b
+    out.blocking_longest = list(longest.values())
+    for name in ("launch_calls", "launch_host_ns", "kernels", "short_kernels", "math_ns", "fp32_ns",
+                 "after_sync_ns", "sync_calls"):
+        setattr(out, name, sum(getattr(p, name) for p in parts))
+    hosts = [p.host_ops_ns for p in parts if p.host_ops_ns is not None]
+    if hosts:
+        out.host_ops_ns = {}
+        for ops in hosts:
+            for name, ns in ops.items():
+                out.host_ops_ns[name] = out.host_ops_ns.get(name, 0.0) + ns
+    return out
+
+
 def merge_evidence(parts: list[EvidenceParts], ranks_meta: Mapping[int, dict]) -> Evidence:
     """The :class:`Evidence` of the ranks ``parts`` summarize (in rank order), per steady rank-step."""
     ev = Evidence()

@@ -54,6 +54,15 @@ def kernel_stats(events: EventTable) -> pd.DataFrame:
     return out[KERNEL_STAT_COLUMNS]
 
 
+def combine_stats(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """:func:`kernel_stats` of several ranks as one frame of the same form (one row per name,
+    kind and bucket), the size of the job's distinct kernels, not of its ranks."""
+    frames = [f for f in frames if len(f)]
+    if len(frames) <= 1:
+        return frames[0] if frames else pd.DataFrame(columns=KERNEL_STAT_COLUMNS)
+    return pd.concat(frames).groupby(["name", "kind", "bucket"], as_index=False)[["count", "total_ns"]].sum()
+
+
 def top_kernels(stats: pd.DataFrame | EventTable, n: int = 20) -> pd.DataFrame:
     """Columns: name, kind, count, total_ns, mean_ns, median_ns (within the sketch's
     :data:`~.duration_sketch.RELATIVE_ERROR`), share (of all device time).  ``stats``: the

@@ -23,7 +23,19 @@ from mfuscope.event_table import EventTable
 from mfuscope.manifest import Manifest
 from mfuscope.report import new_report
 
-from . import breakdown, bubbles, comm_stats, counters, findings, kernel_time, mfu, rank_summary, stragglers, timeline
+from . import (
+    breakdown,
+    bubbles,
+    comm_stats,
+    counters,
+    findings,
+    kernel_time,
+    mfu,
+    rank_lists,
+    rank_summary,
+    stragglers,
+    timeline,
+)
 from .context import Context
 from .nccl_tests import Table, compare
 from .steps import DEVICE_SPAN, WHOLE_TRACE
@@ -47,8 +59,8 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
     def plan_of(rank: int):
         return next((plan for r, _, _, plan in breakdown.step_plans(by_rank[rank])), None) if rank in by_rank else None
 
-    return reduce(summaries, ctx.manifest, source=source, files=files, run=run, nccl_tests=nccl_tests,
-                  plan_of=plan_of)
+    return rank_lists.cap(reduce(summaries, ctx.manifest, source=source, files=files, run=run, nccl_tests=nccl_tests,
+                                 plan_of=plan_of))
 
 
 def split_ranks(events: EventTable) -> dict[int, EventTable]:
@@ -86,21 +98,21 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     summaries = sorted(summaries, key=lambda s: s.rank)
     metas = {s.rank: s.meta for s in summaries}
     recorded = Manifest.of(manifest)
-    step_s, tokens, step_source = _step_times(_concat([s.spans for s in summaries]), metas, run)
+    step_s, tokens, step_source = _step_times(concat_frames([s.spans for s in summaries]), metas, run)
     device = next((m.get("device_name") for m in metas.values() if m.get("device_name")), None)
     device = device or recorded.device_name
     world = job_world(metas, manifest)
-    leaves = _concat([s.leaves for s in summaries], ["rank", "step", "leaf", "seconds"])
+    leaves = concat_frames([s.leaves for s in summaries], ["rank", "step", "leaf", "seconds"])
     tree = breakdown.tree(leaves)
     rank_steps = breakdown.per_rank_step(leaves)
     flops = mfu.compute(step_s, tokens, manifest, mfu.TraceShapes.merge([s.shapes for s in summaries]),
                         devices=world, rank_step_times=_rank_step_times(run))
     strag, matrix = stragglers.find(rank_steps, recorded.stages)
     pp = recorded.pp
-    microbatches = _concat([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
+    microbatches = concat_frames([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
     bub = bubbles.analyze(leaves, rank_steps, manifest, microbatches if pp > 1 else None)
 
-    calls = _concat([s.calls for s in summaries], rank_summary.CALL_COLUMNS)
+    calls = concat_frames([s.calls for s in summaries], rank_summary.CALL_COLUMNS)
     if run is not None and (Path(run) / run_dir.COMM).exists():
         calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
         calls_source = "the collectors' communication table"
@@ -122,11 +134,12 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         "status": recorded.raw.get("status"),
         "cuda_graphs": graphs,
     }
-    kernels = kernel_time.top_kernels(_concat([s.kernels for s in summaries], kernel_time.KERNEL_STAT_COLUMNS), n=20)
-    launch = _concat([s.launch for s in summaries], kernel_time.LAUNCH_COLUMNS)
+    kernel_stats = concat_frames([s.kernels for s in summaries], kernel_time.KERNEL_STAT_COLUMNS)
+    kernels = kernel_time.top_kernels(kernel_stats, n=20)
+    launch = concat_frames([s.launch for s in summaries], kernel_time.LAUNCH_COLUMNS)
     found, summary["findings_note"] = _findings(leaves, summaries, metas, bub, strag, launch.to_dict("records"),
                                                 graphs, calls, plan_of)
-    overlap = _concat([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
+    overlap = concat_frames([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
     comm = comm_stats.summarize(calls, comm_stats.Links.of(device, world, recorded.raw))
     if nccl_tests:
         compare(comm, nccl_tests)
@@ -146,12 +159,12 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         breakdown_by_rank=_by_rank(leaves),
         ranks=[s.row for s in summaries],
         comm_calls=_comm_calls([s.comm_ops for s in summaries]),
-        counters=counters.per_step(_concat([s.counts for s in summaries], ["kind", "step", "count"]), calls,
+        counters=counters.per_step(concat_frames([s.counts for s in summaries], ["kind", "step", "count"]), calls,
                                    counted_steps, flops, calls_source),
     )
 
 
-def _concat(frames: list[pd.DataFrame], columns: list[str] | None = None) -> pd.DataFrame:
+def concat_frames(frames: list[pd.DataFrame], columns: list[str] | None = None) -> pd.DataFrame:
     """The rows of ``frames`` (empty ones left out, so dtypes stay those of the rows)."""
     frames = [f for f in frames if len(f)]
     if not frames:
@@ -219,7 +232,7 @@ def _by_rank(leaves: pd.DataFrame) -> list[dict[str, Any]]:
 def _comm_calls(parts: list[pd.DataFrame]) -> list[dict[str, Any]]:
     """Communication per (dimension, op) of the labelled call regions on the training thread
     (``mfuscope.comm/<dim>/<op>``), summed over the ranks' :attr:`RankSummary.comm_ops`."""
-    df = _concat(parts)
+    df = concat_frames(parts)
     if df.empty:
         return []
     g = df.groupby(["dim", "op"])[["count", "total_ns", "bytes"]].sum().reset_index()

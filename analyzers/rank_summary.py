@@ -95,6 +95,20 @@ def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
     return summary
 
 
+def collapse(summaries: list[RankSummary]) -> None:
+    """Fold the job-wide sums of ``summaries`` -- the kernel histograms and the findings' evidence,
+    whose names repeat on every rank -- into the first, leaving the others' empty: the reduce reads
+    the same totals, and a parent folding thousands of ranks holds them once."""
+    first, rest = summaries[0], summaries[1:]
+    if not rest:
+        return
+    first.kernels = kernel_time.combine_stats([s.kernels for s in summaries])
+    first.evidence = findings.combine_parts([s.evidence for s in summaries])
+    for s in rest:  # new empty frames: an empty slice would keep the whole buffers alive
+        s.kernels = pd.DataFrame(columns=kernel_time.KERNEL_STAT_COLUMNS)
+        s.evidence = findings.EvidenceParts()
+
+
 def _write_views(views_dir: Path, rank: int, segments: pd.DataFrame, calls: pd.DataFrame) -> None:
     for name, frame in ((TIMELINE, segments), (COMM_CALLS, calls)):
         part = views_dir / name / f"rank{rank:05d}.parquet"

@@ -34,7 +34,7 @@ _NOT_TRACES = {"manifest.json", "report.json"}
 
 @dataclass
 class LoadResult:
-    events: EventTable
+    events: EventTable | None  # None from an analysis (its ranks were summarized apart)
     files: list[Path]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
     cached: int = 0
@@ -104,25 +104,35 @@ def _parse(f: Path, rank: int | None, step_annotation: str | None) -> EventTable
     return load_kineto_file(f, rank=rank, step_annotation=step_annotation)
 
 
-def _worker(job):
-    """Load one file in a pool process: from the cache by content key if there, else parse (and cache).
+def load_file(f: Path, rank: int | None, step_annotation: str | None, use_cache: bool,
+              known_key: str | None = None) -> tuple[EventTable | None, str | None, str | None, bool]:
+    """Load one file: from the cache by content key if there, else parse (and cache).
 
-    Returns (file, events, error, content key, whether it came from the cache).  With a hand-off
-    directory, ``events`` is the path of an uncompressed Arrow file holding them (see
-    :func:`_hand_off`).
-    """
-    f, rank, step_annotation, use_cache, handoff = job
+    Returns (events, error, content key, whether it came from the cache).  ``known_key``: the
+    key the cache index holds for the file's stat signature (no hashing needed)."""
+    if known_key is not None:
+        hit = trace_cache.get(known_key)
+        if hit is not None:
+            return hit, None, known_key, True
     key = trace_cache.cache_key(f, rank, step_annotation) if use_cache else None
     hit = trace_cache.get(key) if key is not None else None
     if hit is not None:
-        return f, _hand_off(hit, handoff, f), None, key, True
+        return hit, None, key, True
     try:
         events = _parse(f, rank, step_annotation)
     except UserInputError as e:
-        return f, None, str(e), key, False
+        return None, str(e), key, False
     if key is not None:
         trace_cache.put(key, events)
-    return f, _hand_off(events, handoff, f), None, key, False
+    return events, None, key, False
+
+
+def _worker(job):
+    """:func:`load_file` in a pool process; with a hand-off directory, the events come back as
+    the path of an uncompressed Arrow file holding them (see :func:`_hand_off`)."""
+    f, rank, step_annotation, use_cache, handoff = job
+    events, error, key, cached = load_file(f, rank, step_annotation, use_cache)
+    return f, (_hand_off(events, handoff, f) if events is not None else None), error, key, cached
 
 
 def _hand_off(events: EventTable, directory: str | None, f: Path):
@@ -149,23 +159,12 @@ def _take_hand_off(path: str) -> EventTable:
     return EventTable.from_arrow(table)
 
 
-def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
-         use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
-         progress: bool | None = None, on_file: Callable[[int, int], None] | None = None,
-         allow_mixed: bool = False, layout: str | None = None, rank_order: str | None = None) -> LoadResult:
-    """Load every trace under ``path`` into one EventTable.
-
-    The files must be ranks of one job (:func:`check_one_job`); ``allow_mixed`` loads them
-    anyway, with a warning.
-
-    ``rank`` applies to a single file without rank information.  With
-    ``skip_bad``, files that fail to load are listed in ``skipped`` instead of
-    failing the whole set (at least one must load).  ``on_file(done, total)`` is called as each
-    file is loaded (the dashboard's progress bar).  ``layout`` / ``rank_order`` (``--layout
-    tp=8,pp=4``, ``--rank-order tp-cp-ep-dp-pp``) place the process groups nothing in the traces
-    names (:mod:`.group_dims`).
-    """
-    groups = group_dims.RankLayout.parse(layout, rank_order)  # bad flags fail before any file is read
+def rank_files(path: str | os.PathLike, rank: int | None = None,
+               skip_bad: bool = False) -> tuple[list[tuple[Path, int | None]], list[tuple[str, str]]]:
+    """(file, the rank it holds) for every trace under ``path``, read from each file's head or
+    name before anything is parsed -- two files claiming one rank fail here, in milliseconds --
+    and the files skipped (with ``skip_bad``) with why.  ``rank`` applies to a single file
+    without rank information."""
     files = discover(path)
     single = len(files) == 1
     jobs = []
@@ -187,6 +186,27 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
             skipped.append((str(f), str(problem)))
             continue
         jobs.append((f, r))
+    return jobs, skipped
+
+
+def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
+         use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
+         progress: bool | None = None, on_file: Callable[[int, int], None] | None = None,
+         allow_mixed: bool = False, layout: str | None = None, rank_order: str | None = None) -> LoadResult:
+    """Load every trace under ``path`` into one EventTable.
+
+    The files must be ranks of one job (:func:`check_one_job`); ``allow_mixed`` loads them
+    anyway, with a warning.
+
+    ``rank`` applies to a single file without rank information.  With
+    ``skip_bad``, files that fail to load are listed in ``skipped`` instead of
+    failing the whole set (at least one must load).  ``on_file(done, total)`` is called as each
+    file is loaded (the dashboard's progress bar).  ``layout`` / ``rank_order`` (``--layout
+    tp=8,pp=4``, ``--rank-order tp-cp-ep-dp-pp``) place the process groups nothing in the traces
+    names (:mod:`.group_dims`).
+    """
+    groups = group_dims.RankLayout.parse(layout, rank_order)  # bad flags fail before any file is read
+    jobs, skipped = rank_files(path, rank, skip_bad)
 
     show = progress if progress is not None else sys.stderr.isatty()
     results: list[tuple[Path, EventTable]] = []

@@ -1,0 +1,237 @@
+"""Analyze a trace set rank by rank: each rank summarized in a worker, the summaries reduced here.
+
+The map task (:func:`map_rank`) loads one rank's file (from the cache, or parsed and cached),
+places its process groups, summarizes it (:mod:`.rank_summary`) and writes its parts of the
+views; only the summary comes back.  The parent (:func:`analyze_ranks`) folds summaries as they
+finish, then reduces them to the report (:func:`.overview.reduce`): its memory grows with the
+summaries, not with the events.  The executor is any ``concurrent.futures`` one
+(:mod:`.executor`): the local pool by default.
+
+A worker that dies (killed for memory, a crash in a native library) breaks the local pool; its
+unfinished ranks are then tried again one at a time in a fresh pool, so the rank that kills a
+worker alone is named in the error, and the others still finish.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from concurrent.futures import Executor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+from tqdm import tqdm
+
+from mfuscope import atomic, run_dir
+from mfuscope.errors import UserInputError
+
+from . import breakdown, executor, group_dims, overview, rank_lists, rank_summary, timeline, trace_cache, trace_set
+
+#: Summaries folded into the running sums at a time (rank_summary.collapse).
+COLLAPSE_EVERY = 8
+#: The view the parent writes: the executed pipeline schedule of every rank.
+MICROBATCHES = "microbatches.parquet"
+#: Fault injection for the tests: a worker whose file name contains this value kills itself.
+ENV_KILL_WORKER = "MFUSCOPE_FAULT_KILL_WORKER"
+#: What a worker needs of the parent's environment (a fork server started earlier has its own).
+_ENV = ("MFUSCOPE_CACHE_DIR", "XDG_CACHE_HOME", "HOME", ENV_KILL_WORKER)
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """One file to summarize, and what of the job it needs."""
+
+    file: Path
+    rank: int | None
+    step_annotation: str | None
+    use_cache: bool
+    known_key: str | None
+    layout: str | None
+    rank_order: str | None
+    manifest: dict[str, Any] | None
+    run: str | None
+    world: int | None
+    views_dir: str | None
+    env: tuple[tuple[str, str], ...]
+
+
+@dataclass
+class MapResult:
+    summaries: list[rank_summary.RankSummary]
+    error: str | None
+    key: str | None
+    cached: bool
+    bytes: int
+
+
+def map_rank(job: RankJob) -> MapResult:
+    """Load, summarize and write the views of the rank(s) in ``job.file`` (a worker's task)."""
+    os.environ.update(dict(job.env))
+    kill = os.environ.get(ENV_KILL_WORKER)
+    if kill and kill in job.file.name:
+        os.kill(os.getpid(), signal.SIGKILL)
+    size = job.file.stat().st_size
+    events, error, key, cached = trace_set.load_file(job.file, job.rank, job.step_annotation, job.use_cache,
+                                                     job.known_key)
+    if events is None:
+        return MapResult([], error, key, cached, size)
+    events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
+    summaries = []
+    for rank, part in overview.split_ranks(events).items():
+        comm = _run_comm(job.run, rank) if job.run else None
+        s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir)
+        s.file, s.cached = str(job.file), cached
+        summaries.append(s)
+    return MapResult(summaries, None, key, cached, size)
+
+
+def _run_comm(run: str, rank: int):
+    """The collectors' communication rows of one rank (a filtered read of ``comm.parquet``)."""
+    path = Path(run) / run_dir.COMM
+    if not path.exists():
+        return None
+    return ds.dataset(path, format="parquet").to_table(filter=ds.field("rank") == rank).to_pandas()
+
+
+def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = None, rank: int | None = None,
+                  step_annotation: str | None = None, use_cache: bool = True, skip_bad: bool = False,
+                  workers: int | None = None, progress: bool | None = None, on_file=None,
+                  allow_mixed: bool = False, layout: str | None = None, rank_order: str | None = None,
+                  pool: Executor | None = None, nccl_tests: list | None = None,
+                  files: tuple[list[tuple[Path, int | None]], list[tuple[str, str]]] | None = None,
+                  ) -> tuple[dict[str, Any], list[Path], list[tuple[str, str]], int]:
+    """The report of every rank under ``path``: (report, files, skipped (file, reason), ranks from
+    the cache).  Options as :func:`.trace_set.load`; ``views_dir``: where the ranks' views are
+    written; ``pool``: an executor to run the map on (default: a local pool of ``workers``);
+    ``files``: :func:`.trace_set.rank_files` of ``path`` where the caller has it."""
+    group_dims.RankLayout.parse(layout, rank_order)  # bad flags fail before any file is read
+    files, skipped = files or trace_set.rank_files(path, rank, skip_bad)
+    is_run = run_dir.is_run_dir(path)
+    manifest = run_dir.read_manifest(path) if is_run else None
+    # The job's world size where no trace states it (ranks of one job agree: checked after the map).
+    head = trace_set.peek_header(files[0][0]) if files and files[0][0].suffix != ".sqlite" else {}
+    world = overview.job_world({0: head}, manifest) or len(files)
+    index = trace_cache.read_index() if use_cache else {}
+    env = tuple((k, os.environ[k]) for k in _ENV if k in os.environ)
+    jobs = []
+    for f, r in files:
+        sig = trace_cache.stat_signature(f, r, step_annotation) if use_cache else None
+        jobs.append(RankJob(f, r, step_annotation, use_cache, index.get(sig) if sig else None, layout, rank_order,
+                            manifest, str(path) if is_run else None, world,
+                            str(views_dir) if views_dir is not None else None, env))
+    summaries, learned, cached = _map(jobs, workers, pool, progress, on_file, skipped, skip_bad)
+    trace_cache.update_index(learned)
+    if not summaries:
+        reasons = "; ".join(r for _, r in skipped)
+        raise UserInputError(f"no trace could be loaded: {reasons}", Path(path))
+    _check_claims(summaries, Path(path))
+    trace_set.check_one_job({s.rank: {**s.meta, "file": s.file} for s in summaries}, Path(path), allow_mixed)
+    job_of = {s.rank: next(j for j in jobs if str(j.file) == s.file) for s in summaries}
+
+    def plan_of(r: int):
+        """A named late rank's plan: its events read again (from the cache: it was just filled)."""
+        job = job_of.get(r)
+        if job is None:
+            return None
+        events, _, _, _ = trace_set.load_file(job.file, job.rank, step_annotation, use_cache)
+        if events is None:
+            return None
+        events = group_dims.assign(events, group_dims.RankLayout.parse(layout, rank_order))
+        part = overview.split_ranks(events).get(r)
+        return next((plan for _, _, _, plan in breakdown.step_plans(part)), None) if part is not None else None
+
+    if views_dir is not None:
+        mb = overview.concat_frames([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
+        atomic.write_parquet(Path(views_dir) / MICROBATCHES, pa.Table.from_pandas(mb, preserve_index=False))
+    report = overview.reduce(summaries, manifest, source=str(path), files=sorted({s.file for s in summaries}),
+                             run=path if is_run else None, nccl_tests=nccl_tests, plan_of=plan_of)
+    rank_lists.cap(report, views_dir)
+    return report, sorted({Path(s.file) for s in summaries}), skipped, cached
+
+
+def _map(jobs: list[RankJob], workers: int | None, pool: Executor | None, progress: bool | None, on_file,
+         skipped: list[tuple[str, str]], skip_bad: bool):
+    summaries: list[rank_summary.RankSummary] = []
+    carrier: list[rank_summary.RankSummary] = []  # the summary the sums are folded into
+    fresh: list[rank_summary.RankSummary] = []    # summaries not folded yet
+    learned: dict[str, str] = {}
+    cached = 0
+    show = progress if progress is not None else sys.stderr.isatty()
+    bar = tqdm(total=len(jobs), desc="analyzing ranks", unit="rank", disable=not show, file=sys.stderr)
+    started, read = time.monotonic(), 0
+
+    def fold(job: RankJob, result: MapResult) -> None:
+        nonlocal cached, read
+        bar.update()
+        read += result.bytes
+        bar.set_postfix_str(f"{read / 2**20 / max(time.monotonic() - started, 1e-9):.0f} MB/s", refresh=False)
+        if on_file is not None:
+            on_file(bar.n, len(jobs))
+        if result.key is not None and result.error is None and job.use_cache:
+            learned[trace_cache.stat_signature(job.file, job.rank, job.step_annotation)] = result.key
+        cached += result.cached
+        if result.error is None:
+            summaries.extend(result.summaries)
+            fresh.extend(result.summaries)
+            if len(fresh) >= COLLAPSE_EVERY:  # the job-wide sums folded into one summary, as they come
+                rank_summary.collapse([carrier[0], *fresh] if carrier else fresh)
+                carrier[:] = carrier or fresh[:1]
+                fresh.clear()
+        elif skip_bad:
+            skipped.append((str(job.file), result.error))
+        else:
+            error = result.error
+            raise UserInputError(error.split(": ", 1)[1] if error.startswith(str(job.file)) else error, job.file)
+
+    n = executor.default_workers(len(jobs), workers)
+    try:
+        if pool is None and n == 1:
+            for job in jobs:
+                fold(job, map_rank(job))
+        else:
+            _run(jobs, pool, n, fold)
+    finally:
+        bar.close()
+    return summaries, learned, cached
+
+
+def _run(jobs: list[RankJob], pool: Executor | None, n: int, fold) -> None:
+    """The map on ``pool`` (or a local pool of ``n``); ranks a dying worker took with it run again
+    one at a time, and the one that kills a worker alone fails the analysis, named."""
+    own = pool is None
+    pool = pool or executor.local_pool(n)
+    broken: list[RankJob] = []
+    try:
+        for job, fut in executor.bounded_map(pool, map_rank, jobs, in_flight=2 * n):
+            try:
+                result = fut.result()
+            except BrokenProcessPool:
+                broken.append(job)
+                continue
+            fold(job, result)
+    finally:
+        if own:
+            pool.shutdown(wait=True, cancel_futures=True)
+    for job in broken:
+        with executor.local_pool(1) as alone:
+            try:
+                result = alone.submit(map_rank, job).result()
+            except BrokenProcessPool:
+                result = MapResult([], f"{job.file}: the worker analyzing this trace died twice (killed, out of "
+                                   "memory, or a crash in a native library); --skip-bad analyzes the other ranks",
+                                   None, False, 0)
+        fold(job, result)
+
+
+def _check_claims(summaries: list[rank_summary.RankSummary], path: Path) -> None:
+    seen: dict[int, str] = {}
+    for s in summaries:
+        if s.rank in seen:
+            raise UserInputError(f"two files claim rank {s.rank}: {Path(seen[s.rank]).name} and {Path(s.file).name}",
+                                 path)
+        seen[s.rank] = s.file
