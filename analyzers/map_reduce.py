@@ -124,7 +124,9 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
         jobs.append(RankJob(f, r, step_annotation, use_cache, index.get(sig) if sig else None, layout, rank_order,
                             manifest, str(path) if is_run else None, world,
                             str(views_dir) if views_dir is not None else None, env))
+    started = time.perf_counter()
     summaries, learned, cached = _map(jobs, workers, pool, progress, on_file, skipped, skip_bad)
+    mapped = time.perf_counter()
     trace_cache.update_index(learned)
     if not summaries:
         reasons = "; ".join(r for _, r in skipped)
@@ -151,6 +153,9 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
     report = overview.reduce(summaries, manifest, source=str(path), files=sorted({s.file for s in summaries}),
                              run=path if is_run else None, nccl_tests=nccl_tests, plan_of=plan_of)
     rank_lists.cap(report, views_dir)
+    report["provenance"]["timings"] = {"map_s": mapped - started, "reduce_s": time.perf_counter() - mapped,
+                                       "workers": getattr(pool, "workers", None)
+                                       or executor.default_workers(len(jobs), workers)}
     return report, sorted({Path(s.file) for s in summaries}), skipped, cached
 
 

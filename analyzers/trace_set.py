@@ -170,8 +170,11 @@ def rank_files(path: str | os.PathLike, rank: int | None = None,
     jobs = []
     skipped: list[tuple[str, str]] = []
     claimed: dict[int, Path] = {}
-    for f in files:
-        r = _expected_rank(f, rank, single)
+    # Heads are read on threads: a file whose distributedInfo sits at its end (Kineto's writer puts it
+    # there) is decompressed whole, and zlib lets other threads run meanwhile.
+    with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1)) as readers:
+        expected = list(readers.map(lambda f: _expected_rank(f, rank, single), files))
+    for f, r in zip(files, expected):
         if r is None and single:
             r = 0  # one file, no rank anywhere: it is rank 0 of its own run
         if r is not None:

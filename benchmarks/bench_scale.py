@@ -8,7 +8,9 @@ the trace's five steps four times with shifted timestamps (steps renumbered), bu
 For each (ranks, rank size), cold (empty cache: parse and fill it) and warm (from the cache), in
 a fresh process each: wall and CPU seconds of the whole analysis (children included), the peak
 PSS of the whole process tree (parent and workers, sampled every 50 ms from /proc; PSS shares a
-forked page among the processes that map it), the parent's own peak, and the largest worker's.
+forked page among the processes that map it), the parent's own peak, the largest worker's (and
+over the decompressed trace a worker parses), and the reduce's seconds (the report's
+``provenance.timings``).
 Median of ``--runs`` runs for the sizes of ``--ranks``; the ``--once`` sizes run once.  Ends
 with the fitted slopes: MB of the parent's peak per rank, and the tree's.
 
@@ -143,8 +145,9 @@ def run_analyze(trace_dir: Path, cache: Path, cold: bool) -> dict:
         raise SystemExit(f"mfuscope analyze failed on {trace_dir} (exit {proc.returncode}):\n{tail}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    timings = json.loads(out.read_text())["provenance"].get("timings") or {}
     return {"wall": wall, "cpu": cpu, "tree_mb": tree / 2**20, "parent_mb": parent / 2**20,
-            "worker_mb": worker / 2**20}
+            "worker_mb": worker / 2**20, "reduce_s": timings.get("reduce_s", float("nan"))}
 
 
 def measure(trace_dir: Path, cache: Path, runs: int) -> dict:
@@ -188,12 +191,14 @@ def main() -> int:
                 shutil.rmtree(trace_dir)
                 shutil.rmtree(work / "cache", ignore_errors=True)
         print(f"\n{os.cpu_count()} CPUs; median of runs; memory: peak PSS")
-        print(f"{'set':<14} {'':5} {'wall s':>8} {'cpu s':>8} {'tree MB':>8} {'parent MB':>10} {'worker MB':>10}")
+        print(f"{'set':<14} {'':5} {'wall s':>8} {'cpu s':>8} {'tree MB':>8} {'parent MB':>10} {'worker MB':>10} "
+              f"{'worker/trace':>12} {'reduce s':>9}")
         for name, r in results.items():
             for label in ("cold", "warm"):
                 m = r[label]
                 print(f"{name:<14} {label:5} {m['wall']:8.1f} {m['cpu']:8.1f} {m['tree_mb']:8.0f} "
-                      f"{m['parent_mb']:10.0f} {m['worker_mb']:10.0f}")
+                      f"{m['parent_mb']:10.0f} {m['worker_mb']:10.0f} {m['worker_mb'] / r['rank_mb']:12.2f} "
+                      f"{m['reduce_s']:9.2f}")
         for size in {r["rank_mb"] for r in results.values()}:
             rows = [r for r in results.values() if r["rank_mb"] == size]
             if len(rows) >= 2:

@@ -27,7 +27,8 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
                    help="with several ranks, load the good files and list the bad ones")
     p.add_argument("--allow-mixed", action="store_true",
                    help="load traces that disagree on world size or device as one job anyway (with a warning)")
-    p.add_argument("--workers", type=int, default=None, help="parallel parse processes (default: CPU count)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes, each loading and analyzing one rank at a time (default: CPU count)")
     p.add_argument("--layout", metavar="DEGREES", default=None,
                    help="the job's parallel degrees, e.g. tp=8,pp=4,dp=2 (dp: what the world leaves; also cp, ep, "
                         "etp, or dp_replicate/dp_shard), to name process groups the traces do not")
