@@ -166,7 +166,8 @@ class ProfileSession:
                                           for row in self.comm.take_rows(upto_step)]),
                   (run_dir.NVML, self.nvml.take_rows))
         for name, take in tables:
-            _warn_on_failure(lambda name=name, take=take: self._write_part(name, take()), f"rank {self.rank}: writing {name}")
+            _warn_on_failure(lambda name=name, take=take: self._write_part(name, take()),
+                             f"rank {self.rank}: writing {name}")
 
     def _write_part(self, name: str, rows: list[dict]) -> None:
         if rows:
