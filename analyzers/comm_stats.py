@@ -33,7 +33,7 @@ import pandas as pd
 from mfuscope import hardware
 from mfuscope.event_table import EventTable
 
-from . import breakdown, group_dims
+from . import breakdown, duration_sketch, group_dims
 from . import intervals as iv
 
 SIZE_BUCKETS = [0, 64 << 10, 1 << 20, 16 << 20, 256 << 20, np.inf]
@@ -234,46 +234,155 @@ def _owned(starts: np.ndarray, ends: np.ndarray, points: np.ndarray, weight: np.
     return out
 
 
-def summarize(calls: pd.DataFrame, links: Links | None = None) -> list[dict[str, Any]]:
-    """Per (dim, op, size bucket): count, bytes, total and exposed seconds, overlap, bandwidths, the
-    group size and median message size; with ``links``, the bus bandwidth against the link of the
-    row's tier (:func:`against_links`)."""
+#: The groups of the communication table: a row per (dimension, op, size bucket).
+ROW_KEYS = ["dim", "op", "size"]
+
+
+def summary_parts(calls: pd.DataFrame, links: Links | None = None) -> dict[str, pd.DataFrame]:
+    """What :func:`summarize` needs of some ranks' calls, as sums and counts that add up over ranks
+    read apart: per (dim, op, size bucket) the counts and sums (``sums``), and the counts of each
+    value its medians and most common tier are read from -- bus bandwidths as
+    :mod:`.duration_sketch` buckets (``algbw``), group sizes (``group_size``), message sizes of the
+    timed calls (``timed_bytes``), the link tiers with ``links`` (``tier``)."""
+    empty = {"sums": pd.DataFrame(columns=[*ROW_KEYS, "count", "bytes", "bytes_n", "inflight", "exposed",
+                                           "exposed_n"])}
     if calls.empty:
-        return []
+        return empty
     # A call whose size the trace does not give is in its own bucket, and out of the bandwidths:
     # as 0 bytes it would pull the small-message figures down.
     known = calls["bytes"].where(calls["bytes"] >= 0)
     bucket = pd.cut(known, SIZE_BUCKETS, labels=BUCKET_NAMES, right=False).astype(object).where(known.notna(), UNKNOWN)
-    c = calls.assign(bytes=known, bucket=bucket)
+    none = pd.Series(np.nan, index=calls.index)
+    c = pd.DataFrame({"dim": calls["dim"].astype(str), "op": calls["op"].astype(str), "size": bucket.astype(str),
+                      "bytes": known, "inflight": calls.get("inflight_ns", calls["dur_ns"]),  # else its own span
+                      "exposed": calls.get("exposed_ns", none), "dur": calls["dur_ns"],
+                      "group_size": calls["group_size"]})
+    g = c.groupby(ROW_KEYS)
+    out = {"sums": g.agg(count=("op", "size"), bytes=("bytes", "sum"), bytes_n=("bytes", "count"),
+                         inflight=("inflight", "sum"), exposed=("exposed", "sum"),
+                         exposed_n=("exposed", "count")).reset_index()}
+    timed = c[(c["dur"] > 0) & c["bytes"].notna()]
+    out["algbw_exact"] = (timed.assign(value=timed["bytes"] / (timed["dur"] / 1e9))
+                          .groupby([*ROW_KEYS, "value"]).size().rename("n").reset_index())
+    out.update(_settle(out))
+    out["timed_bytes"] = timed.groupby([*ROW_KEYS, "bytes"]).size().rename("n").reset_index().rename(
+        columns={"bytes": "value"})
+    out["group_size"] = c.groupby([*ROW_KEYS, "group_size"]).size().rename("n").reset_index().rename(
+        columns={"group_size": "value"})
+    if links is not None:
+        ranks = calls["group_ranks"] if "group_ranks" in calls else pd.Series([None] * len(calls), index=calls.index)
+        tiers = [links.tier(int(n), r) if pd.notna(n) else None for n, r in zip(c["group_size"], ranks)]
+        c = c.assign(tier=[t[0] if t else None for t in tiers], how=[t[1] if t else None for t in tiers])
+        out["tier"] = c.groupby([*ROW_KEYS, "tier", "how"], dropna=False).size().rename("n").reset_index()
+    return out
+
+
+_PART_KEYS = {"sums": ROW_KEYS, "algbw": [*ROW_KEYS, "value"], "algbw_exact": [*ROW_KEYS, "value"],
+              "timed_bytes": [*ROW_KEYS, "value"], "group_size": [*ROW_KEYS, "value"],
+              "tier": [*ROW_KEYS, "tier", "how"]}
+#: A row's bandwidths are kept exactly up to this many calls (its median then exact); beyond, as
+#: :mod:`.duration_sketch` buckets (its median within the sketch's relative error).
+EXACT_LIMIT = 256
+
+
+def _settle(parts: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """The rows whose exact bandwidths outgrow :data:`EXACT_LIMIT` moved into the sketch's buckets."""
+    exact = parts.get("algbw_exact")
+    if exact is None or exact.empty:
+        return {}
+    total = exact.groupby(ROW_KEYS)["n"].transform("sum")
+    sketched = parts.get("algbw")
+    has_buckets = (pd.MultiIndex.from_frame(exact[ROW_KEYS]).isin(pd.MultiIndex.from_frame(sketched[ROW_KEYS]))
+                   if sketched is not None and len(sketched) else np.zeros(len(exact), dtype=bool))
+    move = (total > EXACT_LIMIT).to_numpy() | has_buckets
+    if not move.any():
+        return {}
+    moved = exact[move].assign(value=duration_sketch.buckets(exact.loc[move, "value"].to_numpy()))
+    buckets = pd.concat([f for f in (sketched, moved) if f is not None and len(f)], ignore_index=True)
+    return {"algbw_exact": exact[~move].reset_index(drop=True),
+            "algbw": buckets.groupby([*ROW_KEYS, "value"], as_index=False)["n"].sum()}
+
+
+def combine_parts(parts: list[dict[str, pd.DataFrame]]) -> dict[str, pd.DataFrame]:
+    """:func:`summary_parts` of several ranks as one, the size of one rank's."""
+    out = {}
+    for name, keys in _PART_KEYS.items():
+        frame = _parts(parts, name, keys)
+        if frame is not None:
+            out[name] = frame
+    out.update(_settle(out))
+    return out
+
+
+def _parts(parts: list[dict[str, pd.DataFrame]], name: str, keys: list[str]) -> pd.DataFrame | None:
+    frames = [p[name] for p in parts if name in p and len(p[name])]
+    if not frames:
+        return None
+    return pd.concat(frames, ignore_index=True).groupby(keys, dropna=False).sum(numeric_only=True).reset_index()
+
+
+def _median(values: np.ndarray, counts: np.ndarray) -> float:
+    """The median of values held as (value, count): numpy's (the mean of the two middle values)."""
+    order = np.argsort(values, kind="stable")
+    v, cum = np.asarray(values, dtype=float)[order], np.cumsum(np.asarray(counts)[order])
+    total = int(cum[-1])
+    lo, hi = (total - 1) // 2, total // 2
+    return float((v[np.searchsorted(cum, lo + 1)] + v[np.searchsorted(cum, hi + 1)]) / 2)
+
+
+def summarize(calls: pd.DataFrame | list[dict[str, pd.DataFrame]], links: Links | None = None) -> list[dict[str, Any]]:
+    """Per (dim, op, size bucket): count, bytes, total and exposed seconds, overlap, bandwidths
+    (medians within the sketch's 0.5%), the group size and median message size; with ``links``,
+    the bus bandwidth against the link of the row's tier (:func:`against_links`).  ``calls``:
+    the calls, or the :func:`summary_parts` of the ranks (computed with the same ``links``)."""
+    parts = [summary_parts(calls, links)] if isinstance(calls, pd.DataFrame) else calls
+    sums = _parts(parts, "sums", ROW_KEYS)
+    if sums is None:
+        return []
+    combined = combine_parts(parts)
+    counts = {name: combined.get(name) for name in ("algbw", "algbw_exact", "timed_bytes", "group_size")}
+    grouped = {name: dict(tuple(f.groupby(ROW_KEYS))) if f is not None else {} for name, f in counts.items()}
+    tiers = _parts(parts, "tier", [*ROW_KEYS, "tier", "how"]) if links is not None else None
+    tier_of = dict(tuple(tiers.groupby(ROW_KEYS))) if tiers is not None else {}
     rows = []
-    for (dim, op, bucket), g in c.groupby(["dim", "op", "bucket"], observed=True):
-        # in flight, one owner per instant
-        total = (g["inflight_ns"] if "inflight_ns" in g else g["dur_ns"]).sum() / 1e9
-        exposed = g["exposed_ns"].sum() / 1e9 if g["exposed_ns"].notna().any() else None
-        timed = g[(g["dur_ns"] > 0) & g["bytes"].notna()]
-        algbw = float((timed["bytes"] / (timed["dur_ns"] / 1e9)).median()) if len(timed) else None
-        n = int(g["group_size"].median()) if g["group_size"].notna().any() else 1
-        rows.append({"dim": dim, "op": op, "size": str(bucket), "count": int(len(g)),
-                     "bytes": int(g["bytes"].sum()) if g["bytes"].notna().any() else None, "total_s": float(total),
+    for r in sums.itertuples(index=False):
+        key = (r.dim, r.op, r.size)
+        total = r.inflight / 1e9  # in flight, one owner per instant
+        exposed = r.exposed / 1e9 if r.exposed_n else None
+        bw, exact, timed, sizes = (grouped[n].get(key) for n in ("algbw", "algbw_exact", "timed_bytes", "group_size"))
+        if bw is not None and len(bw):  # many calls: the sketch's median
+            algbw = duration_sketch.median(bw["value"].to_numpy(), bw["n"].to_numpy())
+        else:  # few: the exact one
+            algbw = (_median(exact["value"].to_numpy(), exact["n"].to_numpy())
+                     if exact is not None and len(exact) else None)
+        n = int(_median(sizes["value"].to_numpy(), sizes["n"].to_numpy())) if sizes is not None and len(sizes) else 1
+        rows.append({"dim": r.dim, "op": r.op, "size": r.size, "count": int(r.count),
+                     "bytes": int(r.bytes) if r.bytes_n else None, "total_s": float(total),
                      "exposed_s": None if exposed is None else float(exposed),
                      "overlap": None if exposed is None or total == 0 else float(1 - exposed / total),
                      "algbw_gbps": None if algbw is None else algbw / 1e9,
-                     "busbw_gbps": None if algbw is None else algbw * bus_factor(op, n) / 1e9,
-                     "group_size": n, "median_bytes": float(timed["bytes"].median()) if len(timed) else None})
+                     "busbw_gbps": None if algbw is None else algbw * bus_factor(r.op, n) / 1e9,
+                     "group_size": n,
+                     "median_bytes": (_median(timed["value"].to_numpy(), timed["n"].to_numpy())
+                                      if timed is not None and len(timed) else None)})
         if links is not None:
-            rows[-1].update(against_links(rows[-1], g, links))
+            rows[-1].update(against_links(rows[-1], tier_of.get(key), links))
     return sorted(rows, key=lambda r: -(r["exposed_s"] or r["total_s"]))
 
 
-def against_links(row: dict[str, Any], g: pd.DataFrame, links: Links) -> dict[str, Any]:
-    """A row's tier (the most common among its calls), what that tier's link carries a direction
-    (``attainable_busbw_gbps``), the row's bus bandwidth as a share of it, and ``flag``: True when a
-    bandwidth-bound row (:data:`BANDWIDTH_BOUND`) is under :data:`FAR_BELOW` of it, False when it is
-    not, None when the row cannot be judged (``link_note`` says why)."""
-    sizes = g["group_size"].fillna(row["group_size"]).astype(int)
-    ranks = g["group_ranks"] if "group_ranks" in g else pd.Series([None] * len(g), index=g.index)
-    tiers = pd.Series([links.tier(int(n), r) for n, r in zip(sizes, ranks)], index=g.index)
-    tier, how = tiers.value_counts().index[0]
+def against_links(row: dict[str, Any], tiers: pd.DataFrame | None, links: Links) -> dict[str, Any]:
+    """A row's tier (the most common among its calls: ``tiers`` counts them, a call of unknown group
+    size taking the row's), what that tier's link carries a direction (``attainable_busbw_gbps``),
+    the row's bus bandwidth as a share of it, and ``flag``: True when a bandwidth-bound row
+    (:data:`BANDWIDTH_BOUND`) is under :data:`FAR_BELOW` of it, False when it is not, None when the
+    row cannot be judged (``link_note`` says why)."""
+    known = tiers[tiers["tier"].notna()] if tiers is not None else None
+    counts = known.groupby(["tier", "how"])["n"].sum() if known is not None and len(known) else pd.Series(dtype=int)
+    unknown = int(tiers.loc[tiers["tier"].isna(), "n"].sum()) if tiers is not None else 0
+    if unknown:
+        fallback = links.tier(int(row["group_size"]))
+        counts = counts.add(pd.Series({fallback: unknown}), fill_value=0)
+    tier, how = counts.sort_values(ascending=False, kind="stable").index[0]
     attainable = links.attainable_gbps(tier)
     busbw = row["busbw_gbps"]
     share = busbw / attainable if busbw is not None and attainable else None
@@ -356,6 +465,23 @@ def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, A
     return skew, offsets
 
 
+#: What matching reads of a call (:func:`matchable`).
+MATCH_COLUMNS = ["rank", "step", "dim", "op", "bytes", "group_size", "group_ranks", "pg", "seq", "enqueue_ns",
+                 "end_ns"]
+
+
+def matchable(calls: pd.DataFrame) -> pd.DataFrame:
+    """The calls :func:`matched` can key -- collectives with a group and sequence number, or of a
+    payload that names them (:data:`SAME_PAYLOAD`) -- with only what matching reads: a rank's
+    summary keeps these, not every call."""
+    c = calls[~calls["op"].isin(_P2P)]
+    seq = pd.to_numeric(c["seq"], errors="coerce")
+    numbered = c["pg"].notna() & seq.notna() & (seq >= 0)
+    derived = (c["op"].isin(SAME_PAYLOAD) & c["bytes"].notna()
+               & (pd.to_numeric(c["step"], errors="coerce").fillna(-1) >= 0))
+    return c.loc[numbered | derived, MATCH_COLUMNS].reset_index(drop=True)
+
+
 #: Point-to-point calls pair two ranks, not a group: never matched.
 _P2P = ("send", "recv", "send_recv")
 #: Collectives every member calls with the same payload: where a trace numbers no call (PyTorch before
@@ -381,24 +507,30 @@ def _match(calls: pd.DataFrame) -> pd.DataFrame:
     c = calls[~calls["op"].isin(_P2P)]
     if c.empty:
         return c.assign(key=[], arrival=[], arrival_lag=[])
-    listed = c["group_ranks"] if "group_ranks" in c else pd.Series(None, index=c.index, dtype=object)
-    group = c["pg"].astype(object).where(c["pg"].notna(), listed.astype(object)).fillna("").astype(str)
+    # Integer codes, never per-row strings: a thousand ranks' calls are millions of rows.
+    pg = pd.factorize(c["pg"], use_na_sentinel=True)[0]
+    listed = (pd.factorize(c["group_ranks"], use_na_sentinel=True)[0] if "group_ranks" in c
+              else np.full(len(c), -1))
+    group = np.where(pg >= 0, pg, np.where(listed >= 0, pg.max(initial=-1) + 1 + listed, -1))  # -1: neither
     seq = pd.to_numeric(c["seq"], errors="coerce")
     numbered = c["pg"].notna() & seq.notna() & (seq >= 0)
     derived = (~numbered & c["op"].isin(SAME_PAYLOAD) & c["bytes"].notna()
                & (pd.to_numeric(c["step"], errors="coerce").fillna(-1) >= 0))
-    keep = numbered | derived
-    c, group, seq, numbered = c[keep], group[keep], seq[keep], numbered[keep]
+    keep = (numbered | derived).to_numpy()
+    c, group, seq, numbered = c[keep], group[keep], seq[keep], numbered[keep].to_numpy()
     if c.empty:
         return c.assign(key=[], arrival=[], arrival_lag=[])
-    signature = (group + "|" + c["step"].astype("int64").astype(str) + "|" + c["op"].astype(str) + "|"
-                 + c["bytes"].fillna(-1).astype("int64").astype(str))
-    order = c["enqueue_ns"].astype("float64").rank(method="first")
-    place = order.groupby([c["rank"], signature]).rank(method="first").astype("int64") - 1
-    key = ("s:" + group + "#" + seq.fillna(-1).astype("int64").astype(str)).where(
-        numbered, "d:" + signature + "#" + place.astype(str))
-    c = c.assign(key=key, group_id=np.where(numbered, "s:", "d:") + group,
-                 arrival=c["enqueue_ns"].astype("float64"))
+    parts = pd.DataFrame({"group": group, "step": c["step"].astype("int64").to_numpy(),
+                          "op": pd.factorize(c["op"])[0], "bytes": c["bytes"].fillna(-1).astype("int64").to_numpy(),
+                          "seq": seq.fillna(-1).astype("int64").to_numpy(), "rank": c["rank"].to_numpy()})
+    signature = parts.groupby(["group", "step", "op", "bytes"], sort=False).ngroup().to_numpy()
+    order = c["enqueue_ns"].astype("float64").rank(method="first").to_numpy()
+    place = pd.Series(order).groupby([parts["rank"], signature]).rank(method="first").astype("int64").to_numpy() - 1
+    by_seq = parts.groupby(["group", "seq"], sort=False).ngroup().to_numpy()
+    by_place = pd.DataFrame({"s": signature, "p": place}).groupby(["s", "p"], sort=False).ngroup().to_numpy()
+    key = np.where(numbered, by_seq, by_seq.max(initial=-1) + 1 + by_place)
+    group_id = np.where(numbered, group * 2, group * 2 + 1)  # numbered and derived keys of a group apart
+    c = c.assign(key=key, group_id=group_id, arrival=c["enqueue_ns"].astype("float64"))
     # One row per rank and key, its first: calls coalesced into one share their number.
     c = c.sort_values(["key", "arrival"]).drop_duplicates(["key", "rank"])
     members = c.groupby("group_id")["rank"].transform("nunique")

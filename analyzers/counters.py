@@ -35,26 +35,42 @@ def event_counts(events: EventTable) -> pd.DataFrame:
     return df.groupby([df["kind"].astype(str), "step"]).size().rename("count").reset_index()
 
 
-def per_step(counts: pd.DataFrame, calls: pd.DataFrame, steps: list[int], flops: dict[str, Any],
+COMM_COUNT_COLUMNS = ["dim", "op", "step", "calls", "bytes", "bus_bytes"]
+
+
+def comm_counts(calls: pd.DataFrame) -> pd.DataFrame:
+    """Columns dim, op, step, calls, bytes, bus_bytes: some ranks' communication calls per step
+    (ranks read apart concatenate; :func:`per_step` sums them).  Bus bytes are what a call puts on
+    the wire (nccl-tests' bus factors): an all-reduce moves twice an all-gather's bytes, so trading
+    all-gathers for all-reduces shows here."""
+    if calls.empty:
+        return pd.DataFrame(columns=COMM_COUNT_COLUMNS)
+    c = pd.DataFrame({"dim": calls["dim"].astype(str), "op": calls["op"].astype(str), "step": calls["step"],
+                      "bytes": calls["bytes"].fillna(0)})
+    c["bus_bytes"] = c["bytes"] * [bus_factor(op, int(n)) for op, n in zip(c["op"], calls["group_size"].fillna(1))]
+    out = c.groupby(["dim", "op", "step"]).agg(calls=("bytes", "size"), bytes=("bytes", "sum"),
+                                               bus_bytes=("bus_bytes", "sum")).reset_index()
+    return out[COMM_COUNT_COLUMNS]
+
+
+def per_step(counts: pd.DataFrame, comm: pd.DataFrame, steps: list[int], flops: dict[str, Any],
              calls_source: str) -> dict[str, Any]:
-    """``counts``: :func:`event_counts` of the ranks; ``calls``: one row per communication call
-    (rank, step, dim, op, bytes) of the ``steps``."""
-    calls = calls[calls["step"].isin(steps)]
-    comm, bus = [], []
-    if len(calls):
-        c = calls.assign(bytes=calls["bytes"].fillna(0))
-        # What each call puts on the wire (nccl-tests' bus bytes): an all-reduce moves twice an
-        # all-gather's bytes, so trading all-gathers for all-reduces shows here.
-        c["bus_bytes"] = c["bytes"] * [bus_factor(op, int(n)) for op, n in zip(c["op"], c["group_size"].fillna(1))]
-        per_dim = c.groupby(["dim", "step"])["bus_bytes"].sum()
+    """``counts``: :func:`event_counts` of the ranks; ``comm``: their :func:`comm_counts` (or the
+    calls themselves: rank, step, dim, op, bytes, group_size)."""
+    if "calls" not in comm:
+        comm = comm_counts(comm)
+    comm_rows = comm[comm["step"].isin(steps)]
+    out_comm, bus = [], []
+    if len(comm_rows):
+        per_dim = comm_rows.groupby(["dim", "step"])["bus_bytes"].sum()
         for dim, g in per_dim.groupby(level=0):
             g = g.droplevel(0).reindex(steps, fill_value=0)
             bus.append({"dim": str(dim), "bus_bytes_per_step": float(g.median())})
-        by_step = c.groupby(["dim", "op", "step"]).agg(calls=("rank", "size"), bytes=("bytes", "sum"))
+        by_step = comm_rows.groupby(["dim", "op", "step"])[["calls", "bytes"]].sum()
         for (dim, op), g in by_step.groupby(level=[0, 1]):
             g = g.reindex(pd.MultiIndex.from_product([[dim], [op], steps]), fill_value=0)
-            comm.append({"dim": str(dim), "op": str(op), "calls_per_step": float(g["calls"].median()),
-                         "bytes_per_step": float(g["bytes"].median())})
+            out_comm.append({"dim": str(dim), "op": str(op), "calls_per_step": float(g["calls"].median()),
+                             "bytes_per_step": float(g["bytes"].median())})
     counts = counts[counts["step"].isin(steps)]
     kinds = []
     if len(counts):
@@ -65,4 +81,4 @@ def per_step(counts: pd.DataFrame, calls: pd.DataFrame, steps: list[int], flops:
     return {"steps": len(steps), "comm_source": calls_source,
             "model_flops_per_step": flops.get("model_flops_per_step"),
             "hardware_flops_per_step": flops.get("hardware_flops_per_step"),
-            "comm": comm, "comm_bus": bus, "events": kinds}
+            "comm": out_comm, "comm_bus": bus, "events": kinds}

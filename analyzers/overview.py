@@ -112,13 +112,15 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     microbatches = concat_frames([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
     bub = bubbles.analyze(leaves, rank_steps, manifest, microbatches if pp > 1 else None)
 
-    calls = concat_frames([s.calls for s in summaries], rank_summary.CALL_COLUMNS)
+    calls = rank_summary.concat_calls([s.calls for s in summaries])
+    comm_counts = concat_frames([s.comm_counts for s in summaries], counters.COMM_COUNT_COLUMNS)
     if run is not None and (Path(run) / run_dir.COMM).exists():
         calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
         calls_source = "the collectors' communication table"
     else:
         calls_source = "the traces' communication work"
-    counted_steps = sorted(int(s) for s in (leaves["step"] if not leaves.empty else calls["step"]).unique() if s >= 0)
+    counted_steps = sorted(int(s) for s in (leaves["step"] if not leaves.empty else comm_counts["step"]).unique()
+                           if s >= 0)
     skew, offsets = comm_stats.matched(calls)
 
     step_time = float(step_s.mean()) if len(step_s) else None
@@ -140,7 +142,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     found, summary["findings_note"] = _findings(leaves, summaries, metas, bub, strag, launch.to_dict("records"),
                                                 graphs, calls, plan_of)
     overlap = concat_frames([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
-    comm = comm_stats.summarize(calls, comm_stats.Links.of(device, world, recorded.raw))
+    comm = comm_stats.summarize([s.comm_parts for s in summaries], comm_stats.Links.of(device, world, recorded.raw))
     if nccl_tests:
         compare(comm, nccl_tests)
     return new_report(
@@ -159,8 +161,8 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         breakdown_by_rank=_by_rank(leaves),
         ranks=[s.row for s in summaries],
         comm_calls=_comm_calls([s.comm_ops for s in summaries]),
-        counters=counters.per_step(concat_frames([s.counts for s in summaries], ["kind", "step", "count"]), calls,
-                                   counted_steps, flops, calls_source),
+        counters=counters.per_step(concat_frames([s.counts for s in summaries], ["kind", "step", "count"]),
+                                   comm_counts, counted_steps, flops, calls_source),
     )
 
 

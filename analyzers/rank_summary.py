@@ -22,9 +22,11 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+from pandas.api.types import union_categoricals
 
 from mfuscope import atomic, labels
 from mfuscope.event_table import EventTable
+from mfuscope.manifest import Manifest
 
 from . import breakdown, comm_stats, counters, findings, kernel_time, mfu, timeline
 from .context import Context
@@ -46,7 +48,9 @@ class RankSummary:
     meta: dict[str, Any]
     leaves: pd.DataFrame                 # rank, step, leaf, seconds (breakdown.step_leaves)
     spans: pd.DataFrame                  # rank, step, start_ns, end_ns, dur_ns (step markers)
-    calls: pd.DataFrame                  # CALL_COLUMNS: the rank's communication calls with exposure
+    calls: pd.DataFrame                  # comm_stats.MATCH_COLUMNS of the calls matching can key
+    comm_parts: dict[str, pd.DataFrame]  # comm_stats.summary_parts: the communication table's sums
+    comm_counts: pd.DataFrame            # counters.comm_counts: calls and bytes per step
     kernels: pd.DataFrame                # kernel_time.kernel_stats
     launch: pd.DataFrame                 # kernel_time.launch_stats (a row, or none on a CPU rank)
     graphs: dict[str, int]               # kernel_time.graph_activity
@@ -81,10 +85,14 @@ def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
     else:
         calls = comm_stats.calls_from_trace(ev, world=world)
     calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(ev, ctx.plans))
-    calls = calls.reindex(columns=CALL_COLUMNS)
+    calls = _compact(calls.reindex(columns=CALL_COLUMNS))
     steady = findings.steady(leaves)[["rank", "step"]].drop_duplicates()
+    meta = events.ranks[rank]
+    links = comm_stats.Links.of(meta.get("device_name") or Manifest.of(manifest).device_name, world,
+                                Manifest.of(manifest).raw)
     summary = RankSummary(
-        rank=rank, meta=events.ranks[rank], leaves=leaves, spans=kernel_time.step_spans(ev), calls=calls,
+        rank=rank, meta=meta, leaves=leaves, spans=kernel_time.step_spans(ev), calls=comm_stats.matchable(calls),
+        comm_parts=comm_stats.summary_parts(calls, links), comm_counts=counters.comm_counts(calls),
         kernels=kernel_time.kernel_stats(ev), launch=kernel_time.launch_stats(ev),
         graphs=kernel_time.graph_activity(ev), shapes=mfu.TraceShapes.of(ev),
         overlap=comm_stats.overlap_by_rank(ev), row=_rank_row(ev, rank, rank_steps),
@@ -93,6 +101,27 @@ def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
     if views_dir is not None:
         _write_views(Path(views_dir), rank, timeline.segments(ev, ctx.plans), calls)
     return summary
+
+
+#: The calls' text columns: a few distinct values a rank (a 1,024-rank group's list is 5 KB of text).
+_TEXT = ("dim", "op", "pg", "group_ranks")
+
+
+def _compact(calls: pd.DataFrame) -> pd.DataFrame:
+    """The calls with their text columns as categoricals: each distinct value held once."""
+    return calls.assign(**{c: calls[c].astype(object).astype("category") for c in _TEXT})
+
+
+def concat_calls(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """The ranks' calls (:attr:`RankSummary.calls`) as one frame whose text columns stay categorical
+    (their categories united: a plain concat would expand every value to a Python string)."""
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=comm_stats.MATCH_COLUMNS)
+    out = pd.concat([f.drop(columns=list(_TEXT)) for f in frames], ignore_index=True)
+    for c in _TEXT:
+        out[c] = union_categoricals([f[c] for f in frames], ignore_order=True)
+    return out[comm_stats.MATCH_COLUMNS]
 
 
 def collapse(summaries: list[RankSummary]) -> None:
@@ -104,9 +133,22 @@ def collapse(summaries: list[RankSummary]) -> None:
         return
     first.kernels = kernel_time.combine_stats([s.kernels for s in summaries])
     first.evidence = findings.combine_parts([s.evidence for s in summaries])
+    first.comm_parts = comm_stats.combine_parts([s.comm_parts for s in summaries])
+    first.comm_counts = _summed([s.comm_counts for s in summaries], ["dim", "op", "step"])
+    first.counts = _summed([s.counts for s in summaries], ["kind", "step"])
     for s in rest:  # new empty frames: an empty slice would keep the whole buffers alive
         s.kernels = pd.DataFrame(columns=kernel_time.KERNEL_STAT_COLUMNS)
         s.evidence = findings.EvidenceParts()
+        s.comm_parts = {}
+        s.comm_counts = pd.DataFrame(columns=counters.COMM_COUNT_COLUMNS)
+        s.counts = pd.DataFrame(columns=["kind", "step", "count"])
+
+
+def _summed(frames: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=keys)
+    return pd.concat(frames, ignore_index=True).groupby(keys, as_index=False).sum(numeric_only=True)
 
 
 def _write_views(views_dir: Path, rank: int, segments: pd.DataFrame, calls: pd.DataFrame) -> None:

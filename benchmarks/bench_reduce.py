@@ -1,0 +1,98 @@
+"""The reduce of a very large job, without its traces: summaries synthesized from a real rank.
+
+One real rank -- the corpus's ``df_index_resolver`` (54 MB of JSON, 216k events) unless
+``--trace`` names another -- is summarized once (:func:`mfuscope.analyzers.map_reduce.map_rank`),
+and its summary copied as ranks 0..N-1 as the parent gets them (unpickled, frames renumbered).  Known stragglers
+are injected: ``--stragglers`` ranks get their compute leaves 30% longer in every step, so
+their busy time exceeds their peers' median by 30% of the compute -- over the stragglers
+analysis's 5% threshold and 3 MADs of identical peers (MAD 0).  Then the parent's reduce runs
+(:func:`mfuscope.analyzers.overview.reduce`) as ``mfuscope analyze`` runs it, folding the
+summaries as they would arrive (collapsed every :data:`~mfuscope.analyzers.map_reduce.COLLAPSE_EVERY`).
+
+Prints the reduce's wall seconds, the process's peak RSS (synthesis included: the summaries the
+parent would hold), the parent's memory a rank, and whether the injected stragglers -- and only
+they -- were found.
+
+    python benchmarks/bench_reduce.py [--ranks 16384] [--stragglers 7,5000,16000] [--trace FILE]
+
+Issue 28's target (2 cores): a 16,384-rank reduce in <= 5 minutes and <= 3 GB, finding the
+injected stragglers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = Path(os.environ.get("MFUSCOPE_CORPUS", REPO.parent / "shared" / "corpus"))
+BIG = CORPUS / "traces/HolisticTraceAnalysis/tests/data/df_index_resolver/df_index_resolver.json.gz"
+#: How much longer an injected straggler's compute is.
+SLOWER = 1.3
+
+
+def _renumbered(pickled: bytes, rank: int, slower: bool):
+    """The summary as ``rank`` arrives in the parent -- unpickled, its own copy of every frame --
+    with every frame's rank column renumbered (compute leaves x SLOWER for a straggler)."""
+    s = pickle.loads(pickled)
+    s.rank = rank
+    s.meta["rank"] = rank
+    s.row["rank"] = rank
+    for name in ("leaves", "spans", "calls", "launch", "overlap", "microbatches"):
+        frame = getattr(s, name)
+        if "rank" in frame:
+            frame["rank"] = rank
+    if slower:
+        compute = s.leaves["leaf"].str.startswith("compute/")
+        s.leaves.loc[compute, "seconds"] *= SLOWER
+    return s
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=16384)
+    p.add_argument("--stragglers", default="7,5000,16000", help="ranks made slower (comma-separated)")
+    p.add_argument("--trace", type=Path, default=BIG)
+    args = p.parse_args()
+    if not args.trace.exists():
+        raise SystemExit(f"no trace at {args.trace}; set MFUSCOPE_CORPUS or pass --trace")
+    from mfuscope.analyzers import map_reduce, overview, rank_lists, rank_summary
+
+    injected = {int(r) for r in args.stragglers.split(",") if r and int(r) < args.ranks}
+    t0 = time.perf_counter()
+    job = map_reduce.RankJob(args.trace, 0, None, False, None, None, None, None, None, args.ranks, None, ())
+    (base,) = map_reduce.map_rank(job).summaries
+    print(f"one real rank summarized in {time.perf_counter() - t0:.1f} s: {len(base.calls):,} communication "
+          f"calls, {len(base.leaves):,} leaf rows", file=sys.stderr)
+    pickled = pickle.dumps(base)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    summaries, fresh = [], []
+    for r in range(args.ranks):
+        s = _renumbered(pickled, r, r in injected)
+        summaries.append(s)
+        fresh.append(s)
+        if len(fresh) >= map_reduce.COLLAPSE_EVERY:
+            rank_summary.collapse([summaries[0], *fresh] if summaries[0] is not fresh[0] else fresh)
+            fresh.clear()
+    built = time.perf_counter() - t0
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    report = rank_lists.cap(overview.reduce(summaries, None, source="synthesized", files=[]))
+    reduced = time.perf_counter() - t0
+    rss2 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    found = {s["rank"] for s in report["stragglers"]}
+    print(f"{args.ranks:,} ranks: summaries built in {built:.1f} s; reduce {reduced:.1f} s")
+    print(f"peak RSS {rss2 / 2**20:.2f} GB (after one rank {rss0 / 2**20:.2f} GB, with every summary "
+          f"{rss1 / 2**20:.2f} GB: {(rss1 - rss0) * 1024 / args.ranks / 1e3:.1f} KB a rank in the parent)")
+    print(f"stragglers injected {sorted(injected)}, found {sorted(found)}: "
+          f"{'right' if found == injected else 'WRONG'}")
+    return 0 if found == injected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
