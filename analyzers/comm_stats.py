@@ -438,7 +438,7 @@ def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, A
 
     Returns (per-dimension arrival skew and whom everyone waited for, per-rank clock offsets
     estimated from the matched ends: all ranks leave a collective together)."""
-    c = _match(calls)
+    c = match(calls)
     if c.empty:
         return [], []
     g = c.groupby("key")["arrival"]
@@ -490,7 +490,7 @@ _P2P = ("send", "recv", "send_recv")
 SAME_PAYLOAD = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 
-def _match(calls: pd.DataFrame) -> pd.DataFrame:
+def match(calls: pd.DataFrame) -> pd.DataFrame:
     """Collective calls matched across ranks, keyed by (group, sequence number), with ``arrival``
     (enqueue ns) and ``arrival_lag`` (ns after the first member arrived).
 
@@ -503,7 +503,11 @@ def _match(calls: pd.DataFrame) -> pd.DataFrame:
     A key is matched when every loaded member of its group recorded it: the members are the ranks
     whose traces hold calls of that group (a run's ranks are often a sample of the job: two of 128),
     at least two, and never more than the group's size.  A group's rank list, cut by Kineto to 30
-    entries, is neither the group nor its size (:func:`calls_from_trace`)."""
+    entries, is neither the group nor its size (:func:`calls_from_trace`).  Calls matched already
+    come back as they are: the reduce matches once for :func:`matched`, :func:`arrival_lags` and
+    :func:`late_arrivals`."""
+    if "arrival_lag" in calls:  # matched already
+        return calls
     c = calls[~calls["op"].isin(_P2P)]
     if c.empty:
         return c.assign(key=[], arrival=[], arrival_lag=[])
@@ -549,7 +553,7 @@ def late_arrivals(calls: pd.DataFrame) -> pd.DataFrame:
     ``waited_ns`` is time inside its exposed communication spent waiting for a peer, not moving
     data."""
     cols = ["key", "step", "dim", "op", "late_rank", "gap_ns", "rank", "waited_ns", "late_from_ns", "late_to_ns"]
-    c = _match(calls)
+    c = match(calls)
     if c.empty:
         return pd.DataFrame(columns=cols)
     g = c.groupby("key")  # rows sorted by key, then arrival (_match)
@@ -566,7 +570,7 @@ def arrival_lags(calls: pd.DataFrame) -> list[dict[str, Any]]:
     """Rank x collective (dimension/op): how late each rank arrives at matched collectives -- median
     and p90 of its lag behind the group's first arrival, seconds.  A rank late everywhere is slow
     before the collective; a rank late in one dimension only waits on something of that dimension."""
-    c = _match(calls)
+    c = match(calls)
     if c.empty:
         return []
     g = (c.assign(collective=c["dim"].astype(str) + "/" + c["op"].astype(str), lag=c["arrival_lag"] / 1e9)

@@ -121,6 +121,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         calls_source = "the traces' communication work"
     counted_steps = sorted(int(s) for s in (leaves["step"] if not leaves.empty else comm_counts["step"]).unique()
                            if s >= 0)
+    calls = comm_stats.match(calls)  # once, for the skew, the arrival lags and the late ranks
     skew, offsets = comm_stats.matched(calls)
 
     step_time = float(step_s.mean()) if len(step_s) else None

@@ -85,7 +85,7 @@ def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
     else:
         calls = comm_stats.calls_from_trace(ev, world=world)
     calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(ev, ctx.plans))
-    calls = _compact(calls.reindex(columns=CALL_COLUMNS))
+    calls = compact_calls(calls.reindex(columns=CALL_COLUMNS))
     steady = findings.steady(leaves)[["rank", "step"]].drop_duplicates()
     meta = events.ranks[rank]
     links = comm_stats.Links.of(meta.get("device_name") or Manifest.of(manifest).device_name, world,
@@ -107,7 +107,7 @@ def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
 _TEXT = ("dim", "op", "pg", "group_ranks")
 
 
-def _compact(calls: pd.DataFrame) -> pd.DataFrame:
+def compact_calls(calls: pd.DataFrame) -> pd.DataFrame:
     """The calls with their text columns as categoricals: each distinct value held once."""
     return calls.assign(**{c: calls[c].astype(object).astype("category") for c in _TEXT})
 
