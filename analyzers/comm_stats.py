@@ -35,6 +35,7 @@ from mfuscope.event_table import EventTable
 
 from . import breakdown, duration_sketch, group_dims
 from . import intervals as iv
+from .duration_sketch import weighted_median
 
 SIZE_BUCKETS = [0, 64 << 10, 1 << 20, 16 << 20, 256 << 20, np.inf]
 BUCKET_NAMES = ["<64KiB", "64KiB-1MiB", "1-16MiB", "16-256MiB", ">=256MiB"]
@@ -321,15 +322,6 @@ def _parts(parts: list[dict[str, pd.DataFrame]], name: str, keys: list[str]) -> 
     return pd.concat(frames, ignore_index=True).groupby(keys, dropna=False).sum(numeric_only=True).reset_index()
 
 
-def _median(values: np.ndarray, counts: np.ndarray) -> float:
-    """The median of values held as (value, count): numpy's (the mean of the two middle values)."""
-    order = np.argsort(values, kind="stable")
-    v, cum = np.asarray(values, dtype=float)[order], np.cumsum(np.asarray(counts)[order])
-    total = int(cum[-1])
-    lo, hi = (total - 1) // 2, total // 2
-    return float((v[np.searchsorted(cum, lo + 1)] + v[np.searchsorted(cum, hi + 1)]) / 2)
-
-
 def summarize(calls: pd.DataFrame | list[dict[str, pd.DataFrame]], links: Links | None = None) -> list[dict[str, Any]]:
     """Per (dim, op, size bucket): count, bytes, total and exposed seconds, overlap, bandwidths
     (medians within the sketch's 0.5%), the group size and median message size; with ``links``,
@@ -353,9 +345,10 @@ def summarize(calls: pd.DataFrame | list[dict[str, pd.DataFrame]], links: Links 
         if bw is not None and len(bw):  # many calls: the sketch's median
             algbw = duration_sketch.median(bw["value"].to_numpy(), bw["n"].to_numpy())
         else:  # few: the exact one
-            algbw = (_median(exact["value"].to_numpy(), exact["n"].to_numpy())
+            algbw = (weighted_median(exact["value"].to_numpy(), exact["n"].to_numpy())
                      if exact is not None and len(exact) else None)
-        n = int(_median(sizes["value"].to_numpy(), sizes["n"].to_numpy())) if sizes is not None and len(sizes) else 1
+        n = (int(weighted_median(sizes["value"].to_numpy(), sizes["n"].to_numpy()))
+             if sizes is not None and len(sizes) else 1)
         rows.append({"dim": r.dim, "op": r.op, "size": r.size, "count": int(r.count),
                      "bytes": int(r.bytes) if r.bytes_n else None, "total_s": float(total),
                      "exposed_s": None if exposed is None else float(exposed),
@@ -363,7 +356,7 @@ def summarize(calls: pd.DataFrame | list[dict[str, pd.DataFrame]], links: Links 
                      "algbw_gbps": None if algbw is None else algbw / 1e9,
                      "busbw_gbps": None if algbw is None else algbw * bus_factor(r.op, n) / 1e9,
                      "group_size": n,
-                     "median_bytes": (_median(timed["value"].to_numpy(), timed["n"].to_numpy())
+                     "median_bytes": (weighted_median(timed["value"].to_numpy(), timed["n"].to_numpy())
                                       if timed is not None and len(timed) else None)})
         if links is not None:
             rows[-1].update(against_links(rows[-1], tier_of.get(key), links))

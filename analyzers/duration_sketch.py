@@ -30,14 +30,19 @@ def value(bucket: int) -> float:
     return 0.0 if bucket == ZERO else 2.0 * GAMMA ** bucket / (GAMMA + 1.0)
 
 
+def weighted_median(values: np.ndarray, counts: np.ndarray) -> float:
+    """The median of values held as (value, how many): numpy's (the mean of the two middle ones)."""
+    order = np.argsort(values, kind="stable")
+    v, cum = np.asarray(values, dtype=float)[order], np.cumsum(np.asarray(counts)[order])
+    total = int(cum[-1]) if len(cum) else 0
+    if total == 0:
+        return float("nan")
+    lo, hi = (total - 1) // 2, total // 2  # 0-based ranks of the middle value(s)
+    return float((v[np.searchsorted(cum, lo + 1)] + v[np.searchsorted(cum, hi + 1)]) / 2)
+
+
 def median(bucket_ids: np.ndarray, counts: np.ndarray) -> float:
     """The median of the durations a histogram holds (the mean of the two middle ones for an even
     count, as numpy's), each middle one within :data:`RELATIVE_ERROR`."""
-    order = np.argsort(bucket_ids)
-    b, c = np.asarray(bucket_ids)[order], np.asarray(counts)[order]
-    total = int(c.sum())
-    if total == 0:
-        return float("nan")
-    cum = np.cumsum(c)
-    lo, hi = (total - 1) // 2, total // 2  # 0-based ranks of the middle value(s)
-    return (value(int(b[np.searchsorted(cum, lo + 1)])) + value(int(b[np.searchsorted(cum, hi + 1)]))) / 2.0
+    ids = np.asarray(bucket_ids)
+    return weighted_median(np.array([value(int(b)) for b in ids]), counts)

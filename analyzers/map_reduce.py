@@ -133,7 +133,8 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
         raise UserInputError(f"no trace could be loaded: {reasons}", Path(path))
     _check_claims(summaries, Path(path))
     trace_set.check_one_job({s.rank: {**s.meta, "file": s.file} for s in summaries}, Path(path), allow_mixed)
-    job_of = {s.rank: next(j for j in jobs if str(j.file) == s.file) for s in summaries}
+    job_by_file = {str(j.file): j for j in jobs}
+    job_of = {s.rank: job_by_file[s.file] for s in summaries}
 
     def plan_of(r: int):
         """A named late rank's plan: its events read again (from the cache: it was just filled)."""
