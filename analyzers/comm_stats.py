@@ -33,7 +33,7 @@ import pandas as pd
 from mfuscope import hardware
 from mfuscope.event_table import EventTable
 
-from . import breakdown, duration_sketch, group_dims
+from . import breakdown, collective_match, duration_sketch, group_dims
 from . import intervals as iv
 from .duration_sketch import weighted_median
 
@@ -426,148 +426,18 @@ def overlap_by_rank(events: EventTable) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=OVERLAP_COLUMNS)
 
 
-def matched(calls: pd.DataFrame) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Collectives matched across ranks by (group, sequence number).
-
-    Returns (per-dimension arrival skew and whom everyone waited for, per-rank clock offsets
-    estimated from the matched ends: all ranks leave a collective together)."""
-    c = match(calls)
-    if c.empty:
-        return [], []
-    g = c.groupby("key")["arrival"]
-    c = c.assign(second_last=g.shift(1).groupby(c["key"]).transform("last"))
-    last = c.groupby("key").tail(1)
-    waited = (last["arrival"] - last["second_last"]).fillna(0.0) / 1e9
-    skew = []
-    for dim, d in c.groupby("dim"):
-        lags = d.groupby("key")["arrival_lag"].max() / 1e9
-        lw = last[last["dim"] == dim].assign(waited=waited[last["dim"] == dim])
-        culprits = lw.groupby("rank")["waited"].sum().sort_values(ascending=False)
-        skew.append({"dim": dim, "instances": int(len(lags)), "median_skew_s": float(lags.median()),
-                     "p90_skew_s": float(lags.quantile(0.9)),
-                     "waited_for": [{"rank": int(r), "seconds": float(s)}
-                                    for r, s in culprits.head(3).items() if s > 0]})
-    ends = c.dropna(subset=["end_ns"])
-    offsets = []
-    if len(ends):
-        rel = ends["end_ns"].astype("float64") - ends.groupby("key")["end_ns"].transform("median").astype("float64")
-        for rank, r in rel.groupby(ends["rank"]):
-            off = float(r.median())
-            offsets.append({"rank": int(rank), "offset_s": off / 1e9,
-                            "residual_s": float((r - off).abs().median()) / 1e9, "instances": int(len(r))})
-    return skew, offsets
-
-
 #: What matching reads of a call (:func:`matchable`).
 MATCH_COLUMNS = ["rank", "step", "dim", "op", "bytes", "group_size", "group_ranks", "pg", "seq", "enqueue_ns",
                  "end_ns"]
 
 
 def matchable(calls: pd.DataFrame) -> pd.DataFrame:
-    """The calls :func:`matched` can key -- collectives with a group and sequence number, or of a
-    payload that names them (:data:`SAME_PAYLOAD`) -- with only what matching reads: a rank's
-    summary keeps these, not every call."""
-    c = calls[~calls["op"].isin(_P2P)]
+    """The calls :mod:`.collective_match` can key -- collectives with a group and sequence number,
+    or of a payload that names them (:data:`.collective_match.SAME_PAYLOAD`) -- with only what
+    matching reads: a rank's summary keeps these, not every call."""
+    c = calls[~calls["op"].isin(collective_match.P2P)]
     seq = pd.to_numeric(c["seq"], errors="coerce")
     numbered = c["pg"].notna() & seq.notna() & (seq >= 0)
-    derived = (c["op"].isin(SAME_PAYLOAD) & c["bytes"].notna()
+    derived = (c["op"].isin(collective_match.SAME_PAYLOAD) & c["bytes"].notna()
                & (pd.to_numeric(c["step"], errors="coerce").fillna(-1) >= 0))
     return c.loc[numbered | derived, MATCH_COLUMNS].reset_index(drop=True)
-
-
-#: Point-to-point calls pair two ranks, not a group: never matched.
-_P2P = ("send", "recv", "send_recv")
-#: Collectives every member calls with the same payload: where a trace numbers no call (PyTorch before
-#: ``Seq`` was recorded), one is known across ranks by its op and payload (:func:`_match`).  Not
-#: all-to-all (uneven splits) nor point-to-point.
-SAME_PAYLOAD = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
-
-
-def match(calls: pd.DataFrame) -> pd.DataFrame:
-    """Collective calls matched across ranks, keyed by (group, sequence number), with ``arrival``
-    (enqueue ns) and ``arrival_lag`` (ns after the first member arrived).
-
-    The group is the call's process-group name (else its rank list); the sequence number is the
-    one the trace records.  A trace that records none (older PyTorch) numbers nothing: there a
-    collective of :data:`SAME_PAYLOAD` is keyed by its group, step, op and payload and its place
-    among the rank's calls of those in the step -- the k-th 78 MB all-reduce of step 551 is the same
-    call on every rank, where the k-th SendRecv kernel is not.
-
-    A key is matched when every loaded member of its group recorded it: the members are the ranks
-    whose traces hold calls of that group (a run's ranks are often a sample of the job: two of 128),
-    at least two, and never more than the group's size.  A group's rank list, cut by Kineto to 30
-    entries, is neither the group nor its size (:func:`calls_from_trace`).  Calls matched already
-    come back as they are: the reduce matches once for :func:`matched`, :func:`arrival_lags` and
-    :func:`late_arrivals`."""
-    if "arrival_lag" in calls:  # matched already
-        return calls
-    c = calls[~calls["op"].isin(_P2P)]
-    if c.empty:
-        return c.assign(key=[], arrival=[], arrival_lag=[])
-    # Integer codes, never per-row strings: a thousand ranks' calls are millions of rows.
-    pg = pd.factorize(c["pg"], use_na_sentinel=True)[0]
-    listed = (pd.factorize(c["group_ranks"], use_na_sentinel=True)[0] if "group_ranks" in c
-              else np.full(len(c), -1))
-    group = np.where(pg >= 0, pg, np.where(listed >= 0, pg.max(initial=-1) + 1 + listed, -1))  # -1: neither
-    seq = pd.to_numeric(c["seq"], errors="coerce")
-    numbered = c["pg"].notna() & seq.notna() & (seq >= 0)
-    derived = (~numbered & c["op"].isin(SAME_PAYLOAD) & c["bytes"].notna()
-               & (pd.to_numeric(c["step"], errors="coerce").fillna(-1) >= 0))
-    keep = (numbered | derived).to_numpy()
-    c, group, seq, numbered = c[keep], group[keep], seq[keep], numbered[keep].to_numpy()
-    if c.empty:
-        return c.assign(key=[], arrival=[], arrival_lag=[])
-    parts = pd.DataFrame({"group": group, "step": c["step"].astype("int64").to_numpy(),
-                          "op": pd.factorize(c["op"])[0], "bytes": c["bytes"].fillna(-1).astype("int64").to_numpy(),
-                          "seq": seq.fillna(-1).astype("int64").to_numpy(), "rank": c["rank"].to_numpy()})
-    signature = parts.groupby(["group", "step", "op", "bytes"], sort=False).ngroup().to_numpy()
-    order = c["enqueue_ns"].astype("float64").rank(method="first").to_numpy()
-    place = pd.Series(order).groupby([parts["rank"], signature]).rank(method="first").astype("int64").to_numpy() - 1
-    by_seq = parts.groupby(["group", "seq"], sort=False).ngroup().to_numpy()
-    by_place = pd.DataFrame({"s": signature, "p": place}).groupby(["s", "p"], sort=False).ngroup().to_numpy()
-    key = np.where(numbered, by_seq, by_seq.max(initial=-1) + 1 + by_place)
-    group_id = np.where(numbered, group * 2, group * 2 + 1)  # numbered and derived keys of a group apart
-    c = c.assign(key=key, group_id=group_id, arrival=c["enqueue_ns"].astype("float64"))
-    # One row per rank and key, its first: calls coalesced into one share their number.
-    c = c.sort_values(["key", "arrival"]).drop_duplicates(["key", "rank"])
-    members = c.groupby("group_id")["rank"].transform("nunique")
-    count = c.groupby("key")["rank"].transform("size")
-    size = pd.to_numeric(c["group_size"], errors="coerce")
-    c = c[(count == members) & (count >= 2) & ~(count > size)].drop(columns="group_id")
-    return c.assign(arrival_lag=c["arrival"] - c.groupby("key")["arrival"].transform("min"))
-
-
-def late_arrivals(calls: pd.DataFrame) -> pd.DataFrame:
-    """Every matched collective's last arrival: the rank the others waited for.
-
-    Columns: key, step, dim, op, late_rank, gap_ns (how far it came after the second-last
-    member: what the collective would end sooner had it kept pace -- the critical path's gain),
-    and one row per waiting member: rank, waited_ns (the late arrival minus its own).  A rank's
-    ``waited_ns`` is time inside its exposed communication spent waiting for a peer, not moving
-    data."""
-    cols = ["key", "step", "dim", "op", "late_rank", "gap_ns", "rank", "waited_ns", "late_from_ns", "late_to_ns"]
-    c = match(calls)
-    if c.empty:
-        return pd.DataFrame(columns=cols)
-    g = c.groupby("key")  # rows sorted by key, then arrival (_match)
-    last = g["arrival"].transform("last")
-    second = c["arrival"].groupby(c["key"]).shift(1).groupby(c["key"]).transform("last").fillna(last)
-    late_rank = g["rank"].transform("last")
-    first = g["arrival"].transform("first")
-    out = c.assign(late_rank=late_rank, gap_ns=last - second, waited_ns=last - c["arrival"],
-                   late_from_ns=first, late_to_ns=last)
-    return out[out["rank"] != out["late_rank"]][cols].reset_index(drop=True)
-
-
-def arrival_lags(calls: pd.DataFrame) -> list[dict[str, Any]]:
-    """Rank x collective (dimension/op): how late each rank arrives at matched collectives -- median
-    and p90 of its lag behind the group's first arrival, seconds.  A rank late everywhere is slow
-    before the collective; a rank late in one dimension only waits on something of that dimension."""
-    c = match(calls)
-    if c.empty:
-        return []
-    g = (c.assign(collective=c["dim"].astype(str) + "/" + c["op"].astype(str), lag=c["arrival_lag"] / 1e9)
-         .groupby(["rank", "collective"])["lag"])
-    out = pd.DataFrame({"median_lag_s": g.median(), "p90_lag_s": g.quantile(0.9), "instances": g.size()}).reset_index()
-    return [{"rank": int(r.rank), "collective": r.collective, "median_lag_s": float(r.median_lag_s),
-             "p90_lag_s": float(r.p90_lag_s), "instances": int(r.instances)} for r in out.itertuples()]

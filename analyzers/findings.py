@@ -325,8 +325,9 @@ def _waiting(leaves: dict[str, float], step_s: float, add, share, ev: Evidence, 
 
 
 # ----------------------------------------------------------------------------- late ranks
-def late_ranks(rows: pd.DataFrame, plan_of, pairs: pd.DataFrame, step_s: float | None = None) -> LateArrivals:
-    """:class:`LateArrivals` from :func:`.comm_stats.late_arrivals` rows of the steady steps.
+def late_ranks(keys: pd.DataFrame, plan_of, pairs: pd.DataFrame, step_s: float | None = None) -> LateArrivals:
+    """:class:`LateArrivals` from the matched collectives of the steady steps, one row a key
+    (:attr:`.collective_match.Matched.late`).
 
     A late rank's gain is its lead over the second-last arrival, summed over its collectives a
     step (the critical path: everyone leaves together once the last arrives); ``waited_s`` the
@@ -335,26 +336,23 @@ def late_ranks(rows: pd.DataFrame, plan_of, pairs: pd.DataFrame, step_s: float |
     :data:`LATE_RANK_SHARE` of ``step_s`` (the findings).  ``plan_of``: rank -> the rank's plan
     (:func:`.breakdown.rank_plan`) or None, asked only for those ranks (a reduce over thousands of
     ranks reads them again for the few it names)."""
-    if rows.empty or pairs.empty:
+    if keys.empty or pairs.empty:
         return LateArrivals()
     steps = pairs["step"].nunique()
     per_rank_step = len(pairs)
-    one = rows.drop_duplicates("key")
     out = []
-    for rank, g in one.groupby("late_rank"):
+    for rank, g in keys.groupby("late_rank"):
         gain = float(g["gap_ns"].sum()) / 1e9 / steps
         doing: dict[str, float] = {}
         plan = plan_of(int(rank)) if step_s is None or gain >= LATE_RANK_SHARE * step_s else None  # worth naming
         if plan is not None:
             late = iv.union(g["late_from_ns"].to_numpy(dtype=np.int64), g["late_to_ns"].to_numpy(dtype=np.int64))
             doing = {leaf: ns / 1e9 for leaf, ns in iv.assign_by_priority_within(late, plan, "idle").items() if ns > 0}
-        mine = rows[rows["late_rank"] == rank]
-        out.append({"rank": int(rank), "gain_s": gain,
-                    "waited_s": float(mine["waited_ns"].sum()) / 1e9 / per_rank_step,
+        out.append({"rank": int(rank), "gain_s": gain, "waited_s": float(g["waited_ns"].sum()) / 1e9 / per_rank_step,
                     "collectives": sorted(set(g["dim"].astype(str) + "/" + g["op"].astype(str))),
                     "instances_per_step": len(g) / steps, "doing": doing})
-    leaf = "comm/" + rows["dim"].astype(str) + "/" + rows["op"].astype(str)
-    waited = (rows["waited_ns"].groupby(leaf).sum() / 1e9 / per_rank_step).to_dict()
+    leaf = "comm/" + keys["dim"].astype(str) + "/" + keys["op"].astype(str)
+    waited = (keys["waited_ns"].groupby(leaf).sum() / 1e9 / per_rank_step).to_dict()
     return LateArrivals(sorted(out, key=lambda r: -r["gain_s"]), {k: float(v) for k, v in waited.items()},
                         max(pairs["rank"].nunique() - len(out), 0))
 

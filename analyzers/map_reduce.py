@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 from tqdm import tqdm
@@ -30,10 +31,24 @@ from tqdm import tqdm
 from mfuscope import atomic, run_dir
 from mfuscope.errors import UserInputError
 
-from . import breakdown, executor, group_dims, overview, rank_lists, rank_summary, timeline, trace_cache, trace_set
+from . import (
+    breakdown,
+    collective_match,
+    comm_stats,
+    executor,
+    group_dims,
+    overview,
+    rank_lists,
+    rank_summary,
+    timeline,
+    trace_cache,
+    trace_set,
+)
 
 #: Summaries folded into the running sums at a time (rank_summary.collapse).
 COLLAPSE_EVERY = 8
+#: What a summary's calls are once spooled (one frame, shared).
+_NO_CALLS = pd.DataFrame(columns=comm_stats.MATCH_COLUMNS)
 #: The view the parent writes: the executed pipeline schedule of every rank.
 MICROBATCHES = "microbatches.parquet"
 #: Fault injection for the tests: a worker whose file name contains this value kills itself.
@@ -125,14 +140,24 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
                             manifest, str(path) if is_run else None, world,
                             str(views_dir) if views_dir is not None else None, env))
     started = time.perf_counter()
-    summaries, learned, cached = _map(jobs, workers, pool, progress, on_file, skipped, skip_bad)
+    calls = collective_match.CallSpool(len(jobs))
+    try:
+        summaries, learned, cached = _map(jobs, workers, pool, progress, on_file, skipped, skip_bad, calls)
+    except BaseException:
+        calls.close()
+        raise
     mapped = time.perf_counter()
     trace_cache.update_index(learned)
     if not summaries:
+        calls.close()
         reasons = "; ".join(r for _, r in skipped)
         raise UserInputError(f"no trace could be loaded: {reasons}", Path(path))
-    _check_claims(summaries, Path(path))
-    trace_set.check_one_job({s.rank: {**s.meta, "file": s.file} for s in summaries}, Path(path), allow_mixed)
+    try:
+        _check_claims(summaries, Path(path))
+        trace_set.check_one_job({s.rank: {**s.meta, "file": s.file} for s in summaries}, Path(path), allow_mixed)
+    except UserInputError:
+        calls.close()
+        raise
     job_by_file = {str(j.file): j for j in jobs}
     job_of = {s.rank: job_by_file[s.file] for s in summaries}
 
@@ -149,10 +174,10 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
         return next((plan for _, _, _, plan in breakdown.step_plans(part)), None) if part is not None else None
 
     if views_dir is not None:
-        mb = overview.concat_frames([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
+        mb = rank_summary.stacked([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
         atomic.write_parquet(Path(views_dir) / MICROBATCHES, pa.Table.from_pandas(mb, preserve_index=False))
     report = overview.reduce(summaries, manifest, source=str(path), files=sorted({s.file for s in summaries}),
-                             run=path if is_run else None, nccl_tests=nccl_tests, plan_of=plan_of)
+                             run=path if is_run else None, nccl_tests=nccl_tests, plan_of=plan_of, calls=calls)
     rank_lists.cap(report, views_dir)
     report["provenance"]["timings"] = {"map_s": mapped - started, "reduce_s": time.perf_counter() - mapped,
                                        "workers": getattr(pool, "workers", None)
@@ -161,7 +186,7 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
 
 
 def _map(jobs: list[RankJob], workers: int | None, pool: Executor | None, progress: bool | None, on_file,
-         skipped: list[tuple[str, str]], skip_bad: bool):
+         skipped: list[tuple[str, str]], skip_bad: bool, calls: collective_match.CallSpool):
     summaries: list[rank_summary.RankSummary] = []
     carrier: list[rank_summary.RankSummary] = []  # the summary the sums are folded into
     fresh: list[rank_summary.RankSummary] = []    # summaries not folded yet
@@ -182,6 +207,9 @@ def _map(jobs: list[RankJob], workers: int | None, pool: Executor | None, progre
             learned[trace_cache.stat_signature(job.file, job.rank, job.step_annotation)] = result.key
         cached += result.cached
         if result.error is None:
+            for s in result.summaries:  # the calls to their partitions on disk, not kept a rank
+                calls.add(s.calls)
+                s.calls = _NO_CALLS
             summaries.extend(result.summaries)
             fresh.extend(result.summaries)
             if len(fresh) >= COLLAPSE_EVERY:  # the job-wide sums folded into one summary, as they come

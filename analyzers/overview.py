@@ -26,6 +26,7 @@ from mfuscope.report import new_report
 from . import (
     breakdown,
     bubbles,
+    collective_match,
     comm_stats,
     counters,
     findings,
@@ -92,37 +93,39 @@ def job_world(metas: dict[int, dict], manifest: dict | None) -> int | None:
 
 def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, source: str, files: list[str],
            run: str | Path | None = None, nccl_tests: list[Table] | None = None,
-           plan_of: Callable[[int], Any] = lambda rank: None) -> dict[str, Any]:
+           plan_of: Callable[[int], Any] = lambda rank: None,
+           calls: collective_match.CallSpool | None = None) -> dict[str, Any]:
     """The report from every rank's summary (in any order).  ``plan_of``: rank -> its breakdown
-    plan, asked for the few ranks named late (what they were doing while the others waited)."""
+    plan, asked for the few ranks named late (what they were doing while the others waited);
+    ``calls``: the ranks' matchable calls, spooled as the summaries arrived (else taken from the
+    summaries here)."""
     summaries = sorted(summaries, key=lambda s: s.rank)
     metas = {s.rank: s.meta for s in summaries}
     recorded = Manifest.of(manifest)
-    step_s, tokens, step_source = _step_times(concat_frames([s.spans for s in summaries]), metas, run)
+    step_s, tokens, step_source = _step_times(rank_summary.stacked([s.spans for s in summaries]), metas, run)
     device = next((m.get("device_name") for m in metas.values() if m.get("device_name")), None)
     device = device or recorded.device_name
     world = job_world(metas, manifest)
-    leaves = concat_frames([s.leaves for s in summaries], ["rank", "step", "leaf", "seconds"])
+    leaves = rank_summary.stacked([s.leaves for s in summaries], ["rank", "step", "leaf", "seconds"])
     tree = breakdown.tree(leaves)
     rank_steps = breakdown.per_rank_step(leaves)
     flops = mfu.compute(step_s, tokens, manifest, mfu.TraceShapes.merge([s.shapes for s in summaries]),
                         devices=world, rank_step_times=_rank_step_times(run))
     strag, matrix = stragglers.find(rank_steps, recorded.stages)
     pp = recorded.pp
-    microbatches = concat_frames([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
+    microbatches = rank_summary.stacked([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
     bub = bubbles.analyze(leaves, rank_steps, manifest, microbatches if pp > 1 else None)
 
-    calls = rank_summary.concat_calls([s.calls for s in summaries])
     comm_counts = concat_frames([s.comm_counts for s in summaries], counters.COMM_COUNT_COLUMNS)
-    if run is not None and (Path(run) / run_dir.COMM).exists():
-        calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
-        calls_source = "the collectors' communication table"
-    else:
-        calls_source = "the traces' communication work"
+    calls_source = ("the collectors' communication table" if run is not None and (Path(run) / run_dir.COMM).exists()
+                    else "the traces' communication work")
     counted_steps = sorted(int(s) for s in (leaves["step"] if not leaves.empty else comm_counts["step"]).unique()
                            if s >= 0)
-    calls = comm_stats.match(calls)  # once, for the skew, the arrival lags and the late ranks
-    skew, offsets = comm_stats.matched(calls)
+    if calls is None:
+        calls = collective_match.CallSpool(len(summaries))
+        for s in summaries:
+            calls.add(s.calls)
+    matched = calls.match(set(findings.steady(leaves)["step"]))
 
     step_time = float(step_s.mean()) if len(step_s) else None
     graphs = {k: sum(s.graphs[k] for s in summaries) for k in ("captures", "replays")}
@@ -139,10 +142,10 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     }
     kernel_stats = concat_frames([s.kernels for s in summaries], kernel_time.KERNEL_STAT_COLUMNS)
     kernels = kernel_time.top_kernels(kernel_stats, n=20)
-    launch = concat_frames([s.launch for s in summaries], kernel_time.LAUNCH_COLUMNS)
+    launch = rank_summary.stacked([s.launch for s in summaries], kernel_time.LAUNCH_COLUMNS)
     found, summary["findings_note"] = _findings(leaves, summaries, metas, bub, strag, launch.to_dict("records"),
-                                                graphs, calls, plan_of)
-    overlap = concat_frames([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
+                                                graphs, matched.late, plan_of)
+    overlap = rank_summary.stacked([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
     comm = comm_stats.summarize([s.comm_parts for s in summaries], comm_stats.Links.of(device, world, recorded.raw))
     if nccl_tests:
         compare(comm, nccl_tests)
@@ -156,7 +159,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         kernel_launch=launch.to_dict("records"),
         findings=found,
         per_step=flops["per_step"], per_rank_mfu=flops["per_rank"],
-        comm_skew=skew, clock_offsets=offsets, comm_arrival=comm_stats.arrival_lags(calls),
+        comm_skew=matched.skew, clock_offsets=matched.offsets, comm_arrival=matched.arrival,
         comm_overlap=overlap.to_dict("records"),
         straggler_matrix=matrix.to_dict("records"),
         breakdown_by_rank=_by_rank(leaves),
@@ -176,7 +179,7 @@ def concat_frames(frames: list[pd.DataFrame], columns: list[str] | None = None) 
 
 
 def _findings(leaves: pd.DataFrame, summaries: list[rank_summary.RankSummary], metas: dict[int, dict],
-              bub: dict | None, strag: list[dict], launch: list[dict], graphs: dict, calls: pd.DataFrame,
+              bub: dict | None, strag: list[dict], launch: list[dict], graphs: dict, late_keys: pd.DataFrame,
               plan_of: Callable[[int], Any]) -> tuple[list[dict[str, Any]], str | None]:
     """The findings on the steady steps (a rank's first left out when it has three or more), and
     why they cannot be judged, if they cannot."""
@@ -187,8 +190,7 @@ def _findings(leaves: pd.DataFrame, summaries: list[rank_summary.RankSummary], m
     step_s = float(breakdown.per_rank_step(leaves)["step_s"].mean())
     pairs = leaves[["rank", "step"]].drop_duplicates()
     evidence = findings.merge_evidence([s.evidence for s in summaries], metas)
-    late_rows = comm_stats.late_arrivals(calls[calls["step"].isin(set(pairs["step"]))])
-    late = findings.late_ranks(late_rows, plan_of, pairs, step_s)
+    late = findings.late_ranks(late_keys, plan_of, pairs, step_s)
     return (findings.derive(tree, bub, strag, step_s, launch, graphs, evidence, late),
             findings.inconclusive(findings.leaf_seconds(tree), step_s, evidence))
 

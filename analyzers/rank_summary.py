@@ -125,9 +125,12 @@ def concat_calls(frames: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 def collapse(summaries: list[RankSummary]) -> None:
-    """Fold the job-wide sums of ``summaries`` -- the kernel histograms and the findings' evidence,
-    whose names repeat on every rank -- into the first, leaving the others' empty: the reduce reads
-    the same totals, and a parent folding thousands of ranks holds them once."""
+    """Fold ``summaries`` into the first, leaving the others' frames empty: the job-wide sums (the
+    kernel histograms, the findings' evidence, the counters, whose names repeat on every rank) are
+    summed, and the per-rank rows (leaves, spans, launch, overlap, microbatches; each keeps its
+    ``rank`` column) stacked.  The reduce reads the same totals and rows (:func:`stacked` puts the
+    rows back in rank order), and a parent folding thousands of ranks holds a few frames, not a
+    dozen small ones a rank (each ~2 KB of pandas objects before any row)."""
     first, rest = summaries[0], summaries[1:]
     if not rest:
         return
@@ -136,12 +139,46 @@ def collapse(summaries: list[RankSummary]) -> None:
     first.comm_parts = comm_stats.combine_parts([s.comm_parts for s in summaries])
     first.comm_counts = _summed([s.comm_counts for s in summaries], ["dim", "op", "step"])
     first.counts = _summed([s.counts for s in summaries], ["kind", "step"])
-    for s in rest:  # new empty frames: an empty slice would keep the whole buffers alive
-        s.kernels = pd.DataFrame(columns=kernel_time.KERNEL_STAT_COLUMNS)
+    first.comm_ops = _summed([s.comm_ops for s in summaries], ["dim", "op"])
+    first.shapes = mfu.TraceShapes.merge([s.shapes for s in summaries])
+    for name in _ROWS:
+        frames = [f for f in (getattr(s, name) for s in summaries) if len(f)]
+        if frames:
+            setattr(first, name, pd.concat(frames, ignore_index=True))
+    for s in rest:  # shared empty frames: an empty slice would keep the whole buffers alive
+        s.kernels, s.comm_counts, s.counts, s.comm_ops = (_EMPTY[k] for k in ("kernels", "comm_counts", "counts",
+                                                                                "comm_ops"))
         s.evidence = findings.EvidenceParts()
         s.comm_parts = {}
-        s.comm_counts = pd.DataFrame(columns=counters.COMM_COUNT_COLUMNS)
-        s.counts = pd.DataFrame(columns=["kind", "step", "count"])
+        s.shapes = _NO_SHAPES
+        for name in _ROWS:
+            setattr(s, name, _EMPTY[name])
+
+
+#: The per-rank rows a collapse stacks into the first summary.
+_ROWS = ("leaves", "spans", "launch", "overlap", "microbatches")
+_EMPTY = {
+    "kernels": pd.DataFrame(columns=kernel_time.KERNEL_STAT_COLUMNS),
+    "comm_counts": pd.DataFrame(columns=counters.COMM_COUNT_COLUMNS),
+    "counts": pd.DataFrame(columns=["kind", "step", "count"]),
+    "comm_ops": pd.DataFrame(columns=["dim", "op", "count", "total_ns", "bytes"]),
+    "leaves": pd.DataFrame(columns=["rank", "step", "leaf", "seconds"]),
+    "spans": pd.DataFrame(columns=["rank", "step", "start_ns", "end_ns", "dur_ns"]),
+    "launch": pd.DataFrame(columns=kernel_time.LAUNCH_COLUMNS),
+    "overlap": pd.DataFrame(columns=comm_stats.OVERLAP_COLUMNS),
+    "microbatches": pd.DataFrame(columns=timeline.MICROBATCH_COLUMNS),
+}
+_NO_SHAPES = mfu.TraceShapes(pd.DataFrame(columns=["step", "dtype", "flops"]))
+
+
+def stacked(frames: list[pd.DataFrame], columns: list[str] | None = None) -> pd.DataFrame:
+    """The per-rank rows of summaries (some collapsed: :func:`collapse`) as one frame in rank order,
+    each rank's rows in their own order -- what concatenating the summaries by rank gives."""
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=columns)
+    out = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
+    return out.sort_values("rank", kind="stable", ignore_index=True)
 
 
 def _summed(frames: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from mfuscope import cli
-from mfuscope.analyzers import collectives, comm_stats, overview, trace_set
+from mfuscope.analyzers import collective_match, collectives, comm_stats, overview, trace_set
 from mfuscope.analyzers.group_dims import RankLayout
 from mfuscope.errors import UserInputError
 from mfuscope.tests.helpers import HTA_DATA, needs_corpus, write_trace
@@ -105,13 +105,14 @@ def test_a_64_rank_group_matches_across_the_ranks_loaded(tmp_path):
     Median skew 65 us, p90 50 + 0.9 x 30 = 77 us.  Every rank leaves at 700 and 1500 us: offsets 0."""
     events = _cut_group_set(tmp_path)
     calls = comm_stats.calls_from_trace(events)
-    skew, offsets = comm_stats.matched(calls)
+    matched = collective_match.match_calls(calls)
+    skew, offsets = matched.skew, matched.offsets
     assert len(skew) == 1 and skew[0]["instances"] == 2
     assert skew[0]["median_skew_s"] == pytest.approx(65e-6) and skew[0]["p90_skew_s"] == pytest.approx(77e-6)
     assert skew[0]["waited_for"] == [{"rank": 2, "seconds": pytest.approx(50e-6)},
                                      {"rank": 0, "seconds": pytest.approx(30e-6)}]
     assert [o["offset_s"] for o in offsets] == [0.0, 0.0, 0.0]
-    lags = {r["rank"]: r["median_lag_s"] for r in comm_stats.arrival_lags(calls)}
+    lags = {r["rank"]: r["median_lag_s"] for r in matched.arrival}
     assert lags == {0: pytest.approx(25e-6), 1: pytest.approx(15e-6), 2: pytest.approx(50e-6)}
 
 
@@ -123,7 +124,7 @@ def test_a_call_some_loaded_member_did_not_record_is_not_matched(tmp_path):
             calls.append(_call(1000.0 + rank, 2, a8, 1500.0, pg="5", ranks=GROUP64, size=64, seq=8, rank=rank))
         _rank_trace(tmp_path, rank, 128, calls)
     calls = comm_stats.calls_from_trace(trace_set.load(tmp_path, use_cache=False, workers=1).events)
-    skew, _ = comm_stats.matched(calls)
+    skew = collective_match.match_calls(calls).skew
     assert skew[0]["instances"] == 1 and skew[0]["median_skew_s"] == pytest.approx(80e-6)
 
 
