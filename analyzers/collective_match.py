@@ -35,7 +35,7 @@ P2P = ("send", "recv", "send_recv")
 #: all-to-all (uneven splits) nor point-to-point.
 SAME_PAYLOAD = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 #: Calls buffered in the parent before they are written to their partitions.
-FLUSH_ROWS = 1 << 20
+FLUSH_ROWS = 1 << 18
 #: Calls a partition is sized for (the partitions are fixed before the calls arrive: from the ranks).
 PARTITION_RANKS = 16
 MAX_PARTITIONS = 256

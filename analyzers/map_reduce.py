@@ -42,6 +42,7 @@ from . import (
     rank_summary,
     timeline,
     trace_cache,
+    trace_info,
     trace_set,
 )
 
@@ -77,7 +78,7 @@ class RankJob:
 
 @dataclass
 class MapResult:
-    summaries: list[rank_summary.RankSummary]
+    summaries: list[Any]  # what the task makes of each rank in the file: a RankSummary, or an info part
     error: str | None
     key: str | None
     cached: bool
@@ -86,6 +87,28 @@ class MapResult:
 
 def map_rank(job: RankJob) -> MapResult:
     """Load, summarize and write the views of the rank(s) in ``job.file`` (a worker's task)."""
+    events, result = _load(job)
+    if events is None:
+        return result
+    events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
+    for rank, part in overview.split_ranks(events).items():
+        comm = _run_comm(job.run, rank) if job.run else None
+        s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir)
+        s.file, s.cached = str(job.file), result.cached
+        result.summaries.append(s)
+    return result
+
+
+def info_rank(job: RankJob) -> MapResult:
+    """What the rank(s) in ``job.file`` hold (``mfuscope info``'s task: :func:`.trace_info.rank_info`)."""
+    events, result = _load(job)
+    if events is not None:
+        result.summaries = [trace_info.rank_info(part) for part in overview.split_ranks(events).values()]
+    return result
+
+
+def _load(job: RankJob):
+    """(the file's events or None, its MapResult with no summaries yet)."""
     os.environ.update(dict(job.env))
     kill = os.environ.get(ENV_KILL_WORKER)
     if kill and kill in job.file.name:
@@ -93,16 +116,7 @@ def map_rank(job: RankJob) -> MapResult:
     size = job.file.stat().st_size
     events, error, key, cached = trace_set.load_file(job.file, job.rank, job.step_annotation, job.use_cache,
                                                      job.known_key)
-    if events is None:
-        return MapResult([], error, key, cached, size)
-    events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
-    summaries = []
-    for rank, part in overview.split_ranks(events).items():
-        comm = _run_comm(job.run, rank) if job.run else None
-        s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir)
-        s.file, s.cached = str(job.file), cached
-        summaries.append(s)
-    return MapResult(summaries, None, key, cached, size)
+    return events, MapResult([], error, key, cached, size)
 
 
 def _run_comm(run: str, rank: int):
@@ -131,31 +145,30 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
     # The job's world size where no trace states it (ranks of one job agree: checked after the map).
     head = trace_set.peek_header(files[0][0]) if files and files[0][0].suffix != ".sqlite" else {}
     world = overview.job_world({0: head}, manifest) or len(files)
-    index = trace_cache.read_index() if use_cache else {}
-    env = tuple((k, os.environ[k]) for k in _ENV if k in os.environ)
-    jobs = []
-    for f, r in files:
-        sig = trace_cache.stat_signature(f, r, step_annotation) if use_cache else None
-        jobs.append(RankJob(f, r, step_annotation, use_cache, index.get(sig) if sig else None, layout, rank_order,
-                            manifest, str(path) if is_run else None, world,
-                            str(views_dir) if views_dir is not None else None, env))
+    jobs = _jobs(files, step_annotation, use_cache, layout, rank_order, manifest, str(path) if is_run else None,
+                 world, views_dir)
     started = time.perf_counter()
+    summaries: list[rank_summary.RankSummary] = []
+    carrier: list[rank_summary.RankSummary] = []  # the summary the others are folded into
+    fresh: list[rank_summary.RankSummary] = []    # summaries not folded yet
     calls = collective_match.CallSpool(len(jobs))
+
+    def take(arrived: list[rank_summary.RankSummary]) -> None:
+        for s in arrived:  # the calls to their partitions on disk, not kept a rank
+            calls.add(s.calls)
+            s.calls = _NO_CALLS
+        summaries.extend(arrived)
+        fresh.extend(arrived)
+        if len(fresh) >= COLLAPSE_EVERY:  # folded into one summary as they come
+            rank_summary.collapse([carrier[0], *fresh] if carrier else fresh)
+            carrier[:] = carrier or fresh[:1]
+            fresh.clear()
+
     try:
-        summaries, learned, cached = _map(jobs, workers, pool, progress, on_file, skipped, skip_bad, calls)
+        cached = _map(jobs, map_rank, take, workers, pool, progress, on_file, skipped, skip_bad)
+        mapped = time.perf_counter()
+        _check_job([(s.rank, s.file, s.meta) for s in summaries], skipped, Path(path), allow_mixed)
     except BaseException:
-        calls.close()
-        raise
-    mapped = time.perf_counter()
-    trace_cache.update_index(learned)
-    if not summaries:
-        calls.close()
-        reasons = "; ".join(r for _, r in skipped)
-        raise UserInputError(f"no trace could be loaded: {reasons}", Path(path))
-    try:
-        _check_claims(summaries, Path(path))
-        trace_set.check_one_job({s.rank: {**s.meta, "file": s.file} for s in summaries}, Path(path), allow_mixed)
-    except UserInputError:
         calls.close()
         raise
     job_by_file = {str(j.file): j for j in jobs}
@@ -185,15 +198,54 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
     return report, sorted({Path(s.file) for s in summaries}), skipped, cached
 
 
-def _map(jobs: list[RankJob], workers: int | None, pool: Executor | None, progress: bool | None, on_file,
-         skipped: list[tuple[str, str]], skip_bad: bool, calls: collective_match.CallSpool):
-    summaries: list[rank_summary.RankSummary] = []
-    carrier: list[rank_summary.RankSummary] = []  # the summary the sums are folded into
-    fresh: list[rank_summary.RankSummary] = []    # summaries not folded yet
+def info_ranks(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
+               use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
+               progress: bool | None = None, allow_mixed: bool = False) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``mfuscope info`` of every rank under ``path``, mapped rank by rank as an analysis is (no
+    rank's events reach the parent): (:func:`.trace_info.combine` of the ranks, skipped files)."""
+    files, skipped = trace_set.rank_files(path, rank, skip_bad)
+    jobs = _jobs(files, step_annotation, use_cache, None, None, None, None, None, None)
+    parts: list[dict[str, Any]] = []
+    _map(jobs, info_rank, parts.extend, workers, None, progress, None, skipped, skip_bad, desc="reading ranks")
+    _check_job([(p["rank"], p["file"], p) for p in parts], skipped, Path(path), allow_mixed)
+    return trace_info.combine(parts), skipped
+
+
+def _jobs(files: list[tuple[Path, int | None]], step_annotation: str | None, use_cache: bool, layout: str | None,
+          rank_order: str | None, manifest: dict | None, run: str | None, world: int | None,
+          views_dir: str | Path | None) -> list[RankJob]:
+    index = trace_cache.read_index() if use_cache else {}
+    env = tuple((k, os.environ[k]) for k in _ENV if k in os.environ)
+    jobs = []
+    for f, r in files:
+        sig = trace_cache.stat_signature(f, r, step_annotation) if use_cache else None
+        jobs.append(RankJob(f, r, step_annotation, use_cache, index.get(sig) if sig else None, layout, rank_order,
+                            manifest, run, world, str(views_dir) if views_dir is not None else None, env))
+    return jobs
+
+
+def _check_job(ranks: list[tuple[int, str, dict]], skipped: list[tuple[str, str]], path: Path,
+               allow_mixed: bool) -> None:
+    """Something loaded, no two files claim a rank, and the ranks are of one job."""
+    if not ranks:
+        reasons = "; ".join(r for _, r in skipped)
+        raise UserInputError(f"no trace could be loaded: {reasons}", path)
+    seen: dict[int, str] = {}
+    for rank, file, _ in ranks:
+        if rank in seen:
+            raise UserInputError(f"two files claim rank {rank}: {Path(seen[rank]).name} and {Path(file).name}", path)
+        seen[rank] = file
+    trace_set.check_one_job({rank: {**meta, "file": file} for rank, file, meta in ranks}, path, allow_mixed)
+
+
+def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | None, progress: bool | None,
+         on_file, skipped: list[tuple[str, str]], skip_bad: bool, desc: str = "analyzing ranks") -> int:
+    """Run ``task`` on every job, handing each file's ranks to ``take`` as they finish; the cache
+    index learns the files parsed.  Returns how many files came from the cache."""
     learned: dict[str, str] = {}
     cached = 0
     show = progress if progress is not None else sys.stderr.isatty()
-    bar = tqdm(total=len(jobs), desc="analyzing ranks", unit="rank", disable=not show, file=sys.stderr)
+    bar = tqdm(total=len(jobs), desc=desc, unit="rank", disable=not show, file=sys.stderr)
     started, read = time.monotonic(), 0
 
     def fold(job: RankJob, result: MapResult) -> None:
@@ -207,15 +259,7 @@ def _map(jobs: list[RankJob], workers: int | None, pool: Executor | None, progre
             learned[trace_cache.stat_signature(job.file, job.rank, job.step_annotation)] = result.key
         cached += result.cached
         if result.error is None:
-            for s in result.summaries:  # the calls to their partitions on disk, not kept a rank
-                calls.add(s.calls)
-                s.calls = _NO_CALLS
-            summaries.extend(result.summaries)
-            fresh.extend(result.summaries)
-            if len(fresh) >= COLLAPSE_EVERY:  # the job-wide sums folded into one summary, as they come
-                rank_summary.collapse([carrier[0], *fresh] if carrier else fresh)
-                carrier[:] = carrier or fresh[:1]
-                fresh.clear()
+            take(result.summaries)
         elif skip_bad:
             skipped.append((str(job.file), result.error))
         else:
@@ -226,22 +270,23 @@ def _map(jobs: list[RankJob], workers: int | None, pool: Executor | None, progre
     try:
         if pool is None and n == 1:
             for job in jobs:
-                fold(job, map_rank(job))
+                fold(job, task(job))
         else:
-            _run(jobs, pool, n, fold)
+            _run(jobs, task, pool, n, fold)
     finally:
         bar.close()
-    return summaries, learned, cached
+        trace_cache.update_index(learned)
+    return cached
 
 
-def _run(jobs: list[RankJob], pool: Executor | None, n: int, fold) -> None:
+def _run(jobs: list[RankJob], task, pool: Executor | None, n: int, fold) -> None:
     """The map on ``pool`` (or a local pool of ``n``); ranks a dying worker took with it run again
     one at a time, and the one that kills a worker alone fails the analysis, named."""
     own = pool is None
     pool = pool or executor.local_pool(n)
     broken: list[RankJob] = []
     try:
-        for job, fut in executor.bounded_map(pool, map_rank, jobs, in_flight=2 * n):
+        for job, fut in executor.bounded_map(pool, task, jobs, in_flight=2 * n):
             try:
                 result = fut.result()
             except BrokenProcessPool:
@@ -254,18 +299,9 @@ def _run(jobs: list[RankJob], pool: Executor | None, n: int, fold) -> None:
     for job in broken:
         with executor.local_pool(1) as alone:
             try:
-                result = alone.submit(map_rank, job).result()
+                result = alone.submit(task, job).result()
             except BrokenProcessPool:
                 result = MapResult([], f"{job.file}: the worker analyzing this trace died twice (killed, out of "
                                    "memory, or a crash in a native library); --skip-bad analyzes the other ranks",
                                    None, False, 0)
         fold(job, result)
-
-
-def _check_claims(summaries: list[rank_summary.RankSummary], path: Path) -> None:
-    seen: dict[int, str] = {}
-    for s in summaries:
-        if s.rank in seen:
-            raise UserInputError(f"two files claim rank {s.rank}: {Path(seen[s.rank]).name} and {Path(s.file).name}",
-                                 path)
-        seen[s.rank] = s.file

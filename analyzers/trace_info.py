@@ -1,48 +1,63 @@
-"""What a loaded trace set holds: ranks, world size, device, steps, event counts, time span.
+"""What a trace set holds: ranks, world size, device, steps, event counts, time span.
 
-Backs ``mfuscope info``; cheap (counts and min/max over columns).
+Backs ``mfuscope info``: each rank is read alone, in a worker (:func:`rank_info`, cheap: counts
+and min/max over columns), and the ranks combined (:func:`combine`), so a set of thousands of
+ranks never has its events in one process.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pyarrow.compute as pc
 
 from mfuscope.event_table import KINDS, EventTable
 
 
-def summarize(events: EventTable) -> dict[str, Any]:
+def rank_info(events: EventTable) -> dict[str, Any]:
+    """What one rank's events hold: its ``per_rank`` entry, with its event counts by kind, time span
+    and world size for :func:`combine` (a map task: no event leaves the worker)."""
+    (rank,) = events.rank_ids
+    m = events.ranks[rank]
     t = events.table
-    ranks = events.rank_ids
-    metas = [events.ranks[r] for r in ranks]
-    world = {m.get("world_size") for m in metas if m.get("world_size")}
-    devices = sorted({m.get("device_name") for m in metas if m.get("device_name")})
     counts = {}
     if t.num_rows:
         vc = pc.value_counts(t.column("kind").combine_chunks().cast("string"))
-        got = {v["values"].as_py(): v["counts"].as_py() for v in vc}
-        counts = {k: got[k] for k in KINDS if k in got}
-    start = int(pc.min(t.column("ts_ns")).as_py()) if t.num_rows else None
-    end = int(pc.max(pc.add(t.column("ts_ns"), t.column("dur_ns"))).as_py()) if t.num_rows else None
-    per_rank = []
-    rank_col = t.column("rank").to_numpy()
-    for r, m in zip(ranks, metas):
-        per_rank.append({
-            "rank": r, "file": m.get("file"), "rank_source": m.get("rank_source"),
-            "device": m.get("device_name"), "steps": m.get("steps", []), "steps_source": m.get("steps_source"),
-            "events": int(np.count_nonzero(rank_col == r)), "clock": m.get("clock"),
-        })
+        counts = {v["values"].as_py(): v["counts"].as_py() for v in vc}
     return {
-        "ranks": ranks,
+        "rank": rank, "file": m.get("file"), "rank_source": m.get("rank_source"),
+        "device": m.get("device_name"), "steps": m.get("steps", []), "steps_source": m.get("steps_source"),
+        "events": t.num_rows, "clock": m.get("clock"),
+        "world_size": m.get("world_size"), "device_name": m.get("device_name"), "by_kind": counts,
+        "start_ns": int(pc.min(t.column("ts_ns")).as_py()) if t.num_rows else None,
+        "end_ns": int(pc.max(pc.add(t.column("ts_ns"), t.column("dur_ns"))).as_py()) if t.num_rows else None,
+    }
+
+
+#: What :func:`rank_info` adds to a rank's ``per_rank`` entry for :func:`combine`.
+_FOR_COMBINE = ("world_size", "device_name", "by_kind", "start_ns", "end_ns")
+
+
+def combine(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """``mfuscope info`` of a trace set from its ranks' :func:`rank_info`."""
+    parts = sorted(parts, key=lambda p: p["rank"])
+    world = {p["world_size"] for p in parts if p.get("world_size")}
+    counts: dict[str, int] = {}
+    for p in parts:
+        for k, v in p["by_kind"].items():
+            counts[k] = counts.get(k, 0) + v
+    starts = [p["start_ns"] for p in parts if p["start_ns"] is not None]
+    ends = [p["end_ns"] for p in parts if p["end_ns"] is not None]
+    start, end = (min(starts), max(ends)) if starts else (None, None)
+    return {
+        "ranks": [p["rank"] for p in parts],
         "world_size": max(world) if world else None,
-        "devices": devices,
-        "steps": sorted({s for m in metas for s in m.get("steps", [])}),
-        "events": t.num_rows,
-        "events_by_kind": counts,
+        "devices": sorted({p["device_name"] for p in parts if p.get("device_name")}),
+        "steps": sorted({s for p in parts for s in p.get("steps", [])}),
+        "events": sum(p["events"] for p in parts),
+        "events_by_kind": {k: counts[k] for k in KINDS if k in counts},
         "time_span": {"start_ns": start, "end_ns": end,
                       "seconds": (end - start) / 1e9 if start is not None else None},
-        "per_rank": per_rank,
+        "per_rank": [{k: v for k, v in p.items() if k not in _FOR_COMBINE} for p in parts],
     }
 
 

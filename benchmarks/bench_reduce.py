@@ -10,7 +10,8 @@ step, so their busy time exceeds their peers' median by 30% of the compute -- ov
 stragglers analysis's 5% threshold and 3 MADs of identical peers (MAD 0) -- and arrive 1 ms late
 at their group's collectives.  Then the parent's reduce runs
 (:func:`mfuscope.analyzers.overview.reduce`) as ``mfuscope analyze`` runs it, folding the
-summaries as they would arrive (collapsed every :data:`~mfuscope.analyzers.map_reduce.COLLAPSE_EVERY`).
+summaries as they would arrive (collapsed every :data:`~mfuscope.analyzers.map_reduce.COLLAPSE_EVERY`, their
+calls spooled to disk: :class:`~mfuscope.analyzers.collective_match.CallSpool`).
 
 Prints the reduce's wall seconds, the process's peak RSS (synthesis included: the summaries the
 parent would hold), the parent's memory a rank, and whether the injected stragglers -- and only
@@ -81,7 +82,7 @@ def main() -> int:
     args = p.parse_args()
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}; set MFUSCOPE_CORPUS or pass --trace")
-    from mfuscope.analyzers import comm_stats, map_reduce, overview, rank_lists, rank_summary
+    from mfuscope.analyzers import collective_match, comm_stats, map_reduce, overview, rank_lists, rank_summary
 
     injected = {int(r) for r in args.stragglers.split(",") if r and int(r) < args.ranks}
     t0 = time.perf_counter()
@@ -97,8 +98,11 @@ def main() -> int:
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     summaries, fresh = [], []
+    calls = collective_match.CallSpool(args.ranks)
     for r in range(args.ranks):
         s = _renumbered(pickled, r, r in injected, args.group)
+        calls.add(s.calls)  # spooled as it arrives, as the map does
+        s.calls = map_reduce._NO_CALLS
         summaries.append(s)
         fresh.append(s)
         if len(fresh) >= map_reduce.COLLAPSE_EVERY:
@@ -107,7 +111,7 @@ def main() -> int:
     built = time.perf_counter() - t0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    report = rank_lists.cap(overview.reduce(summaries, None, source="synthesized", files=[]))
+    report = rank_lists.cap(overview.reduce(summaries, None, source="synthesized", files=[], calls=calls))
     reduced = time.perf_counter() - t0
     rss2 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     found = {s["rank"] for s in report["stragglers"]}

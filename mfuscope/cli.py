@@ -388,19 +388,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
-    from mfuscope.analyzers import trace_set
-
-    result = trace_set.load(args.path, rank=args.rank, step_annotation=args.step_annotation,
-                            use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers,
-                            allow_mixed=args.allow_mixed, layout=args.layout, rank_order=args.rank_order)
-    for _, reason in result.skipped:
-        print(f"mfuscope: skipped {reason}", file=sys.stderr)
-    return result
-
-
 def cmd_info(args: argparse.Namespace) -> int:
-    from mfuscope.analyzers import run_info, trace_info
+    from mfuscope.analyzers import map_reduce, run_info, trace_info
     from mfuscope.run_dir import TRACES, is_run_dir
 
     run = run_info.summarize(args.path) if is_run_dir(args.path) else None
@@ -408,9 +397,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         info = {"run": run}  # no window was recorded (or the run ended before it)
         print(json.dumps(info, indent=2) if args.json else run_info.format_text(run) + "\ntraces       none")
         return 0
-    result = _load(args)
-    info = trace_info.summarize(result.events)
-    info["skipped"] = [{"file": f, "reason": r} for f, r in result.skipped]
+    info, skipped = map_reduce.info_ranks(args.path, rank=args.rank, step_annotation=args.step_annotation,
+                                          use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers,
+                                          allow_mixed=args.allow_mixed)
+    for _, reason in skipped:
+        print(f"mfuscope: skipped {reason}", file=sys.stderr)
+    info["skipped"] = [{"file": f, "reason": r} for f, r in skipped]
     if run is not None:
         info = {"run": run, **info}
     if args.json:
@@ -419,7 +411,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         if run is not None:
             print(run_info.format_text(run))
         print(trace_info.format_text(info))
-        for _, r in result.skipped:
+        for _, r in skipped:
             print(f"skipped      {r}")
     return 0
 
