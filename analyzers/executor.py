@@ -14,6 +14,7 @@ the high-water mark of the largest trace it has read, so a long-lived worker's m
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -32,9 +33,8 @@ class RecyclingPool(Executor):
     ``workers * tasks_per_worker`` tasks: the pool finishes what it was given, then a new one
     takes the next tasks (a short drain, one task long, every few dozen ranks)."""
 
-    def __init__(self, workers: int, tasks_per_worker: int = TASKS_PER_WORKER,
-                 initializer: Callable[[], Any] | None = None):
-        self.workers, self.limit, self.initializer = workers, workers * tasks_per_worker, initializer
+    def __init__(self, workers: int, tasks_per_worker: int = TASKS_PER_WORKER):
+        self.workers, self.limit = workers, workers * tasks_per_worker
         method = "fork" if sys.platform.startswith("linux") else "spawn"
         self._ctx = multiprocessing.get_context(method)
         self._pool: ProcessPoolExecutor | None = None
@@ -44,12 +44,21 @@ class RecyclingPool(Executor):
         if self._pool is not None and self._given >= self.limit:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=self._ctx,
-                                             initializer=self.initializer)
-            self._given = 0
-        self._given += 1
-        return self._pool.submit(fn, *args, **kwargs)
+        if self._pool is not None:
+            self._given += 1
+            return self._pool.submit(fn, *args, **kwargs)
+        self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=self._ctx)
+        self._given = 1
+        # The workers fork on this first submit.  Frozen, the parent's objects are left out of the
+        # workers' garbage collections, which would otherwise write to every page holding one (its
+        # header) and so copy the parent's whole heap into each worker: at 1,024 ranks a worker
+        # grew by the parent's growth.
+        gc.collect()
+        gc.freeze()
+        try:
+            return self._pool.submit(fn, *args, **kwargs)
+        finally:
+            gc.unfreeze()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if self._pool is not None:

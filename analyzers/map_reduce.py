@@ -225,9 +225,12 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
 
 def info_ranks(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
                use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
-               progress: bool | None = None, allow_mixed: bool = False) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+               progress: bool | None = None, allow_mixed: bool = False, layout: str | None = None,
+               rank_order: str | None = None) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """``mfuscope info`` of every rank under ``path``, mapped rank by rank as an analysis is (no
-    rank's events reach the parent): (:func:`.trace_info.combine` of the ranks, skipped files)."""
+    rank's events reach the parent): (:func:`.trace_info.combine` of the ranks, skipped files).
+    ``layout``/``rank_order`` are only checked (what info shows does not depend on them)."""
+    group_dims.RankLayout.parse(layout, rank_order)
     files, skipped = trace_set.rank_files(path, rank, skip_bad)
     jobs = _jobs(files, step_annotation, use_cache, None, None, None, None, None, None)
     parts: list[dict[str, Any]] = []

@@ -399,7 +399,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     info, skipped = map_reduce.info_ranks(args.path, rank=args.rank, step_annotation=args.step_annotation,
                                           use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers,
-                                          allow_mixed=args.allow_mixed)
+                                          allow_mixed=args.allow_mixed, layout=args.layout,
+                                          rank_order=args.rank_order)
     for _, reason in skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     info["skipped"] = [{"file": f, "reason": r} for f, r in skipped]
