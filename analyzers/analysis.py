@@ -14,12 +14,15 @@ folder beside its report (``<report>.views``), for the whole per-rank lists the 
 """
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mfuscope.report import write_report
 
@@ -80,11 +83,67 @@ def _swap(staging: Path, views_dir: Path) -> None:
 
 
 def read_views(views_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(timeline segments, microbatches); empty frames where a view is missing."""
-    views_dir = Path(views_dir)
+    """(timeline segments, microbatches) of every rank and step; empty frames where a view is missing.
+    A viewer of a large run reads what it draws instead (:func:`read_segments`, :func:`read_microbatches`)."""
+    return read_segments(views_dir), read_microbatches(views_dir)
 
-    def read(name: str, columns: list[str]) -> pd.DataFrame:
-        p = views_dir / name
-        return pd.read_parquet(p) if p.exists() else pd.DataFrame(columns=columns)
 
-    return read(TIMELINE, timeline.SEGMENT_COLUMNS), read(MICROBATCHES, timeline.MICROBATCH_COLUMNS)
+def view_ranks(views_dir: str | Path) -> list[int]:
+    """The ranks the timeline view has, from its part files' names (no file opened)."""
+    path = Path(views_dir) / TIMELINE
+    if path.is_dir():
+        return sorted(int(m.group(1)) for f in path.iterdir() if (m := _PART.fullmatch(f.name)))
+    if path.is_file():  # one file (an older analysis)
+        return sorted(int(r) for r in pq.read_table(path, columns=["rank"]).column("rank").unique().to_pylist())
+    return []
+
+
+def view_steps(views_dir: str | Path, sample: int = 8) -> list[int]:
+    """The steps of the timeline view, read from the first ``sample`` ranks' parts (ranks of one job
+    trace the same steps; reading 1,024 parts for it would take seconds)."""
+    files = _parts(Path(views_dir) / TIMELINE, view_ranks(views_dir)[:sample])
+    steps: set[int] = set()
+    for f in files:
+        steps.update(int(s) for s in pq.read_table(f, columns=["step"]).column("step").unique().to_pylist())
+    return sorted(steps)
+
+
+def read_segments(views_dir: str | Path, step: int | None = None, ranks=None) -> pd.DataFrame:
+    """Timeline segments of ``step`` (all when None) of ``ranks`` (all when None): only those
+    ranks' part files are opened, and within them only the row groups whose step statistics can
+    hold ``step``."""
+    path = Path(views_dir) / TIMELINE
+    files = _parts(path, ranks)
+    if not files:
+        return pd.DataFrame(columns=timeline.SEGMENT_COLUMNS)
+    filters = [("step", "=", int(step))] if step is not None else None
+    if ranks is not None and path.is_file():
+        filters = (filters or []) + [("rank", "in", [int(r) for r in ranks])]
+    tables = [pq.read_table(f, filters=filters) for f in files]
+    return pa.concat_tables(tables).to_pandas() if len(tables) > 1 else tables[0].to_pandas()
+
+
+def read_microbatches(views_dir: str | Path, step: int | None = None, columns: list[str] | None = None
+                      ) -> pd.DataFrame:
+    """The executed pipeline schedule (``microbatches.parquet``), of ``step`` when given."""
+    path = Path(views_dir) / MICROBATCHES
+    if not path.exists():
+        return pd.DataFrame(columns=columns or timeline.MICROBATCH_COLUMNS)
+    return pq.read_table(path, columns=columns,
+                         filters=[("step", "=", int(step))] if step is not None else None).to_pandas()
+
+
+_PART = re.compile(r"rank(\d+)\.parquet")
+
+
+def _parts(path: Path, ranks) -> list[Path]:
+    """The files holding ``ranks`` (all when None) of a view that is a folder of per-rank parts,
+    or the view's one file."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    if ranks is None:
+        return sorted(f for f in path.iterdir() if _PART.fullmatch(f.name))
+    wanted = (path / f"rank{int(r):05d}.parquet" for r in sorted(set(int(r) for r in ranks)))
+    return [f for f in wanted if f.is_file()]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import time
 from concurrent.futures import Executor
@@ -34,6 +35,7 @@ from mfuscope.errors import UserInputError
 
 from . import (
     breakdown,
+    cluster,
     collective_match,
     comm_stats,
     executor,
@@ -114,7 +116,13 @@ def _load(job: RankJob):
     kill = os.environ.get(ENV_KILL_WORKER)
     if kill and kill in job.file.name:
         os.kill(os.getpid(), signal.SIGKILL)
-    size = job.file.stat().st_size
+    try:
+        size = job.file.stat().st_size
+        with open(job.file, "rb"):
+            pass
+    except OSError as e:  # on a cluster's worker: the traces are not where this process sees them
+        return None, MapResult([], f"{job.file}: cannot be read on host {socket.gethostname()} ({e.strerror}); "
+                               "workers on other machines need the traces at the same path", None, False, 0)
     _give_back_memory()  # what the worker's previous rank left
     events, error, key, cached = trace_set.load_file(job.file, job.rank, job.step_annotation, job.use_cache,
                                                      job.known_key)
@@ -156,22 +164,24 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
                   step_annotation: str | None = None, use_cache: bool = True, skip_bad: bool = False,
                   workers: int | None = None, progress: bool | None = None, on_file=None,
                   allow_mixed: bool = False, layout: str | None = None, rank_order: str | None = None,
-                  pool: Executor | None = None, nccl_tests: list | None = None,
+                  pool: Executor | None = None, scheduler: str | None = None, nccl_tests: list | None = None,
                   files: tuple[list[tuple[Path, int | None]], list[tuple[str, str]]] | None = None,
                   ) -> tuple[dict[str, Any], list[Path], list[tuple[str, str]], int]:
     """The report of every rank under ``path``: (report, files, skipped (file, reason), ranks from
     the cache).  Options as :func:`.trace_set.load`; ``views_dir``: where the ranks' views are
-    written; ``pool``: an executor to run the map on (default: a local pool of ``workers``);
+    written; ``pool``: an executor to run the map on (default: a local pool of ``workers``, or the
+    Dask cluster at ``scheduler`` -- :mod:`.cluster`);
     ``files``: :func:`.trace_set.rank_files` of ``path`` where the caller has it."""
     group_dims.RankLayout.parse(layout, rank_order)  # bad flags fail before any file is read
     files, skipped = files or trace_set.rank_files(path, rank, skip_bad)
+    files = _for_workers(files, scheduler if pool is None else None)
     is_run = run_dir.is_run_dir(path)
     manifest = run_dir.read_manifest(path) if is_run else None
     # The job's world size where no trace states it (ranks of one job agree: checked after the map).
     head = trace_set.peek_header(files[0][0]) if files and files[0][0].suffix != ".sqlite" else {}
     world = overview.job_world({0: head}, manifest) or len(files)
-    jobs = _jobs(files, step_annotation, use_cache, layout, rank_order, manifest, str(path) if is_run else None,
-                 world, views_dir)
+    run = str(Path(path).absolute()) if is_run else None  # a worker has its own working directory
+    jobs = _jobs(files, step_annotation, use_cache, layout, rank_order, manifest, run, world, views_dir)
     started = time.perf_counter()
     summaries: list[rank_summary.RankSummary] = []
     carrier: list[rank_summary.RankSummary] = []  # the summary the others are folded into
@@ -190,7 +200,7 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
             fresh.clear()
 
     try:
-        cached = _map(jobs, map_rank, take, workers, pool, progress, on_file, skipped, skip_bad)
+        cached = _map(jobs, map_rank, take, workers, pool, progress, on_file, skipped, skip_bad, scheduler=scheduler)
         mapped = time.perf_counter()
         _check_job([(s.rank, s.file, s.meta) for s in summaries], skipped, Path(path), allow_mixed)
     except BaseException:
@@ -219,24 +229,34 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
     rank_lists.cap(report, views_dir)
     report["provenance"]["timings"] = {"map_s": mapped - started, "reduce_s": time.perf_counter() - mapped,
                                        "workers": getattr(pool, "workers", None)
-                                       or executor.default_workers(len(jobs), workers)}
+                                       or executor.default_workers(len(jobs), workers),
+                                       "scheduler": cluster.scheduler_address(scheduler)}
     return report, sorted({Path(s.file) for s in summaries}), skipped, cached
 
 
 def info_ranks(path: str | os.PathLike, *, rank: int | None = None, step_annotation: str | None = None,
                use_cache: bool = True, skip_bad: bool = False, workers: int | None = None,
                progress: bool | None = None, allow_mixed: bool = False, layout: str | None = None,
-               rank_order: str | None = None) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+               rank_order: str | None = None, scheduler: str | None = None,
+               ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """``mfuscope info`` of every rank under ``path``, mapped rank by rank as an analysis is (no
     rank's events reach the parent): (:func:`.trace_info.combine` of the ranks, skipped files).
     ``layout``/``rank_order`` are only checked (what info shows does not depend on them)."""
     group_dims.RankLayout.parse(layout, rank_order)
     files, skipped = trace_set.rank_files(path, rank, skip_bad)
-    jobs = _jobs(files, step_annotation, use_cache, None, None, None, None, None, None)
+    jobs = _jobs(_for_workers(files, scheduler), step_annotation, use_cache, None, None, None, None, None, None)
     parts: list[dict[str, Any]] = []
-    _map(jobs, info_rank, parts.extend, workers, None, progress, None, skipped, skip_bad, desc="reading ranks")
+    _map(jobs, info_rank, parts.extend, workers, None, progress, None, skipped, skip_bad, desc="reading ranks",
+         scheduler=scheduler)
     _check_job([(p["rank"], p["file"], p) for p in parts], skipped, Path(path), allow_mixed)
     return trace_info.combine(parts), skipped
+
+
+def _for_workers(files: list[tuple[Path, int | None]], scheduler: str | None) -> list[tuple[Path, int | None]]:
+    """The files as a cluster's workers must name them: absolute (a worker has its own working directory)."""
+    if not cluster.scheduler_address(scheduler):
+        return files
+    return [(f.absolute(), r) for f, r in files]
 
 
 def _jobs(files: list[tuple[Path, int | None]], step_annotation: str | None, use_cache: bool, layout: str | None,
@@ -248,7 +268,8 @@ def _jobs(files: list[tuple[Path, int | None]], step_annotation: str | None, use
     for f, r in files:
         sig = trace_cache.stat_signature(f, r, step_annotation) if use_cache else None
         jobs.append(RankJob(f, r, step_annotation, use_cache, index.get(sig) if sig else None, layout, rank_order,
-                            manifest, run, world, str(views_dir) if views_dir is not None else None, env))
+                            manifest, run, world, str(Path(views_dir).absolute()) if views_dir is not None else None,
+                            env))
     return jobs
 
 
@@ -267,9 +288,12 @@ def _check_job(ranks: list[tuple[int, str, dict]], skipped: list[tuple[str, str]
 
 
 def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | None, progress: bool | None,
-         on_file, skipped: list[tuple[str, str]], skip_bad: bool, desc: str = "analyzing ranks") -> int:
+         on_file, skipped: list[tuple[str, str]], skip_bad: bool, desc: str = "analyzing ranks",
+         scheduler: str | None = None) -> int:
     """Run ``task`` on every job, handing each file's ranks to ``take`` as they finish; the cache
-    index learns the files parsed.  Returns how many files came from the cache."""
+    index learns the files parsed.  Returns how many files came from the cache.  The map runs on
+    ``pool``, else on the Dask cluster at ``scheduler`` (or ``DASK_SCHEDULER_ADDRESS``), else on a
+    local pool of ``workers``."""
     learned: dict[str, str] = {}
     cached = 0
     show = progress if progress is not None else sys.stderr.isatty()
@@ -295,15 +319,19 @@ def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | 
             raise UserInputError(error.split(": ", 1)[1] if error.startswith(str(job.file)) else error, job.file)
 
     n = executor.default_workers(len(jobs), workers)
+    address = cluster.scheduler_address(scheduler) if pool is None else None
+    own = cluster.ClusterPool(address, workers) if address else None
     try:
-        if pool is None and n == 1:
+        if pool is None and own is None and n == 1:
             for job in jobs:
                 fold(job, task(job))
         else:
-            _run(jobs, task, pool, n, fold)
+            _run(jobs, task, pool or own, n, fold)
     finally:
         bar.close()
         trace_cache.update_index(learned)
+        if own is not None:
+            own.shutdown()
     return cached
 
 
@@ -314,12 +342,18 @@ def _run(jobs: list[RankJob], task, pool: Executor | None, n: int, fold) -> None
     pool = pool or executor.local_pool(n)
     broken: list[RankJob] = []
     try:
-        for job, fut in executor.bounded_map(pool, task, jobs, in_flight=2 * n):
+        for job, fut in executor.bounded_map(pool, task, jobs, in_flight=2 * getattr(pool, "workers", n)):
             try:
                 result = fut.result()
             except BrokenProcessPool:
                 broken.append(job)
                 continue
+            except Exception as e:
+                if not cluster.is_worker_death(e):
+                    raise
+                result = MapResult([], f"{job.file}: the Dask workers analyzing this trace kept dying (killed, out "
+                                   "of memory, or a crash in a native library); --skip-bad analyzes the other ranks",
+                                   None, False, 0)
             fold(job, result)
     finally:
         if own:

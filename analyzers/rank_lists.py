@@ -85,6 +85,15 @@ def cap(report: dict[str, Any], views_dir: str | Path | None = None, limit: int 
     return report
 
 
+def whole(report: dict[str, Any], views_dir: str | Path | None, key: str) -> pd.DataFrame:
+    """Every rank's rows of the per-rank list ``key``: the view when the report holds only the worst
+    ranks, else the report's own rows."""
+    view = ((report.get("rank_lists") or {}).get(key) or {}).get("view")
+    if view and views_dir is not None and (Path(views_dir) / view).is_file():
+        return pd.read_parquet(Path(views_dir) / view)
+    return pd.DataFrame(report.get(key) or [])
+
+
 def _write(views_dir: Path, key: str, rows: list[dict]) -> str:
     """The whole list as ``views/ranks/<key>.parquet``; nested fields (lists, dicts) as JSON text."""
     df = pd.DataFrame(rows)

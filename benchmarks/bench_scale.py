@@ -15,7 +15,12 @@ Median of ``--runs`` runs for the sizes of ``--ranks``; the ``--once`` sizes run
 with the fitted slopes: MB of the parent's peak per rank, and the tree's.
 
     python benchmarks/bench_scale.py [--ranks 8,32,128] [--once 512,1024] [--sizes 54,216] [--runs 3]
-                                     [--json out.json]
+                                     [--dask 128] [--json out.json]
+
+``--dask``: at those rank counts (54 MB ranks) the same set is also mapped by a Dask LocalCluster of
+2 single-threaded workers (``--scheduler local --workers 2``) and by the local pool of 2, runs
+interleaved; the rows ``N x54MB dask`` and ``N x54MB pool`` and the ratio of their wall times
+(issue 29: within 15%).
 
 Issue 28's targets (2 cores): the tree <= 1.5 GB for 54 MB ranks, flat from 8 to 1,024 ranks; the
 parent <= 100 KB a rank; a worker <= 4x the decompressed trace; 1,024 x 54 MB in <= 12 min cold and
@@ -119,15 +124,15 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def run_analyze(trace_dir: Path, cache: Path, cold: bool) -> dict:
-    """One ``mfuscope analyze`` in a fresh process: wall, CPU (the tree's), peak PSS of the tree,
-    of the parent, of the largest worker."""
+def run_analyze(trace_dir: Path, cache: Path, cold: bool, extra: tuple[str, ...] = ()) -> dict:
+    """One ``mfuscope analyze`` in a fresh process (``extra``: more flags): wall, CPU (the tree's),
+    peak PSS of the tree, of the parent, of the largest worker."""
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)  # workers count once the analysis reaps them
     env = dict(os.environ, MFUSCOPE_CACHE_DIR=str(cache), PYTHONWARNINGS="ignore")
     out = trace_dir.parent / f"{trace_dir.name}.report.json"
-    cmd = [sys.executable, "-m", "mfuscope", "analyze", str(trace_dir), "--out", str(out), "--force", "--json"]
+    cmd = [sys.executable, "-m", "mfuscope", "analyze", str(trace_dir), "--out", str(out), "--force", "--json", *extra]
     t0 = time.perf_counter()
     log = trace_dir.parent / f"{trace_dir.name}.stderr"
     with open(log, "wb") as err:
@@ -150,13 +155,42 @@ def run_analyze(trace_dir: Path, cache: Path, cold: bool) -> dict:
             "worker_mb": worker / 2**20, "reduce_s": timings.get("reduce_s", float("nan"))}
 
 
-def measure(trace_dir: Path, cache: Path, runs: int) -> dict:
+def measure(trace_dir: Path, cache: Path, runs: int, extra: tuple[str, ...] = ()) -> dict:
     """Median of ``runs`` cold and ``runs`` warm analyses (the warm ones after a cold one filled
     the cache)."""
     out = {}
     for label, cold in (("cold", True), ("warm", False)):
-        rows = [run_analyze(trace_dir, cache, cold) for _ in range(runs)]
+        rows = [run_analyze(trace_dir, cache, cold, extra) for _ in range(runs)]
         out[label] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return out
+
+
+def dask_rows(work: Path, ranks: int, body: bytes, runs: int) -> dict:
+    """The same set mapped by the local pool and by a Dask LocalCluster, each of 2 workers, their
+    runs interleaved (so both see the same machine), and Dask's wall time over the pool's."""
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        print("  (no Dask row: pip install 'mfuscope[cluster]')", file=sys.stderr)
+        return {}
+    trace_dir = make_set(work, ranks, body, "dask")
+    variants = {"pool": ("--workers", "2"), "dask": ("--scheduler", "local", "--workers", "2")}
+    rows: dict = {v: {"cold": [], "warm": []} for v in variants}
+    try:
+        for _ in range(runs):
+            for name, extra in variants.items():
+                rows[name]["cold"].append(run_analyze(trace_dir, work / "cache", True, extra))
+                rows[name]["warm"].append(run_analyze(trace_dir, work / "cache", False, extra))
+    finally:
+        shutil.rmtree(trace_dir)
+        shutil.rmtree(work / "cache", ignore_errors=True)
+    out = {}
+    for name in variants:
+        med = {label: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for label, rs in rows[name].items()}
+        out[f"{ranks}x54MB {name}"] = {"ranks": ranks, "rank_mb": len(body) / 2**20, "runs": runs, **med}
+    for label in ("cold", "warm"):
+        ratio = out[f"{ranks}x54MB dask"][label]["wall"] / out[f"{ranks}x54MB pool"][label]["wall"]
+        print(f"  {ranks} x 54 MB, {label}: Dask LocalCluster / local pool wall = {ratio:.3f}", file=sys.stderr)
     return out
 
 
@@ -166,6 +200,9 @@ def main() -> int:
     p.add_argument("--once", default="512,1024", help="rank counts measured once ('' for none)")
     p.add_argument("--sizes", default="54,216", help="MB a rank: 54 (the real trace) or 216 (its steps x4)")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dask", default="128",
+                   help="54 MB rank counts also mapped on a Dask LocalCluster of 2 workers (--scheduler local), "
+                        "beside the local pool of 2 ('' for none)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if not BIG.exists():
@@ -190,17 +227,19 @@ def main() -> int:
                       file=sys.stderr, flush=True)
                 shutil.rmtree(trace_dir)
                 shutil.rmtree(work / "cache", ignore_errors=True)
+        for ranks in (int(n) for n in args.dask.split(",") if n):
+            results.update(dask_rows(work, ranks, raw54, args.runs))
         print(f"\n{os.cpu_count()} CPUs; median of runs; memory: peak PSS")
-        print(f"{'set':<14} {'':5} {'wall s':>8} {'cpu s':>8} {'tree MB':>8} {'parent MB':>10} {'worker MB':>10} "
+        print(f"{'set':<18} {'':5} {'wall s':>8} {'cpu s':>8} {'tree MB':>8} {'parent MB':>10} {'worker MB':>10} "
               f"{'worker/trace':>12} {'reduce s':>9}")
         for name, r in results.items():
             for label in ("cold", "warm"):
                 m = r[label]
-                print(f"{name:<14} {label:5} {m['wall']:8.1f} {m['cpu']:8.1f} {m['tree_mb']:8.0f} "
+                print(f"{name:<18} {label:5} {m['wall']:8.1f} {m['cpu']:8.1f} {m['tree_mb']:8.0f} "
                       f"{m['parent_mb']:10.0f} {m['worker_mb']:10.0f} {m['worker_mb'] / r['rank_mb']:12.2f} "
                       f"{m['reduce_s']:9.2f}")
         for size in {r["rank_mb"] for r in results.values()}:
-            rows = [r for r in results.values() if r["rank_mb"] == size]
+            rows = [r for name, r in results.items() if r["rank_mb"] == size and " " not in name]
             if len(rows) >= 2:
                 x = np.array([r["ranks"] for r in rows], dtype=float)
                 for key in ("parent_mb", "tree_mb"):

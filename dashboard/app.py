@@ -29,7 +29,7 @@ log = logging.getLogger("mfuscope.dashboard")
 
 RUN_PAGES = [("", "Overview"), ("timeline", "Timeline"), ("pipeline", "Pipeline"), ("comm", "Communication"),
              ("stragglers", "Stragglers"), ("kernels", "Kernels"), ("optimize", "Optimize")]
-#: Bars the timeline may ship to the browser, over all lanes: 64 ranks stay responsive.
+#: Bars the timeline may ship to the browser, over all lanes: 64 lanes stay responsive.
 TIMELINE_BARS = 24_000
 
 
@@ -180,7 +180,8 @@ def _interactions(app: dash.Dash, store: Store) -> None:
         run, a = _run_of(store, pathname)
         if step is None:
             return figures.empty("no step chosen"), None
-        seg = a.segments[a.segments["step"] == step]
+        order, labels = pages.timeline_lanes(run, a, step, rank)
+        seg = a.segments(step, order if len(a.ranks) > pages.LANE_RANKS else None)
         if seg.empty:
             return figures.empty(f"no timeline for step {step}"), None
         t0, t1 = int(seg["start_ns"].min()), int(seg["end_ns"].max())
@@ -197,12 +198,32 @@ def _interactions(app: dash.Dash, store: Store) -> None:
                 # callback once a later one is asked: on a slow server that later call would leave
                 # the timeline empty for good, so an empty graph is always drawn.
                 return no_update, no_update
-        labels = pages.rank_labels(run.manifest, seg["rank"].unique())
+        shown = set(seg["rank"].unique().tolist())
+        order = [r for r in order if r in shown]
+        labels = {r: labels[r] for r in order}
         bins = max(100, min(1500, TIMELINE_BARS // max(1, len(labels))))
         lanes = timeline_views.lanes(seg.assign(leaf=seg["leaf"].astype(str).map(lane_category)), lo, hi, bins)
         waits = longest_waits(seg)
-        fig = figures.timeline(lanes, labels, t0, waits, x_range, highlight=rank)
+        fig = figures.timeline(lanes, labels, t0, waits, x_range, highlight=rank, order=order)
         return fig, pages.waits_table(waits, labels, t0)
+
+    @app.callback(Output("url", "href", allow_duplicate=True), Input("timeline-rank-input", "value"),
+                  Input("timeline-graph", "clickData"), State("timeline-step", "value"), State("timeline-rank", "data"),
+                  State("url", "pathname"), prevent_initial_call=True)
+    def drill_down(typed, click, step, shown, pathname):
+        """A grouped timeline's rank picked (typed, or a lane's bar clicked): that rank's own lane."""
+        parts, _ = _parse(pathname, None)
+        if dash.callback_context.triggered_id == "timeline-graph":
+            _, a = _run_of(store, pathname)
+            if len(a.ranks) <= pages.LANE_RANKS:  # a lane a rank already
+                return no_update
+            points = (click or {}).get("points") or []
+            rank = points[0].get("customdata") if points else None
+        else:
+            rank = typed
+        if rank is None or len(parts) < 2 or int(rank) == shown:
+            return no_update
+        return f"/run/{quote(parts[1])}/timeline?" + urlencode({"step": step, "rank": int(rank)})
 
     @app.callback(Output("url", "href", allow_duplicate=True), Input("straggler-heatmap", "clickData"),
                   State("url", "pathname"), prevent_initial_call=True)

@@ -89,16 +89,19 @@ def step_trend(per_step: list[dict[str, Any]]) -> go.Figure:
 
 
 def timeline(lanes: pd.DataFrame, labels: dict[int, str], t0: int, waits: pd.DataFrame,
-             x_range: tuple[float, float] | None = None, highlight: int | None = None) -> go.Figure:
-    """Per-rank lanes; ``lanes`` already cut to what the browser can draw (see timeline.lanes)."""
+             x_range: tuple[float, float] | None = None, highlight: int | None = None,
+             order: list[int] | None = None) -> go.Figure:
+    """Per-rank lanes, top to bottom in ``order`` (default: rank order); ``lanes`` already cut to
+    what the browser can draw (see timeline.lanes).  A bar carries its rank (``customdata``)."""
     if lanes.empty:
         return empty("no timeline for this step")
-    order = sorted(labels)
+    order = list(order) if order is not None else sorted(labels)
     fig = go.Figure()
     for leaf, g in lanes.groupby("leaf", observed=True, sort=True):
         start = (g["start_ns"] - t0) / 1e6
         dur = (g["end_ns"] - g["start_ns"]) / 1e6
         fig.add_trace(go.Bar(orientation="h", y=g["rank"].map(labels), x=dur, base=start, name=str(leaf),
+                             customdata=g["rank"],
                              marker=dict(color=style.color(str(leaf)), line=dict(width=0)),
                              hovertemplate=f"{leaf}<br>%{{y}}<br>+%{{base:.4g}} ms for %{{x:.4g}} ms<extra></extra>"))
     for i, w in enumerate(waits.itertuples(), 1):

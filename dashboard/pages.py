@@ -389,25 +389,95 @@ def _node_seconds(node: dict, name: str) -> float:
 
 
 # ----------------------------------------------------------------------------- timeline
+#: Up to this many ranks the timeline has a lane a rank; beyond, a lane a group of ranks.
+LANE_RANKS = 64
+#: Lanes of grouped ranks when the layout has no pipeline stages to group by.
+LANE_GROUPS = 32
+
+
 def timeline_page(run: Run, a: Analysis, query: dict[str, str]) -> html.Div:
-    steps = sorted(int(s) for s in a.segments["step"].unique()) if len(a.segments) else []
+    steps = a.steps
     if not steps:
         return info_panel("No step markers in these traces, so no per-step timeline.")
     step = int(query["step"]) if query.get("step", "").lstrip("-").isdigit() and int(query["step"]) in steps \
         else steps[len(steps) // 2]
     rank = query.get("rank")
+    rank = int(rank) if rank is not None and rank.isdigit() else None
+    grouped = len(a.ranks) > LANE_RANKS
+    controls: list[Any] = [html.Span("step "), dcc.Dropdown(id="timeline-step", options=[
+        {"label": f"step {s}", "value": s} for s in steps], value=step, clearable=False, style={"width": "160px"})]
+    # drill-down at scale: one rank's own lane, read from its view (the input is always there, for
+    # its callback, and shown only where lanes are groups)
+    shown = {} if grouped else {"display": "none"}
+    controls += [html.Span("rank ", style=shown),
+                 dcc.Input(id="timeline-rank-input", type="number", min=min(a.ranks, default=0),
+                           max=max(a.ranks, default=0), step=1, value=rank, debounce=True, placeholder="any rank",
+                           style={"width": "110px", **shown})]
     return html.Div([
         html.H2(f"Timeline: {run.id}" + (f" — rank {rank}, step {step}" if rank is not None else ""),
                 id="timeline-title"),
-        html.Div([html.Span("step "), dcc.Dropdown(id="timeline-step", options=[{"label": f"step {s}", "value": s}
-                                                                                  for s in steps],
-                                                   value=step, clearable=False, style={"width": "160px"})],
-                 style={"display": "flex", "alignItems": "center", "gap": "8px"}),
-        dcc.Store(id="timeline-rank", data=int(rank) if rank is not None and rank.isdigit() else None),
+        html.P(f"{len(a.ranks):,} ranks: a lane a group of ranks ({'pipeline stage' if _stages(run, a) else 'block'}"
+               "), drawn as the group's latest rank in this step, latest group first; pick a rank or click a lane "
+               "to see that rank's own lane.", className="muted", id="timeline-grouped") if grouped else None,
+        html.Div(controls, style={"display": "flex", "alignItems": "center", "gap": "8px"}),
+        dcc.Store(id="timeline-rank", data=rank),
         dcc.Loading(dcc.Graph(id="timeline-graph", config={"displaylogo": False, "scrollZoom": True})),
-        html.H3("Longest collective waits in this step"),
+        html.H3("Longest collective waits in this step" + (" (of the ranks shown)" if grouped else "")),
         html.Div(id="timeline-waits"),
     ])
+
+
+def timeline_lanes(run: Run, a: Analysis, step: int, chosen: int | None) -> tuple[list[int], dict[int, str]]:
+    """The ranks the timeline draws, top to bottom, and their lane labels.
+
+    Up to :data:`LANE_RANKS` ranks: every rank, in rank order.  Beyond: a lane a group -- the
+    ranks of a pipeline stage, else :data:`LANE_GROUPS` blocks of consecutive ranks -- drawn as the
+    group's latest rank in this step (largest busy time over its peers', the straggler matrix's
+    ``excess_s``: the rank the group waits for), the latest group first; a ``chosen`` rank gets its
+    own lane on top.
+    """
+    if len(a.ranks) <= LANE_RANKS:
+        return list(a.ranks), rank_labels(run.manifest, a.ranks)
+    matrix = a.whole("straggler_matrix")
+    excess: dict[int, float] = {}  # seconds, whole nanoseconds (sums of ns durations carry float dust)
+    if {"rank", "step", "excess_s"} <= set(matrix.columns):
+        in_step = matrix[matrix["step"] == step]
+        excess = {int(r): round(float(x), 9) for r, x in zip(in_step["rank"], in_step["excess_s"])}
+    stages = _stages(run, a)
+    if stages:
+        key = {r: f"pp{stages[r]}" for r in a.ranks}
+    else:
+        size = -(-len(a.ranks) // LANE_GROUPS)
+        blocks = [a.ranks[i:i + size] for i in range(0, len(a.ranks), size)]
+        key = {r: f"ranks {b[0]}–{b[-1]}" for b in blocks for r in b}
+    groups: dict[str, list[int]] = {}
+    for r in a.ranks:
+        groups.setdefault(key[r], []).append(r)
+    lanes = []
+    for name, members in groups.items():
+        latest = max(members, key=lambda r: (excess.get(r, 0.0), -r))
+        lanes.append((-excess.get(latest, 0.0), members[0], name, latest, len(members)))
+    lanes.sort()  # the latest group first; groups equally late in rank order
+    order = [latest for _, _, _, latest, _ in lanes]
+    labels = {latest: f"{name} ({n} ranks) · " + (f"latest: rank {latest}, +{style.seconds(-neg)}" if neg < 0
+                                                   else f"rank {latest}")
+              for neg, _, name, latest, n in lanes}
+    if chosen is not None and chosen in set(a.ranks):
+        if chosen in labels:
+            order.remove(chosen)
+        order.insert(0, chosen)
+        labels[chosen] = f"rank {chosen} ({key[chosen]})" + (
+            f", +{style.seconds(excess[chosen])}" if excess.get(chosen, 0.0) > 0 else "")
+    return order, labels
+
+
+def _stages(run: Run, a: Analysis) -> dict[int, int]:
+    """rank -> pipeline stage, where the manifest's layout has more than one stage."""
+    m = Manifest.of(run.manifest)
+    if m.layout.get("pp", 1) <= 1:
+        return {}
+    coords = m.rank_coords
+    return {r: int(coords[r]["pp"]) for r in a.ranks if "pp" in coords.get(r, {})}
 
 
 def waits_table(waits: pd.DataFrame, labels: dict[int, str], t0: int) -> Any:
@@ -425,10 +495,10 @@ def waits_table(waits: pd.DataFrame, labels: dict[int, str], t0: int) -> Any:
 # ----------------------------------------------------------------------------- pipeline
 def pipeline_page(run: Run, a: Analysis) -> html.Div:
     bubbles = (a.report.get("bubbles") or [None])[0]
-    mb = a.microbatches
+    mb_steps = _microbatch_steps(a)
     title = html.H2(f"Pipeline: {run.id}" + (f" ({bubbles['schedule']} schedule)" if bubbles and bubbles.get("schedule")
                                              else ""))
-    if bubbles is None and mb.empty:
+    if bubbles is None and not mb_steps:
         return html.Div([title, info_panel("No pipeline parallelism in this run (pp = 1, and no pipeline "
                                            "microbatch labels in the traces), so no schedule to draw.")])
     parts: list[Any] = [title]
@@ -442,11 +512,11 @@ def pipeline_page(run: Run, a: Analysis) -> html.Div:
             card("vs theory", f"{bubbles['vs_theory']:.2f}×" if bubbles.get("vs_theory") else "–", "measured / theory"),
             card("stage imbalance", style.percent(bubbles["imbalance"]), "slowest stage's busy time over the mean"),
         ], className="cards", id="bubble-cards"))
-    if mb.empty:
+    if not mb_steps:
         parts.append(info_panel("These traces carry no per-microbatch labels (PyTorch's PP:<stage>F<mb> or the "
                                 "collectors' mfuscope.pp/...), so only the measured bubble is shown."))
     else:
-        parts.append(_executed_schedule(a, mb, bubbles))
+        parts.append(_executed_schedule(a, mb_steps, bubbles))
     if bubbles is not None:
         parts += [html.H3("Per stage"), grid("stages-grid", [
             {"stage": s["stage"], "bubble": s["bubble_fraction"], "share": s["share_of_step"],
@@ -457,12 +527,16 @@ def pipeline_page(run: Run, a: Analysis) -> html.Div:
     return html.Div(parts)
 
 
-def _executed_schedule(a: Analysis, mb: pd.DataFrame, bubbles: dict | None) -> html.Div:
+def _microbatch_steps(a: Analysis) -> list[int]:
+    """The steps of the executed pipeline schedule (none without pipeline labels)."""
+    return sorted(int(s) for s in a.microbatches(columns=["step"])["step"].unique())
+
+
+def _executed_schedule(a: Analysis, steps: list[int], bubbles: dict | None) -> html.Div:
     """The middle step as executed by one rank per stage, beside the theory.  p, m and v come from
     the manifest's schedule, else from the labels themselves (a trace set, a wrapped script)."""
-    steps = sorted(mb["step"].unique())
     step = steps[len(steps) // 2]
-    in_step = mb[mb["step"] == step]
+    in_step = a.microbatches(step)
     rep = in_step.groupby("stage")["rank"].min()   # one rank per stage (interleaved: a rank has several)
     executed = in_step.merge(pd.DataFrame({"stage": rep.index, "rank": rep.values}), on=["stage", "rank"])
     n_stages = int(rep.index.nunique())
@@ -471,7 +545,7 @@ def _executed_schedule(a: Analysis, mb: pd.DataFrame, bubbles: dict | None) -> h
     m = int(in_step["microbatch"].nunique())
     lane = (lambda s, r: f"stage {s}") if v == 1 else (lambda s, r: f"rank {r}")
     executed = executed.assign(lane=[lane(s, r) for s, r in zip(executed["stage"], executed["rank"])])
-    seg = a.segments[(a.segments["step"] == step) & a.segments["rank"].isin(rep.values)]
+    seg = a.segments(step, rep.values)
     t0 = int(seg["start_ns"].min()) if len(seg) else int(executed["start_ns"].min())
     first_stage = {int(r): int(s) for s, r in rep.iloc[::-1].items()}
     bub = seg[seg["leaf"].astype(str) == "bubble"]
@@ -528,12 +602,22 @@ def comm_page(run: Run, a: Analysis) -> html.Div:
     return html.Div([
         html.H2(f"Communication: {run.id}"), legend,
         html.H3("Per dimension, op and message size (all ranks)"), table,
-        html.H3("Arrival skew"), html.Ul(skew_text) if skew_text else None,
+        html.H3("Arrival skew"), html.Ul(skew_text) if skew_text else None, capped_note(r, "comm_arrival"),
         dcc.Graph(id="skew-heatmap", figure=heat, config={"displaylogo": False}) if heat is not None else
         info_panel("No collective could be matched across ranks (matching needs at least two ranks of a "
                    "group, and sequence numbers or same-size calls of a replicated collective), so there is "
                    "no arrival skew to show."),
     ])
+
+
+def capped_note(report: dict, key: str) -> html.P | None:
+    """What a per-rank list of a large run shows: its worst ranks, and where every rank's rows are."""
+    meta = (report.get("rank_lists") or {}).get(key) or {}
+    if not meta or meta.get("kept", 0) >= meta.get("ranks", 0):
+        return None
+    where = f"; every rank's rows: views/{meta['view']}" if meta.get("view") else ""
+    return html.P(f"Showing the {meta['kept']:,} worst of {meta['ranks']:,} ranks (by {meta['worst_by']}){where}.",
+                  className="muted", id=f"capped-{key}")
 
 
 # ----------------------------------------------------------------------------- stragglers
@@ -551,7 +635,7 @@ def stragglers_page(run: Run, a: Analysis) -> html.Div:
     if len(matrix):
         lim = float(matrix["excess_s"].abs().max() * 1e3) or 1.0
         fig.update_traces(zmid=0, zmin=-lim, zmax=lim)
-    return html.Div([html.H2(f"Stragglers: {run.id}"), head,
+    return html.Div([html.H2(f"Stragglers: {run.id}"), head, capped_note(r, "straggler_matrix"),
                      dcc.Graph(id="straggler-heatmap", figure=fig, config={"displaylogo": False})])
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from mfuscope import run_dir
-from mfuscope.analyzers import analysis, trace_cache, trace_set
+from mfuscope.analyzers import analysis, rank_lists, trace_cache, trace_set
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
 from mfuscope.optimizers import measured, optimize
@@ -44,7 +44,7 @@ from mfuscope.report import read_report
 
 log = logging.getLogger("mfuscope.dashboard")
 
-#: Analyses (report + timeline views) kept in memory; older ones are read again when needed.
+#: Analyses (reports and their views' rank and step lists) kept in memory; older ones are read again.
 KEEP_LOADED = 6
 
 
@@ -88,9 +88,25 @@ class Run:
 
 @dataclass
 class Analysis:
+    """A run's report and where its views are.  Pages read from the views what they draw (one
+    step, some ranks), never every rank's events: a 1,024-rank run's views are hundreds of MB."""
+
     report: dict[str, Any]
-    segments: pd.DataFrame
-    microbatches: pd.DataFrame
+    views_dir: Path
+    ranks: list[int]   # the ranks the timeline view has
+    steps: list[int]   # the steps it has
+
+    def segments(self, step: int | None = None, ranks=None) -> pd.DataFrame:
+        """Timeline segments of ``step`` of ``ranks`` (all when None)."""
+        return analysis.read_segments(self.views_dir, step, ranks)
+
+    def microbatches(self, step: int | None = None, columns: list[str] | None = None) -> pd.DataFrame:
+        """The executed pipeline schedule of ``step`` (all steps when None)."""
+        return analysis.read_microbatches(self.views_dir, step, columns)
+
+    def whole(self, key: str) -> pd.DataFrame:
+        """Every rank's rows of a per-rank list of the report (which may hold only the worst ranks)."""
+        return rank_lists.whole(self.report, self.views_dir, key)
 
 
 @dataclass(frozen=True)
@@ -204,8 +220,8 @@ class Store:
             if hit and hit[0] == mtime:
                 self._loaded.move_to_end(run.id)
                 return hit[1]
-        segments, microbatches = analysis.read_views(run.views_dir)
-        loaded = Analysis(self.report(run), segments, microbatches)
+        loaded = Analysis(self.report(run), run.views_dir, analysis.view_ranks(run.views_dir),
+                          analysis.view_steps(run.views_dir))
         with self._lock:
             self._loaded[run.id] = (mtime, loaded)
             while len(self._loaded) > KEEP_LOADED:

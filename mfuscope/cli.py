@@ -29,6 +29,10 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
                    help="load traces that disagree on world size or device as one job anyway (with a warning)")
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes, each loading and analyzing one rank at a time (default: CPU count)")
+    p.add_argument("--scheduler", metavar="ADDRESS", default=None,
+                   help="map the ranks on a Dask cluster: its scheduler's address (tcp://HOST:PORT), or 'local' for "
+                        "a LocalCluster of --workers processes here (default: $DASK_SCHEDULER_ADDRESS, else this "
+                        "machine's process pool; needs pip install 'mfuscope[cluster]')")
     p.add_argument("--layout", metavar="DEGREES", default=None,
                    help="the job's parallel degrees, e.g. tp=8,pp=4,dp=2 (dp: what the world leaves; also cp, ep, "
                         "etp, or dp_replicate/dp_shard), to name process groups the traces do not")
@@ -400,7 +404,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     info, skipped = map_reduce.info_ranks(args.path, rank=args.rank, step_annotation=args.step_annotation,
                                           use_cache=not args.no_cache, skip_bad=args.skip_bad, workers=args.workers,
                                           allow_mixed=args.allow_mixed, layout=args.layout,
-                                          rank_order=args.rank_order)
+                                          rank_order=args.rank_order, scheduler=args.scheduler)
     for _, reason in skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     info["skipped"] = [{"file": f, "reason": r} for f, r in skipped]
@@ -431,7 +435,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
                              rank=args.rank,
                              step_annotation=args.step_annotation, use_cache=not args.no_cache,
                              skip_bad=args.skip_bad, workers=args.workers, allow_mixed=args.allow_mixed,
-                             layout=args.layout, rank_order=args.rank_order)
+                             layout=args.layout, rank_order=args.rank_order, scheduler=args.scheduler)
     for _, reason in result.skipped:
         print(f"mfuscope: skipped {reason}", file=sys.stderr)
     if args.json:

@@ -10,7 +10,6 @@ numbers in another order), kernel-duration and bandwidth medians within the sket
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import tracemalloc
@@ -21,42 +20,17 @@ import pytest
 
 from mfuscope.analyzers import analysis, duration_sketch, executor, map_reduce, overview, rank_lists, trace_set
 from mfuscope.errors import UserInputError
-from mfuscope.tests.helpers import DLRM, HTA_DATA, needs_corpus, replicated_set, write_trace
+from mfuscope.tests.helpers import (
+    DLRM,
+    FROZEN_REPORTS,
+    HTA_DATA,
+    needs_corpus,
+    replicated_set,
+    report_differences,
+    write_trace,
+)
 
-FROZEN = Path(__file__).parent / "fixtures" / "frozen_reports"
 TRACE_FILTER = HTA_DATA / "trace_filter"
-#: Sums of the same numbers in another order differ in the last bits: relative 1e-9 is ~10^6 ulps.
-REL = 1e-9
-#: Figures that are medians of a mergeable sketch (or proportional to one).
-SKETCHED = ("median_us", "algbw_gbps", "busbw_gbps", "busbw_of_attainable", "busbw_of_nccl_tests")
-
-
-def _differences(old, new, path: str = "") -> list[str]:
-    out: list[str] = []
-    if isinstance(old, dict) and isinstance(new, dict):
-        for k in sorted(set(old) | set(new)):
-            if k in ("_about", "provenance", "rank_lists"):
-                continue
-            if k not in old or k not in new:
-                out.append(f"{path}/{k}: only in {'new' if k not in old else 'frozen'}")
-            else:
-                out += _differences(old[k], new[k], f"{path}/{k}")
-    elif isinstance(old, list) and isinstance(new, list):
-        if len(old) != len(new):
-            out.append(f"{path}: {len(old)} entries frozen, {len(new)} now")
-        for i, (a, b) in enumerate(zip(old, new)):
-            out += _differences(a, b, f"{path}[{i}]")
-    elif isinstance(old, float) or isinstance(new, float):
-        # a median from the sketch (kernel durations, bandwidths and what is read off them): within
-        # its relative error
-        rel = duration_sketch.RELATIVE_ERROR * 1.001 if path.endswith(SKETCHED) else REL
-        if old is None or new is None or not math.isclose(old, new, rel_tol=rel, abs_tol=1e-15):
-            out.append(f"{path}: frozen {old}, now {new}")
-    elif old != new:
-        out.append(f"{path}: frozen {old!r}, now {new!r}")
-    return out
-
-
 def _analyze(path: Path, out: Path, **options) -> dict:
     report, _ = analysis.analyze(path, out / "report.json", out / "views", use_cache=False, progress=False,
                                  **options)
@@ -65,9 +39,9 @@ def _analyze(path: Path, out: Path, **options) -> dict:
 
 @needs_corpus(DLRM)
 def test_dlrm_8_ranks_report_is_the_in_memory_analysis(tmp_path):
-    frozen = json.loads((FROZEN / "dlrm_8_ranks.json").read_text())
+    frozen = json.loads((FROZEN_REPORTS / "dlrm_8_ranks.json").read_text())
     report = _analyze(DLRM, tmp_path, workers=2)
-    assert _differences(frozen, report) == []
+    assert report_differences(frozen, report) == []
     # the ranks' views: one part a rank, read as one dataset
     calls = pd.read_parquet(tmp_path / "views" / "comm_calls.parquet")
     assert sorted(calls["rank"].unique()) == list(range(8)) and calls["exposed_ns"].notna().any()
@@ -78,9 +52,9 @@ def test_dlrm_8_ranks_report_is_the_in_memory_analysis(tmp_path):
 @needs_corpus(TRACE_FILTER)
 def test_32_replicated_ranks_report_is_the_in_memory_analysis(tmp_path):
     """The trace_filter pair as 16 copies (ranks 0..31, each copy 10 us later than the one before)."""
-    frozen = json.loads((FROZEN / "trace_filter_x16.json").read_text())
+    frozen = json.loads((FROZEN_REPORTS / "trace_filter_x16.json").read_text())
     traces = replicated_set(tmp_path / "set", sorted(TRACE_FILTER.glob("*.json.gz")), 16)
-    assert _differences(frozen, _analyze(traces, tmp_path, workers=2)) == []
+    assert report_differences(frozen, _analyze(traces, tmp_path, workers=2)) == []
 
 
 @pytest.mark.paced  # reads the session's 3D run, as the dashboard's paced tests do
@@ -90,7 +64,7 @@ def test_a_run_directory_gets_the_same_report_from_workers_and_in_one_process(ru
     events = trace_set.load(run_3d, use_cache=False, progress=False).events
     in_memory = overview.build_report(events, source=str(run_3d), files=[], run=run_3d)
     report, _ = analysis.analyze(run_3d, tmp_path / "report.json", tmp_path / "views", workers=2, progress=False)
-    assert _differences(in_memory, report) == []
+    assert report_differences(in_memory, report) == []
     assert report["summary"]["ranks"] == 8 and report["findings"]
 
 
