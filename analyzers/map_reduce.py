@@ -337,7 +337,9 @@ def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | 
 
 def _run(jobs: list[RankJob], task, pool: Executor | None, n: int, fold) -> None:
     """The map on ``pool`` (or a local pool of ``n``); ranks a dying worker took with it run again
-    one at a time, and the one that kills a worker alone fails the analysis, named."""
+    one at a time, and the one that kills a worker alone fails the analysis, named.  (A dying
+    worker takes every rank it held: a local pool breaks whole, a Dask worker fails the ranks
+    queued on it too.)"""
     own = pool is None
     pool = pool or executor.local_pool(n)
     broken: list[RankJob] = []
@@ -345,25 +347,33 @@ def _run(jobs: list[RankJob], task, pool: Executor | None, n: int, fold) -> None
         for job, fut in executor.bounded_map(pool, task, jobs, in_flight=2 * getattr(pool, "workers", n)):
             try:
                 result = fut.result()
-            except BrokenProcessPool:
+            except Exception as e:
+                if not _worker_died(e):
+                    raise
                 broken.append(job)
                 continue
-            except Exception as e:
-                if not cluster.is_worker_death(e):
-                    raise
-                result = MapResult([], f"{job.file}: the Dask workers analyzing this trace kept dying (killed, out "
-                                   "of memory, or a crash in a native library); --skip-bad analyzes the other ranks",
-                                   None, False, 0)
             fold(job, result)
+        for job in broken:  # alone: on the cluster (its nannies restart dead workers), else in a fresh pool
+            fold(job, _alone(task, job, None if own else pool))
     finally:
         if own:
             pool.shutdown(wait=True, cancel_futures=True)
-    for job in broken:
+
+
+def _alone(task, job: RankJob, cluster_pool: Executor | None) -> MapResult:
+    """``task`` on ``job`` with nothing else running beside it: a worker that dies now died of this rank."""
+    try:
+        if cluster_pool is not None:
+            return cluster_pool.submit(task, job).result()
         with executor.local_pool(1) as alone:
-            try:
-                result = alone.submit(task, job).result()
-            except BrokenProcessPool:
-                result = MapResult([], f"{job.file}: the worker analyzing this trace died twice (killed, out of "
-                                   "memory, or a crash in a native library); --skip-bad analyzes the other ranks",
-                                   None, False, 0)
-        fold(job, result)
+            return alone.submit(task, job).result()
+    except Exception as e:
+        if not _worker_died(e):
+            raise
+        return MapResult([], f"{job.file}: the worker analyzing this trace died, and died again when it ran alone "
+                         "(killed, out of memory, or a crash in a native library); --skip-bad analyzes the other "
+                         "ranks", None, False, 0)
+
+
+def _worker_died(error: BaseException) -> bool:
+    return isinstance(error, BrokenProcessPool) or cluster.is_worker_death(error)
