@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an nccl-tests output (all_reduce_perf and the like) to compare each communication row's "
                         "bus bandwidth with, at the same message size; repeatable")
     p.set_defaults(func=cmd_analyze)
+    p = sub.add_parser("hang", help="why a job hung: Flight Recorder dumps of every rank, read across ranks",
+                       description="Read every rank's PyTorch Flight Recorder dump (pickle or JSON, files named "
+                                   "..._rank_N) in DIR; per process group, the first collective not every member "
+                                   "got through, and who is to blame: never entered, desync, not completed, "
+                                   "missing.")
+    p.add_argument("path", help="a directory of Flight Recorder dumps (or one dump)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.set_defaults(func=cmd_hang)
     p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer through torchrun",
                        description="Train the reference Llama/MoE model on N local ranks (gloo on CPU, NCCL on "
                                    "CUDA) and write a run directory.")
@@ -418,6 +426,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(trace_info.format_text(info))
         for _, r in skipped:
             print(f"skipped      {r}")
+    return 0
+
+
+def cmd_hang(args: argparse.Namespace) -> int:
+    from mfuscope.analyzers import hang
+
+    if not Path(args.path).exists():
+        raise UserInputError("no such file or directory", args.path)
+    dumps, world = hang.read_dumps(args.path)
+    result = hang.diagnose(dumps, world)
+    print(json.dumps(result, indent=2) if args.json else hang.format_text(result))
     return 0
 
 

@@ -1,0 +1,303 @@
+"""Why a job hung: PyTorch Flight Recorder dumps read across ranks (``mfuscope hang DIR``).
+
+Flight Recorder keeps, per rank, a ring buffer of the last collectives each process group issued:
+the group (name, description), its per-group sequence number (``collective_seq_id``), the op
+(``profiling_name``, e.g. ``nccl:all_reduce``), input sizes and dtypes, the Python stack, and on
+NCCL the state (scheduled, started, completed).  torchtitan turns it on by default; any torchrun
+job does with ``TORCH_FR_BUFFER_SIZE=2000`` (and, on NCCL, ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` with
+``TORCH_FR_DUMP_TEMP_FILE=/shared/fr/rank_`` for where the dumps go); a running job's dump is also
+``torch._C._distributed_c10d._dump_fr_trace()``.
+
+A hang is the first sequence number of a group that not every member got through.  Each member is
+then classified at that number:
+
+- ``never_entered``: its last entry of the group is an earlier one (it is elsewhere: a rank stuck on
+  the CPU, in a data loader, in another group's collective) -- most watchdog timeouts are this;
+- ``desync``: it entered that number with another op, size or dtype than the others (both kept);
+- ``not_completed``: it entered the same collective and did not finish it, where the dump records
+  completion (NCCL: ``state``); gloo records every entry as ``scheduled`` and nothing later, so on
+  gloo a group whose members all entered is reported as entered, completion unknown;
+- ``missing``: no dump from that rank (it died, or its dump was not written).  Gloo's dumps list no
+  group members (``pg_config`` is empty), so a group's members are the ranks whose dumps name it,
+  and a rank without a dump is counted in a group when it lies inside that group's ranks.
+
+What cannot be known is said, not guessed: a buffer that wrapped past the sequence number compared
+makes that rank's result partial; a dump that cannot be read is one error line.  Dumps are read with
+an unpickler that refuses every class (they hold only dicts, lists, strings and numbers), so a
+hostile file cannot run code.
+"""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mfuscope.errors import UserInputError
+
+from . import collectives
+
+#: A dump's rank is the number its file name ends with (``nccl_trace_rank_3``, ``dump_rank_3.json``).
+_RANK = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
+
+
+@dataclass
+class Entry:
+    """One collective of one rank's dump."""
+
+    pg: str
+    desc: str
+    seq: int
+    op: str
+    sizes: list
+    dtypes: list
+    state: str
+    stack: list[str]
+
+    def signature(self) -> tuple:
+        return (self.op, json.dumps(self.sizes), json.dumps(self.dtypes))
+
+
+@dataclass
+class Dump:
+    rank: int
+    file: Path
+    entries: list[Entry]
+    completion_recorded: bool  # the backend records completion (NCCL), not gloo's "scheduled" forever
+
+
+def read_dumps(path: str | Path) -> tuple[list[Dump], int | None]:
+    """Every Flight Recorder dump under ``path`` (a directory, or one file), and the world size where
+    a dump's group lists say it.  A file that is not a readable dump: UserInputError naming it."""
+    path = Path(path)
+    files = sorted(f for f in path.iterdir() if f.is_file() and _RANK.search(f.name)) if path.is_dir() else [path]
+    dumps: dict[int, Dump] = {}
+    world = None
+    for f in files:
+        doc = _read(f)
+        if doc is None:
+            continue  # not a dump (a run directory's other files)
+        m = _RANK.search(f.name)
+        if m is None:
+            raise UserInputError("no rank in the file name (Flight Recorder dumps end with it: ..._rank_3)", f)
+        rank = int(m.group(1))
+        if rank in dumps:
+            if dumps[rank].file.suffix != ".json" and f.suffix == ".json":
+                continue  # the same dump in both forms: the pickle is kept
+            raise UserInputError(f"two dumps claim rank {rank}: {dumps[rank].file.name} and {f.name}", f)
+        entries = [_entry(e, f) for e in doc.get("entries") or []]
+        states = {e.state for e in entries}
+        dumps[rank] = Dump(rank, f, entries, bool(states - {"scheduled"}))
+        for cfg in (doc.get("pg_config") or {}).values():
+            ranks = _ranks(cfg.get("ranks") if isinstance(cfg, dict) else None)
+            if ranks:
+                world = max(world or 0, max(ranks) + 1)
+    if not dumps:
+        raise UserInputError("no Flight Recorder dump here (files named ..._rank_N, pickled or JSON, with "
+                             "'entries')", path)
+    return [dumps[r] for r in sorted(dumps)], world
+
+
+def _read(f: Path) -> dict[str, Any] | None:
+    """A dump's document; None for a file that is plainly something else; error for a broken dump."""
+    data = f.read_bytes()
+    if not data:
+        raise UserInputError("empty file (a dump cut off before it was written?)", f)
+    if data[:1] in (b"{", b"["):
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise UserInputError(f"not a readable Flight Recorder dump: invalid JSON ({e})", f) from None
+    elif data[:1] == b"\x80":  # pickle protocol 2+
+        try:
+            doc = _SafeUnpickler(io.BytesIO(data)).load()
+        except (pickle.UnpicklingError, EOFError, ValueError) as e:
+            raise UserInputError(f"not a readable Flight Recorder dump: {e or 'truncated pickle'}", f) from None
+    else:
+        return None
+    if not isinstance(doc, dict) or "entries" not in doc:
+        raise UserInputError("not a Flight Recorder dump: no 'entries'", f)
+    return doc
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: a dump holds plain data only")
+
+
+def _entry(e: dict, f: Path) -> Entry:
+    try:
+        pg = e.get("process_group") or ["", ""]
+        frames = e.get("frames") or []
+        stack = [f"{fr.get('filename')}:{fr.get('line')} {fr.get('name')}" for fr in frames[:8] if isinstance(fr, dict)]
+        return Entry(str(pg[0]), str(pg[1]) if len(pg) > 1 else "", int(e["collective_seq_id"]),
+                     str(e.get("profiling_name") or "?"), e.get("input_sizes") or [], e.get("input_dtypes") or [],
+                     str(e.get("state") or "scheduled"), stack)
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise UserInputError(f"a Flight Recorder entry without its group or sequence number ({err})", f) from None
+
+
+def _ranks(text: Any) -> list[int]:
+    if isinstance(text, list):
+        return [int(r) for r in text]
+    if isinstance(text, str):
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return []
+        return [int(r) for r in parsed] if isinstance(parsed, list) else []
+    return []
+
+
+def diagnose(dumps: list[Dump], world: int | None = None) -> dict[str, Any]:
+    """Per process group, where it stopped and who is to blame (see the module docstring)."""
+    world = max(world or 0, max(d.rank for d in dumps) + 1)
+    present = {d.rank for d in dumps}
+    missing = sorted(set(range(world)) - present)
+    by_group: dict[str, dict[int, dict[int, Entry]]] = {}
+    descs: dict[str, str] = {}
+    for d in dumps:
+        for e in d.entries:
+            if e.seq <= 0 or e.op.endswith(("send", "recv")):
+                continue  # point-to-point calls are numbered apart (p2p_seq_id)
+            by_group.setdefault(e.pg, {}).setdefault(d.rank, {})[e.seq] = e
+            descs[e.pg] = descs.get(e.pg) or e.desc
+    completion = {d.rank: d.completion_recorded for d in dumps}
+    groups = [_group(pg, ranks, descs.get(pg, ""), missing, completion) for pg, ranks in sorted(by_group.items())]
+    groups.sort(key=lambda g: (g["state"] == "ok", g["seq"] if g["seq"] is not None else 0))
+    return {"ranks": sorted(present), "world_size": world, "missing": missing, "groups": groups,
+            "files": {d.rank: str(d.file) for d in dumps}}
+
+
+def _group(pg: str, ranks: dict[int, dict[int, Entry]], desc: str, missing: list[int],
+           completion: dict[int, bool]) -> dict[str, Any]:
+    members = sorted(ranks)
+    first_seen = {r: min(ranks[r]) for r in members}
+    last_seen = {r: max(ranks[r]) for r in members}
+    top = max(last_seen.values())
+    start = max(first_seen.values())  # below it some buffer has wrapped: nothing to compare there
+    stop = None
+    for seq in range(start, top + 1):
+        entered = {r: ranks[r].get(seq) for r in members}
+        if any(e is None for e in entered.values()) or len({e.signature() for e in entered.values() if e}) > 1:
+            stop = seq
+            break
+    out: dict[str, Any] = {"pg": pg, "desc": desc, "dim": collectives.group_dim(pg, desc), "members": members,
+                           "compared_from_seq": start, "last_seq": top}
+    if stop is None:
+        done = [r for r in members if completion.get(r)]
+        unfinished = [r for r in done if ranks[r][top].state != "completed"]
+        out.update(seq=top, op=_op(ranks[members[0]][top]))
+        if unfinished:
+            out.update(state="hung", culprits=[_culprit(r, "not_completed", ranks[r], top) for r in unfinished])
+        elif len(done) < len(members):
+            out.update(state="entered", note=f"every member entered #{top}, the group's last; whether it completed "
+                       "is not recorded by this backend (gloo)", culprits=[])
+        else:
+            out.update(state="ok", culprits=[])
+        return out
+    entered = {r: ranks[r].get(stop) for r in members}
+    votes: dict[tuple, list[int]] = {}
+    for r, e in entered.items():
+        if e is not None:
+            votes.setdefault(e.signature(), []).append(r)
+    expected_sig = max(votes, key=lambda k: (len(votes[k]), -min(votes[k]))) if votes else None
+    expected = next((entered[r] for r in votes.get(expected_sig, [])), None)
+    culprits = []
+    for r in members:
+        e = entered[r]
+        if e is None:
+            culprits.append(_culprit(r, "never_entered", ranks[r], stop))
+        elif e.signature() != expected_sig:
+            c = _culprit(r, "desync", ranks[r], stop)
+            c["got"] = _what(e)
+            c["expected"] = _what(expected)
+            c["expected_from"] = votes[expected_sig]
+            culprits.append(c)
+    for r in missing:  # a rank with no dump is in the group as far as can be told: inside its members' span
+        if members[0] < r < members[-1]:
+            culprits.append({"rank": r, "class": "missing", "detail": "no Flight Recorder dump from this rank"})
+    out.update(state="hung", seq=stop, op=_op(expected) if expected else None, culprits=culprits,
+               entered=sorted(votes.get(expected_sig, [])))
+    return out
+
+
+def _culprit(rank: int, cls: str, mine: dict[int, Entry], seq: int) -> dict[str, Any]:
+    before = [s for s in mine if s < seq]
+    last = mine[max(before)] if before else None
+    out: dict[str, Any] = {"rank": rank, "class": cls}
+    if last is not None:
+        out["last_entered"] = {"seq": last.seq, "op": _op(last), **_what(last)}
+        out["stack"] = last.stack
+    if cls != "never_entered" and seq in mine:
+        out["stack"] = mine[seq].stack
+    return out
+
+
+def _op(e: Entry) -> str:
+    return collectives.normalize_op(e.op) or e.op
+
+
+def _what(e: Entry) -> dict[str, Any]:
+    return {"op": _op(e), "sizes": e.sizes, "dtypes": e.dtypes}
+
+
+def format_text(result: dict[str, Any]) -> str:
+    """What to look at first, then every group."""
+    lines = []
+    hung = [g for g in result["groups"] if g["state"] == "hung"]
+    if len(result["ranks"]) == 1:
+        lines.append(f"one rank's dump ({result['ranks'][0]}): a hang is read across ranks, so there is nothing to "
+                     "compare it with; give the directory of every rank's dump")
+    if result["missing"]:
+        lines.append(f"no dump from rank(s) {', '.join(map(str, result['missing']))}: died, or never wrote one")
+    if not hung:
+        lines.append("no group is stuck in these dumps: every member of every group got through the same "
+                     "collectives" + (" (gloo does not record completion: see below)"
+                                      if any(g["state"] == "entered" for g in result["groups"]) else ""))
+    for g in hung:
+        head = f"{_group_name(g)}: stuck at {g['op']} #{g['seq']}"
+        lines.append(head)
+        for c in g["culprits"]:
+            lines.append("  " + _culprit_text(c, g))
+    for g in result["groups"]:
+        if g["state"] != "hung":
+            lines.append(f"{_group_name(g)}: {g['state']} through #{g['last_seq']}"
+                         + (f" -- {g['note']}" if g.get("note") else ""))
+    return "\n".join(lines)
+
+
+def _group_name(g: dict[str, Any]) -> str:
+    desc = f' "{g["desc"]}"' if g["desc"] and g["desc"] != g["pg"] else ""
+    return f"group {g['pg']}{desc} ({g['dim'] or 'dimension unknown'}, ranks {_span(g['members'])})"
+
+
+def _user_frame(stack: list[str]) -> str | None:
+    """The first frame of the stack outside torch itself: the caller's line, not c10d's."""
+    return next((f for f in stack if "/torch/" not in f.split(" ")[0]), stack[0] if stack else None)
+
+
+def _culprit_text(c: dict[str, Any], g: dict[str, Any]) -> str:
+    last = c.get("last_entered")
+    after = f"; its last: {last['op']} #{last['seq']}" if last else ""
+    frame = _user_frame(c.get("stack") or [])
+    where = f", called at {frame}" if frame else ""
+    if c["class"] == "never_entered":
+        return f"rank {c['rank']} never entered it{after}{where}"
+    if c["class"] == "desync":
+        return (f"rank {c['rank']} desynced: entered #{g['seq']} as {c['got']['op']} {c['got']['sizes']} "
+                f"{c['got']['dtypes']} where ranks {_span(c['expected_from'])} entered {c['expected']['op']} "
+                f"{c['expected']['sizes']} {c['expected']['dtypes']}{where}")
+    if c["class"] == "not_completed":
+        return f"rank {c['rank']} entered it and never completed it (a peer or the link){where}"
+    return f"rank {c['rank']}: {c.get('detail', c['class'])}"
+
+
+def _span(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))

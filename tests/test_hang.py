@@ -1,0 +1,134 @@
+"""``mfuscope hang`` on real Flight Recorder dumps of a real hang: four gloo ranks run three all-reduces
+in a data-parallel group, then rank 2 calls a broadcast where the others call the fourth all-reduce
+(a desync) and rank 3 calls nothing (it never enters); with a 2 s collective timeout the waiting ranks
+fail, and every rank writes its dump as a job's ranks would (``_dump_fr_trace``).  Expected values
+are the injected faults: group "dp" stuck at all_reduce #4, rank 2 desynced (broadcast against
+all_reduce, both sizes), rank 3 never entered it (its last all_reduce #3), and a rank whose dump is
+gone reported missing.  Bad dumps are one line and exit code 2.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mfuscope.analyzers import hang
+
+torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+
+
+def _rank_main(out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    dp = dist.new_group(list(range(4)), group_desc="dp")
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=2), dp)
+    x = torch.ones(16)
+    for _ in range(3):
+        dist.all_reduce(x, group=dp)
+    try:
+        if rank == 2:
+            dist.broadcast(x, src=0, group=dp)  # the desync: another collective at the same number
+        elif rank != 3:  # rank 3 never enters
+            dist.all_reduce(x, group=dp)
+    except RuntimeError:  # gloo's timeout: what a watchdog would turn into a dump
+        pass
+    Path(out, f"nccl_trace_rank_{rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+    json_dump = torch._C._distributed_c10d._dump_fr_trace_json()
+    Path(out, f"nccl_trace_rank_{rank}.json").write_bytes(json_dump if isinstance(json_dump, bytes)
+                                                            else json_dump.encode())
+    deadline = time.monotonic() + 60  # stay until every rank dumped (leaving would reset their sockets)
+    while len(list(Path(out).glob("nccl_trace_rank_?"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> Path:
+    from mfuscope.reference_trainer.launch import fork_ranks
+
+    out = tmp_path_factory.mktemp("fr")
+    fork_ranks(_rank_main, 4, str(out), timeout=120)
+    return out
+
+
+def _hang_cli(path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mfuscope", "hang", str(path), *extra], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_hang_and_a_desync_are_named_from_the_dumps(dumps):
+    cli = _hang_cli(dumps, "--json")
+    assert cli.returncode == 0, cli.stderr
+    result = json.loads(cli.stdout)
+    assert result["ranks"] == [0, 1, 2, 3] and result["missing"] == []
+    stuck = [g for g in result["groups"] if g["state"] == "hung"]
+    assert len(stuck) == 1
+    g = stuck[0]
+    assert (g["desc"], g["dim"], g["op"], g["seq"], g["members"]) == ("dp", "dp", "all_reduce", 4, [0, 1, 2, 3])
+    by_rank = {c["rank"]: c for c in g["culprits"]}
+    assert sorted(by_rank) == [2, 3]
+    assert by_rank[2]["class"] == "desync"
+    assert (by_rank[2]["got"]["op"], by_rank[2]["expected"]["op"]) == ("broadcast", "all_reduce")
+    assert by_rank[2]["got"]["sizes"] == by_rank[2]["expected"]["sizes"] == [[16]]
+    assert by_rank[2]["expected_from"] == [0, 1]
+    assert by_rank[3]["class"] == "never_entered"
+    assert (by_rank[3]["last_entered"]["op"], by_rank[3]["last_entered"]["seq"]) == ("all_reduce", 3)
+    # the text says it first, with the caller's line (not c10d's)
+    text = _hang_cli(dumps).stdout.splitlines()
+    assert text[0] == 'group 1 "dp" (dp, ranks 0-3): stuck at all_reduce #4'
+    assert text[1].startswith("  rank 2 desynced: entered #4 as broadcast") and "test_hang.py" in text[1]
+    assert text[2].startswith("  rank 3 never entered it; its last: all_reduce #3, called at ")
+
+
+def test_the_json_dumps_say_the_same_and_a_lost_rank_is_missing(dumps, tmp_path):
+    only_json = tmp_path / "json"
+    only_json.mkdir()
+    for f in dumps.glob("*.json"):
+        shutil.copy(f, only_json)
+    result = hang.diagnose(*hang.read_dumps(only_json))
+    g = next(g for g in result["groups"] if g["state"] == "hung")
+    assert {c["rank"]: c["class"] for c in g["culprits"]} == {2: "desync", 3: "never_entered"}
+    (only_json / "nccl_trace_rank_1.json").unlink()  # rank 1 died without a dump
+    result = hang.diagnose(*hang.read_dumps(only_json))
+    g = next(g for g in result["groups"] if g["state"] == "hung")
+    assert result["missing"] == [1]
+    assert {c["rank"]: c["class"] for c in g["culprits"]} == {1: "missing", 2: "desync", 3: "never_entered"}
+    # rank 2 still desynced against rank 0 alone, the one left that entered all_reduce #4
+    assert next(c for c in g["culprits"] if c["rank"] == 2)["expected_from"] == [0]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty file"),
+    (b'{"version": "2.10"}', "no 'entries'"),
+    (b'{"entries": [{"profiling_name": "nccl:all_reduce"}]}', "without its group or sequence number"),
+    (b'{"entries": [', "invalid JSON"),
+    (pickle.dumps({"entries": []})[:-5], "not a readable Flight Recorder dump"),
+    (pickle.dumps(_Evil()), "refusing to load"),
+], ids=["empty", "no-entries", "entry-without-seq", "cut-json", "cut-pickle", "pickle-with-code"])
+def test_a_bad_dump_is_one_line_and_exit_2(tmp_path, content, message):
+    (tmp_path / "nccl_trace_rank_0").write_bytes(content)
+    cli = _hang_cli(tmp_path)
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr
+    assert len(cli.stderr.strip().splitlines()) == 1 and message in cli.stderr, cli.stderr
+    assert "nccl_trace_rank_0" in cli.stderr and "pwned" not in cli.stdout
+
+
+def test_a_directory_without_dumps_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("no dump here")
+    cli = _hang_cli(tmp_path)
+    assert cli.returncode == 2 and "no Flight Recorder dump here" in cli.stderr
