@@ -36,10 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mfuscope import run_dir
 from mfuscope.errors import UserInputError
 
 from . import collectives
 
+#: Where the collectors put each rank's dump in a run directory (collectors/flight_recorder.py).
+FOLDER = "flight_recorder"
 #: A dump's rank is the number its file name ends with (``nccl_trace_rank_3``, ``dump_rank_3.json``).
 _RANK = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 
@@ -73,6 +76,8 @@ def read_dumps(path: str | Path) -> tuple[list[Dump], int | None]:
     """Every Flight Recorder dump under ``path`` (a directory, or one file), and the world size where
     a dump's group lists say it.  A file that is not a readable dump: UserInputError naming it."""
     path = Path(path)
+    if (path / FOLDER).is_dir():  # a run directory: the dumps its ranks wrote when it ended early
+        path = path / FOLDER
     files = sorted(f for f in path.iterdir() if f.is_file() and _RANK.search(f.name)) if path.is_dir() else [path]
     dumps: dict[int, Dump] = {}
     world = None
@@ -152,8 +157,20 @@ def _ranks(text: Any) -> list[int]:
     return []
 
 
-def diagnose(dumps: list[Dump], world: int | None = None) -> dict[str, Any]:
-    """Per process group, where it stopped and who is to blame (see the module docstring)."""
+def run_group_dims(path: str | Path) -> dict[str, str]:
+    """Group name -> parallel dimension, as the collectors recorded them in a run directory's
+    manifest (Flight Recorder names a group only by its number and description)."""
+    try:
+        manifest = run_dir.read_manifest(path) if run_dir.is_run_dir(path) else None
+    except UserInputError:
+        return {}
+    return {str(g["name"]): g["dim"] for g in (manifest or {}).get("process_groups") or []
+            if g.get("name") is not None and g.get("dim")}
+
+
+def diagnose(dumps: list[Dump], world: int | None = None, dims: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per process group, where it stopped and who is to blame (see the module docstring);
+    ``dims``: group name -> dimension where the run recorded it (:func:`run_group_dims`)."""
     world = max(world or 0, max(d.rank for d in dumps) + 1)
     present = {d.rank for d in dumps}
     missing = sorted(set(range(world)) - present)
@@ -166,14 +183,15 @@ def diagnose(dumps: list[Dump], world: int | None = None) -> dict[str, Any]:
             by_group.setdefault(e.pg, {}).setdefault(d.rank, {})[e.seq] = e
             descs[e.pg] = descs.get(e.pg) or e.desc
     completion = {d.rank: d.completion_recorded for d in dumps}
-    groups = [_group(pg, ranks, descs.get(pg, ""), missing, completion) for pg, ranks in sorted(by_group.items())]
+    groups = [_group(pg, ranks, descs.get(pg, ""), missing, completion, (dims or {}).get(pg))
+              for pg, ranks in sorted(by_group.items())]
     groups.sort(key=lambda g: (g["state"] == "ok", g["seq"] if g["seq"] is not None else 0))
     return {"ranks": sorted(present), "world_size": world, "missing": missing, "groups": groups,
             "files": {d.rank: str(d.file) for d in dumps}}
 
 
 def _group(pg: str, ranks: dict[int, dict[int, Entry]], desc: str, missing: list[int],
-           completion: dict[int, bool]) -> dict[str, Any]:
+           completion: dict[int, bool], dim: str | None) -> dict[str, Any]:
     members = sorted(ranks)
     first_seen = {r: min(ranks[r]) for r in members}
     last_seen = {r: max(ranks[r]) for r in members}
@@ -185,13 +203,16 @@ def _group(pg: str, ranks: dict[int, dict[int, Entry]], desc: str, missing: list
         if any(e is None for e in entered.values()) or len({e.signature() for e in entered.values() if e}) > 1:
             stop = seq
             break
-    out: dict[str, Any] = {"pg": pg, "desc": desc, "dim": collectives.group_dim(pg, desc), "members": members,
+    out: dict[str, Any] = {"pg": pg, "desc": desc, "dim": dim or collectives.group_dim(pg, desc), "members": members,
                            "compared_from_seq": start, "last_seq": top}
+    lost = [r for r in missing if members[0] < r < members[-1]]  # in the group as far as can be told
     if stop is None:
         done = [r for r in members if completion.get(r)]
         unfinished = [r for r in done if ranks[r][top].state != "completed"]
         out.update(seq=top, op=_op(ranks[members[0]][top]))
-        if unfinished:
+        if lost:  # the others got as far as their last collective: the rank without a dump is the story
+            out.update(state="hung", entered=members, culprits=[_missing(r) for r in lost])
+        elif unfinished:
             out.update(state="hung", culprits=[_culprit(r, "not_completed", ranks[r], top) for r in unfinished])
         elif len(done) < len(members):
             out.update(state="entered", note=f"every member entered #{top}, the group's last; whether it completed "
@@ -217,12 +238,14 @@ def _group(pg: str, ranks: dict[int, dict[int, Entry]], desc: str, missing: list
             c["expected"] = _what(expected)
             c["expected_from"] = votes[expected_sig]
             culprits.append(c)
-    for r in missing:  # a rank with no dump is in the group as far as can be told: inside its members' span
-        if members[0] < r < members[-1]:
-            culprits.append({"rank": r, "class": "missing", "detail": "no Flight Recorder dump from this rank"})
+    culprits += [_missing(r) for r in lost]
     out.update(state="hung", seq=stop, op=_op(expected) if expected else None, culprits=culprits,
                entered=sorted(votes.get(expected_sig, [])))
     return out
+
+
+def _missing(rank: int) -> dict[str, Any]:
+    return {"rank": rank, "class": "missing", "detail": "no Flight Recorder dump from this rank"}
 
 
 def _culprit(rank: int, cls: str, mine: dict[int, Entry], seq: int) -> dict[str, Any]:
@@ -275,9 +298,16 @@ def _group_name(g: dict[str, Any]) -> str:
     return f"group {g['pg']}{desc} ({g['dim'] or 'dimension unknown'}, ranks {_span(g['members'])})"
 
 
+#: mfuscope's own collectors wrap the collectives: their frames are not the caller's either.
+_COLLECTORS = str(Path(__file__).resolve().parent.parent / "collectors") + "/"
+
+
 def _user_frame(stack: list[str]) -> str | None:
-    """The first frame of the stack outside torch itself: the caller's line, not c10d's."""
-    return next((f for f in stack if "/torch/" not in f.split(" ")[0]), stack[0] if stack else None)
+    """The first frame outside torch and mfuscope's collectors: the caller's line, not c10d's."""
+    def outside(frame: str) -> bool:
+        file = frame.split(" ")[0]
+        return "/torch/" not in file and not file.startswith(_COLLECTORS)
+    return next((f for f in stack if outside(f)), stack[0] if stack else None)
 
 
 def _culprit_text(c: dict[str, Any], g: dict[str, Any]) -> str:

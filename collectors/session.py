@@ -39,6 +39,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.run_dir import ENV_PREPARED
 from mfuscope.window import parse_window
 
+from . import flight_recorder
 from .comm_timer import COLUMNS as COMM_COLUMNS
 from .comm_timer import CommTimer
 from .cpu_peak import measured_matmul_peak
@@ -73,6 +74,8 @@ class ProfileSession:
         self._parts = {run_dir.STEPS: 0, run_dir.COMM: 0, run_dir.NVML: 0}
         self._previous_handlers: dict[int, Any] = {}
         self._lock = threading.RLock()  # a signal may arrive while close() runs
+        self._closing = False
+        self._pending_signal: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ProfileSession:
@@ -144,19 +147,29 @@ class ProfileSession:
             if not self.running:
                 return
             self.running = False
+            self._closing = True
         try:
             # Each stop on its own: the rows already captured are written even if one collector
             # fails to stop (a signal can land anywhere, e.g. inside a DDP comm hook).
-            stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall,
-                     self._restore_signal_handlers]
+            stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall]
             for stop in ([self.kineto.stop] if self.kineto is not None else []) + stops:
                 _warn_on_failure(stop, f"rank {self.rank}: stopping {stop.__qualname__}")
             self.flush()
+            if ended_early:  # what the job's collectives were doing, for `mfuscope hang`
+                _warn_on_failure(lambda: flight_recorder.dump(self.out, self.rank),
+                                 f"rank {self.rank}: writing its Flight Recorder dump")
         finally:
             if ended_early:
                 run_dir.mark_ended_early(self.out, f"rank {self.rank}: {ended_early}")
             elif self.rank == 0:
                 run_dir.update_manifest(self.out, self._finish_manifest)
+            # Only now: a launcher's SIGTERM (sent to every rank once one fails) that lands while this
+            # rank writes what it has would otherwise kill it half-way; it was held, and is delivered.
+            self._closing = False
+            self._restore_signal_handlers()
+            pending, self._pending_signal = self._pending_signal, None
+            if pending is not None:
+                os.kill(os.getpid(), pending)
 
     def flush(self, upto_step: int | None = None) -> None:
         """Write this rank's finished rows as new table parts; a table that cannot be taken or
@@ -241,6 +254,9 @@ class ProfileSession:
         self._previous_handlers.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._closing:  # delivered when close() is done
+            self._pending_signal = signum
+            return
         previous = self._previous_handlers.get(signum, signal.SIG_DFL)
         self.close(ended_early=signal.Signals(signum).name)
         # Then do what would have happened without us.

@@ -394,10 +394,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, env={**os.environ, run_dir.ENV_PREPARED: str(args.out.resolve())})
     if rc != 0:
-        print(f"mfuscope: error: training failed (torchrun exit {rc})", file=sys.stderr)
+        print(f"mfuscope: error: {_why_training_failed(args.out, rc)}", file=sys.stderr)
         return rc
     print(f"run directory: {args.out}")
     return 0
+
+
+def _why_training_failed(out: Path, rc: int) -> str:
+    """One line: a job whose collectives timed out hung -- where, from its ranks' Flight Recorder
+    dumps -- else torchrun's exit code."""
+    from mfuscope import run_dir
+    from mfuscope.analyzers import hang
+
+    failed = f"training failed (torchrun exit {rc})"
+    try:
+        reason = (run_dir.read_manifest(out) or {}).get("ended_reason") or ""
+    except UserInputError:
+        return failed
+    if "timed out" not in reason.lower() or not (Path(out) / hang.FOLDER).is_dir():
+        return failed
+    try:
+        first = hang.format_text(hang.diagnose(*hang.read_dumps(out), hang.run_group_dims(out))).splitlines()
+    except UserInputError:
+        first = []
+    where = f": {first[0]}" + (f"; {first[1].strip()}" if len(first) > 1 and first[1].startswith("  ") else "") \
+        if first else ""
+    return f"the job hung (a collective timed out){where} -- `mfuscope hang {out}` has every group"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -435,7 +457,7 @@ def cmd_hang(args: argparse.Namespace) -> int:
     if not Path(args.path).exists():
         raise UserInputError("no such file or directory", args.path)
     dumps, world = hang.read_dumps(args.path)
-    result = hang.diagnose(dumps, world)
+    result = hang.diagnose(dumps, world, hang.run_group_dims(args.path))
     print(json.dumps(result, indent=2) if args.json else hang.format_text(result))
     return 0
 

@@ -107,6 +107,10 @@ class TrainerOptions:
         None, "faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
               "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, jitter_ms=J "
               "(docs/reference_trainer.md)", record=True)
+    collective_timeout: float | None = _flag(
+        None, "seconds a collective may wait before it fails (set on every process group after a normal "
+              "rendezvous): a hung run then ends, and every rank's Flight Recorder dump is written for "
+              "`mfuscope hang`", record=True, metavar="SECONDS")
     paced: str | None = _flag(None, "fixed stage times, e.g. fwd_ms=20,bwd_ms=40[,w_ms=20][,per=sample][,scope=layer]",
                               record=True)
     stage_layers: tuple[int, ...] | None = _flag(

@@ -25,6 +25,12 @@ gc          ms, rank                               the training thread pauses wi
 optimizer   ms, rank                               a slow optimizer step (inside ``Optimizer.step``)
 sync        rank                                   a device-to-host sync (``.item()``) after every
                                                    transformer block's forward
+hang        rank, step                             the rank stops at the start of that step, before its
+                                                   next collective, and waits until it is killed (its
+                                                   peers block in that collective: with
+                                                   ``--collective-timeout`` they fail and the job ends)
+die         rank, step                             the rank kills itself (SIGKILL) at the start of that
+                                                   step: no handler runs, nothing is flushed
 ==========  =====================================  ===================================================
 
 Every kind also takes ``every=N`` (only on steps divisible by N: an intermittent
@@ -50,12 +56,14 @@ _KEYS = {  # kind -> (required keys, optional keys)
     "gc": ({"ms"}, {"rank"}),
     "optimizer": ({"ms"}, {"rank"}),
     "sync": (set(), {"rank"}),
+    "hang": ({"rank", "step"}, set()),
+    "die": ({"rank", "step"}, set()),
 }
 _COMMON = {"every", "jitter_ms"}
 LINK_DIMS = ("dp", "pp", "cp", "ep")
 _EXAMPLES = ("e.g. compute:rank=3:ms=50, compute:rank=1:ms=30:pass=bwd, comm:dim=tp:ms=20, "
              "stage:stage=1:ms=30, link:dim=dp:gbps=1, loader:ms=200:every=4, gc:ms=80:rank=2, "
-             "optimizer:ms=40, sync:rank=0")
+             "optimizer:ms=40, sync:rank=0, hang:rank=3:step=4, die:rank=1:step=2")
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class Fault:
     gbps: float | None = None  # link
     every: int = 1
     jitter_ms: float = 0.0
+    step: int | None = None    # hang/die: the step it happens at
 
     def hits(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
@@ -98,11 +107,13 @@ def _parse_one(spec: str) -> Fault:
                       rank=int(kv["rank"]) if "rank" in kv else (0 if kind == "comm" else None),
                       dim=kv.get("dim"), stage=int(kv["stage"]) if "stage" in kv else None, phase=kv.get("pass", "fwd"),
                       gbps=float(kv["gbps"]) if "gbps" in kv else None, every=int(kv.get("every", 1)),
-                      jitter_ms=float(kv.get("jitter_ms", 0)))
+                      jitter_ms=float(kv.get("jitter_ms", 0)), step=int(kv["step"]) if "step" in kv else None)
     except ValueError:
         raise UserInputError(f"--inject: cannot read the numbers in {spec!r}; {_EXAMPLES}") from None
     if fault.phase not in ("fwd", "bwd"):
         raise UserInputError(f"--inject: {spec!r}: pass is fwd or bwd")
+    if fault.step is not None and fault.step < 0:
+        raise UserInputError(f"--inject: {spec!r}: step must be >= 0")
     if fault.every < 1 or fault.ms < 0 or fault.jitter_ms < 0 or (fault.gbps is not None and fault.gbps <= 0):
         raise UserInputError(f"--inject: {spec!r}: every must be >= 1, ms and jitter_ms >= 0, gbps > 0")
     if kind == "comm" and fault.dim != "tp":

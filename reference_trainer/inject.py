@@ -16,7 +16,10 @@ layer of the stage, so an uneven ``--stage-layers`` split makes uneven stages.
 from __future__ import annotations
 
 import functools
+import os
 import random
+import signal
+import sys
 import time
 
 import torch
@@ -60,6 +63,15 @@ class Injector:
     def begin_step(self, step: int) -> None:
         """Called first thing inside each step: the step-level stalls happen here."""
         self.step = step
+        for f in self.of("die"):
+            if f.step == step:
+                print(f"mfuscope: injected fault: rank {self.rank} dies at step {step}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        for f in self.of("hang"):
+            if f.step == step:
+                print(f"mfuscope: injected fault: rank {self.rank} hangs at step {step}", file=sys.stderr, flush=True)
+                while True:  # until killed: a rank stuck on the host, as most real hangs are
+                    time.sleep(1)
         for f in self.of("loader"):
             if seconds := self.seconds(f):
                 with record_function(f"enumerate(DataLoader)#{labels.inject_label('loader')}"):

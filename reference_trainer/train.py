@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import os
 import sys
 import time
@@ -182,6 +183,8 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
     session = (instrument(rank) if instrument else
                _session(opts, cfg, dims, modules[0], extra_groups, tokens_per_step))
     loop_starts, grads = [], []
+    if opts.collective_timeout:
+        _set_collective_timeout(opts.collective_timeout)
     with session:
         for step in range(cfg.steps):
             loop_starts.append(time.perf_counter())
@@ -261,6 +264,14 @@ def _session(opts: TrainerOptions, cfg: TrainConfig, dims: ParallelDims, model, 
                           manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
                                     "trainer": opts.to_manifest(),
                                     "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
+
+
+def _set_collective_timeout(seconds: float) -> None:
+    """Every process group's collectives fail after ``seconds`` (set after the rendezvous and the
+    groups' creation, which may take longer): a hung job then ends instead of waiting forever."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, pg)
 
 
 def _groups_by_dim(dims: ParallelDims, extra_groups: dict) -> dict[str, list]:

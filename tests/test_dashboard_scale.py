@@ -24,6 +24,8 @@ import pytest
 from .helpers import synthetic_job
 from .test_dashboard import ARTIFACTS, WAIT_S, Page, _free_port, browser  # noqa: F401 -- browser: a fixture
 
+#: The paced lane (tests/lanes.py): page loads are timed, so the machine should be otherwise idle.
+pytestmark = [pytest.mark.slow, pytest.mark.paced]
 WORLD, SLOW_RANK, SLOW_STEP = 1024, 517, 2
 
 

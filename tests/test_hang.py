@@ -132,3 +132,45 @@ def test_a_directory_without_dumps_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("no dump here")
     cli = _hang_cli(tmp_path)
     assert cli.returncode == 2 and "no Flight Recorder dump here" in cli.stderr
+
+
+def _train(out: Path, inject: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "4",
+                           "--layout", "dp_shard=4", "--steps", "6", "--inject", inject, "--collective-timeout", "5",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.paced  # a collective timeout of 5 s: run where the machine is not loaded by the other lane
+def test_a_trainer_run_that_hangs_ends_in_its_timeout_and_says_where(tmp_path):
+    """``--inject hang:rank=3:step=4 --collective-timeout 5``: rank 3 stops before its step-4
+    collectives; its peers time out, every rank (rank 3 on the launcher's SIGTERM) writes its Flight
+    Recorder dump, and the launcher's one line names rank 3.  PyTorch's own reader (fr_trace) on the
+    same dumps is the independent check."""
+    run = tmp_path / "hung"
+    started = time.monotonic()
+    cli = _train(run, "hang:rank=3:step=4")
+    took = time.monotonic() - started
+    assert cli.returncode != 0
+    last = cli.stderr.strip().splitlines()[-1]
+    assert last.startswith("mfuscope: error: the job hung (a collective timed out): group ") and \
+        "rank 3 never entered it" in last, cli.stderr[-3000:]
+    assert took < 240, took  # ended by the timeout, not by the test's own limit
+    result = json.loads(_hang_cli(run, "--json").stdout)
+    stuck = [g for g in result["groups"] if g["state"] == "hung"]
+    assert [c["rank"] for g in stuck for c in g["culprits"]] == [3]
+    assert stuck[0]["culprits"][0]["class"] == "never_entered" and stuck[0]["dim"].startswith("dp")
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                         str(run / hang.FOLDER)], capture_output=True, text=True, timeout=120)
+    said = fr.stdout + fr.stderr  # its report goes through logging
+    assert f"sequence number: {stuck[0]['seq']}" in said and "missing ranks: {3}" in said, said[:3000]
+
+
+@pytest.mark.paced
+def test_a_rank_that_dies_is_missing(tmp_path):
+    run = tmp_path / "died"
+    cli = _train(run, "die:rank=1:step=3")
+    assert cli.returncode != 0
+    result = json.loads(_hang_cli(run, "--json").stdout)
+    assert result["missing"] == [1] and result["ranks"] == [0, 2, 3]
+    stuck = [g for g in result["groups"] if g["state"] == "hung"]
+    assert stuck and all({c["rank"]: c["class"] for c in g["culprits"]} == {1: "missing"} for g in stuck)
