@@ -43,6 +43,8 @@ from . import collectives
 
 #: Where the collectors put each rank's dump in a run directory (collectors/flight_recorder.py).
 FOLDER = "flight_recorder"
+#: ...and their write-ahead records of every collective (collectors/collective_journal.py).
+RECORDS = "collectives"
 #: A dump's rank is the number its file name ends with (``nccl_trace_rank_3``, ``dump_rank_3.json``).
 _RANK = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 
@@ -59,6 +61,8 @@ class Entry:
     dtypes: list
     state: str
     stack: list[str]
+    step: int | None = None
+    dim: str | None = None  # the collectors' records name it
 
     def signature(self) -> tuple:
         return (self.op, json.dumps(self.sizes), json.dumps(self.dtypes))
@@ -70,12 +74,18 @@ class Dump:
     file: Path
     entries: list[Entry]
     completion_recorded: bool  # the backend records completion (NCCL), not gloo's "scheduled" forever
+    died: bool = False  # records but no Flight Recorder dump, where its peers wrote theirs
 
 
 def read_dumps(path: str | Path) -> tuple[list[Dump], int | None]:
-    """Every Flight Recorder dump under ``path`` (a directory, or one file), and the world size where
-    a dump's group lists say it.  A file that is not a readable dump: UserInputError naming it."""
+    """What every rank recorded of its collectives under ``path``: a run directory's write-ahead
+    records (``collectives/``, from the collectors: they survive a rank killed by a signal and say
+    when each call completed), else the Flight Recorder dumps in ``path`` (a directory, or one
+    file), and the world size where the records say it.  A file that is not readable:
+    UserInputError naming it."""
     path = Path(path)
+    if (path / RECORDS).is_dir() and any((path / RECORDS).glob("rank*.jsonl")):
+        return read_records(path)
     if (path / FOLDER).is_dir():  # a run directory: the dumps its ranks wrote when it ended early
         path = path / FOLDER
     files = sorted(f for f in path.iterdir() if f.is_file() and _RANK.search(f.name)) if path.is_dir() else [path]
@@ -104,6 +114,42 @@ def read_dumps(path: str | Path) -> tuple[list[Dump], int | None]:
         raise UserInputError("no Flight Recorder dump here (files named ..._rank_N, pickled or JSON, with "
                              "'entries')", path)
     return [dumps[r] for r in sorted(dumps)], world
+
+
+def read_records(run: Path) -> tuple[list[Dump], int | None]:
+    """The collectors' write-ahead records of a run (collectors/collective_journal.py), as dumps."""
+    dumps = []
+    for f in sorted((run / RECORDS).glob("rank*.jsonl")):
+        m = re.fullmatch(r"rank(\d+)\.jsonl", f.name)
+        if m is None:
+            continue
+        calls: dict[tuple[str, int], Entry] = {}
+        for n, line in enumerate(f.read_bytes().splitlines(), 1):
+            try:
+                r = json.loads(line)
+                key = (str(r["pg"]), int(r["seq"]) + 1)  # numbered from 1, as Flight Recorder does
+                if r["e"] == "enq":
+                    calls[key] = Entry(key[0], "", key[1], str(r["op"]), r.get("shapes") or [],
+                                       [r["dtype"]] if r.get("dtype") else [], "scheduled", [], r.get("step"),
+                                       r.get("dim"))
+                elif r["e"] == "end" and key in calls:
+                    calls[key].state = "completed"
+            except (ValueError, KeyError, TypeError):
+                if n == len(f.read_bytes().splitlines()):
+                    break  # the last line cut off by the rank's death: the ones before it stand
+                raise UserInputError(f"line {n} is not a collective record", f) from None
+        dumps.append(Dump(int(m.group(1)), f, list(calls.values()), True))
+    wrote = {int(x.group(1)) for x in (_RANK.search(p.name) for p in (run / FOLDER).glob("*")) if x} \
+        if (run / FOLDER).is_dir() else set()
+    for d in dumps:  # a session that ended early writes its dump; a rank that did not was killed
+        d.died = bool(wrote) and d.rank not in wrote
+    world = None
+    try:
+        manifest = run_dir.read_manifest(run)
+        world = int(manifest.get("world_size") or 0) or None
+    except (UserInputError, ValueError, TypeError):
+        pass
+    return dumps, world
 
 
 def _read(f: Path) -> dict[str, Any] | None:
@@ -176,15 +222,23 @@ def diagnose(dumps: list[Dump], world: int | None = None, dims: dict[str, str] |
     missing = sorted(set(range(world)) - present)
     by_group: dict[str, dict[int, dict[int, Entry]]] = {}
     descs: dict[str, str] = {}
+    dims = dict(dims or {})
     for d in dumps:
         for e in d.entries:
             if e.seq <= 0 or e.op.endswith(("send", "recv")):
                 continue  # point-to-point calls are numbered apart (p2p_seq_id)
             by_group.setdefault(e.pg, {}).setdefault(d.rank, {})[e.seq] = e
             descs[e.pg] = descs.get(e.pg) or e.desc
+            if e.dim and e.pg not in dims:
+                dims[e.pg] = e.dim
+    died = {d.rank for d in dumps if d.died}
     completion = {d.rank: d.completion_recorded for d in dumps}
-    groups = [_group(pg, ranks, descs.get(pg, ""), missing, completion, (dims or {}).get(pg))
+    groups = [_group(pg, ranks, descs.get(pg, ""), missing, completion, dims.get(pg))
               for pg, ranks in sorted(by_group.items())]
+    for g in groups:
+        for c in g.get("culprits") or []:
+            if c["rank"] in died:
+                c["died"] = True
     groups.sort(key=lambda g: (g["state"] == "ok", g["seq"] if g["seq"] is not None else 0))
     return {"ranks": sorted(present), "world_size": world, "missing": missing, "groups": groups,
             "files": {d.rank: str(d.file) for d in dumps}}
@@ -253,10 +307,12 @@ def _culprit(rank: int, cls: str, mine: dict[int, Entry], seq: int) -> dict[str,
     last = mine[max(before)] if before else None
     out: dict[str, Any] = {"rank": rank, "class": cls}
     if last is not None:
-        out["last_entered"] = {"seq": last.seq, "op": _op(last), **_what(last)}
+        out["last_entered"] = {"seq": last.seq, "op": _op(last), "step": last.step, "state": last.state,
+                               **_what(last)}
         out["stack"] = last.stack
     if cls != "never_entered" and seq in mine:
         out["stack"] = mine[seq].stack
+        out["step"] = mine[seq].step
     return out
 
 
@@ -312,13 +368,16 @@ def _user_frame(stack: list[str]) -> str | None:
 
 def _culprit_text(c: dict[str, Any], g: dict[str, Any]) -> str:
     last = c.get("last_entered")
-    after = f"; its last: {last['op']} #{last['seq']}" if last else ""
+    at_step = f" (step {last['step']})" if last and last.get("step") is not None else ""
+    after = f"; its last: {last['op']} #{last['seq']}{at_step}" if last else ""
     frame = _user_frame(c.get("stack") or [])
     where = f", called at {frame}" if frame else ""
     if c["class"] == "never_entered":
-        return f"rank {c['rank']} never entered it{after}{where}"
+        died = " (it died: no Flight Recorder dump, where its peers wrote theirs)" if c.get("died") else ""
+        return f"rank {c['rank']} never entered it{died}{after}{where}"
     if c["class"] == "desync":
-        return (f"rank {c['rank']} desynced: entered #{g['seq']} as {c['got']['op']} {c['got']['sizes']} "
+        step = f" in step {c['step']}" if c.get("step") is not None else ""
+        return (f"rank {c['rank']} desynced{step}: entered #{g['seq']} as {c['got']['op']} {c['got']['sizes']} "
                 f"{c['got']['dtypes']} where ranks {_span(c['expected_from'])} entered {c['expected']['op']} "
                 f"{c['expected']['sizes']} {c['expected']['dtypes']}{where}")
     if c["class"] == "not_completed":

@@ -51,6 +51,7 @@ from torch.profiler import record_function
 
 from mfuscope import labels
 
+from .collective_journal import CollectiveJournal
 from .group_dims import GroupDims
 from .step_timer import DeviceClock
 
@@ -116,8 +117,10 @@ def _message_bytes(value: Any, how: str, group_size: int) -> int:
 class CommTimer:
     """Wraps the collectives while installed; ``rows`` holds what they did."""
 
-    def __init__(self, dims: GroupDims, current_step: Callable[[], int], clock: DeviceClock | None = None):
+    def __init__(self, dims: GroupDims, current_step: Callable[[], int], clock: DeviceClock | None = None,
+                 journal: CollectiveJournal | None = None):
         self.dims = dims
+        self.journal = journal           # write-ahead records of every call (collective_journal)
         self.current_step = current_step
         self.clock = clock               # set on GPU: ends are CUDA events, converted at flush
         self.cuda = clock is not None
@@ -220,6 +223,8 @@ class CommTimer:
             torch.cuda.nvtx.range_push(labels.comm_label(info["dim"], op))
             row[START] = self.clock.event()
         row[ENQUEUE] = time.time_ns()
+        if self.journal is not None:  # on disk before the call: a rank that dies in it is still read
+            self.journal.enqueued(pg, seq, op, info["dim"], row[BYTES], row[STEP], value)
         try:
             result = fn(*args, **kwargs)
         finally:
@@ -247,14 +252,19 @@ class CommTimer:
             # known by its storage.
             self._waiting[_storage_key(result.elem)] = (None, row)
         else:
-            row[END] = self.clock.event() if self.cuda else returned
+            self._ended(row, self.clock.event() if self.cuda else returned)
+
+    def _ended(self, row: list, end: Any) -> None:
+        row[END] = end
+        if self.journal is not None:
+            self.journal.completed(row[PG], row[SEQ])
 
     def _await_work(self, work: Any, row: list) -> None:
         # Known by id until waited on, so the wait can carry the call's label (see _labelled_wait).
         self._waiting[id(work)] = (work, row)
         if not self.cuda:
             try:
-                work.get_future().then(lambda _f, row=row: row.__setitem__(END, time.time_ns()))
+                work.get_future().then(lambda _f, row=row: self._ended(row, time.time_ns()))
             except RuntimeError:  # Work::getFuture not implemented (gloo send/recv): ends at wait
                 pass
 
@@ -264,7 +274,7 @@ class CommTimer:
             return
         row = entry[1]
         if row[END] is None or id(row) in self._batch_rows:
-            row[END] = self.clock.event() if self.cuda else time.time_ns()
+            self._ended(row, self.clock.event() if self.cuda else time.time_ns())
 
     def _labelled_wait(self, wait: Callable, key: Any, obj: Any, *args, **kwargs):
         """Run a wait; while profiling, under ``mfuscope.wait/<dim>/<op>`` of the call it waits for,

@@ -40,6 +40,7 @@ from mfuscope.run_dir import ENV_PREPARED
 from mfuscope.window import parse_window
 
 from . import flight_recorder
+from .collective_journal import CollectiveJournal
 from .comm_timer import COLUMNS as COMM_COLUMNS
 from .comm_timer import CommTimer
 from .cpu_peak import measured_matmul_peak
@@ -94,7 +95,8 @@ class ProfileSession:
         self.clock = DeviceClock() if cuda else None
         self.steps = StepTimer(self.rank, self.clock)
         self.groups = GroupDims(mesh_groups(self.mesh, self.extra_groups) if self.mesh is not None else None)
-        self.comm = CommTimer(self.groups, lambda: self.steps.step, self.clock)
+        self.journal = CollectiveJournal(self.out, self.rank)
+        self.comm = CommTimer(self.groups, lambda: self.steps.step, self.clock, self.journal)
         if self.rank == 0:
             run_dir.write_manifest(self.out, self._manifest("running"))
         self.comm.install()
@@ -151,7 +153,7 @@ class ProfileSession:
         try:
             # Each stop on its own: the rows already captured are written even if one collector
             # fails to stop (a signal can land anywhere, e.g. inside a DDP comm hook).
-            stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall]
+            stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall, self.journal.close]
             for stop in ([self.kineto.stop] if self.kineto is not None else []) + stops:
                 _warn_on_failure(stop, f"rank {self.rank}: stopping {stop.__qualname__}")
             self.flush()

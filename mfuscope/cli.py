@@ -401,25 +401,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _why_training_failed(out: Path, rc: int) -> str:
-    """One line: a job whose collectives timed out hung -- where, from its ranks' Flight Recorder
-    dumps -- else torchrun's exit code."""
+    """One line: where the job's collectives stopped -- from its ranks' write-ahead records or
+    Flight Recorder dumps -- else torchrun's exit code."""
     from mfuscope import run_dir
     from mfuscope.analyzers import hang
 
     failed = f"training failed (torchrun exit {rc})"
+    out = Path(out)
+    if not ((out / hang.RECORDS).is_dir() or (out / hang.FOLDER).is_dir()):
+        return failed
     try:
         reason = (run_dir.read_manifest(out) or {}).get("ended_reason") or ""
+        result = hang.diagnose(*hang.read_dumps(out), hang.run_group_dims(out))
     except UserInputError:
         return failed
-    if "timed out" not in reason.lower() or not (Path(out) / hang.FOLDER).is_dir():
+    if not any(g["state"] == "hung" for g in result["groups"]):
         return failed
-    try:
-        first = hang.format_text(hang.diagnose(*hang.read_dumps(out), hang.run_group_dims(out))).splitlines()
-    except UserInputError:
-        first = []
-    where = f": {first[0]}" + (f"; {first[1].strip()}" if len(first) > 1 and first[1].startswith("  ") else "") \
-        if first else ""
-    return f"the job hung (a collective timed out){where} -- `mfuscope hang {out}` has every group"
+    lines = hang.format_text(result).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("group "))
+    where = lines[first] + (f"; {lines[first + 1].strip()}" if first + 1 < len(lines)
+                            and lines[first + 1].startswith("  ") else "")
+    what = "the job hung (a collective timed out)" if "timed out" in reason.lower() else \
+        "the job stopped in a collective"
+    return f"{what}: {where} -- `mfuscope hang {out}` has every group"
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -31,6 +31,9 @@ hang        rank, step                             the rank stops at the start o
                                                    ``--collective-timeout`` they fail and the job ends)
 die         rank, step                             the rank kills itself (SIGKILL) at the start of that
                                                    step: no handler runs, nothing is flushed
+desync      rank, step                             the rank's first all-reduce of that step sends one
+                                                   element more than its peers' (gloo aborts the rank
+                                                   that receives it: SIGABRT, size mismatch)
 ==========  =====================================  ===================================================
 
 Every kind also takes ``every=N`` (only on steps divisible by N: an intermittent
@@ -58,12 +61,13 @@ _KEYS = {  # kind -> (required keys, optional keys)
     "sync": (set(), {"rank"}),
     "hang": ({"rank", "step"}, set()),
     "die": ({"rank", "step"}, set()),
+    "desync": ({"rank", "step"}, set()),
 }
 _COMMON = {"every", "jitter_ms"}
 LINK_DIMS = ("dp", "pp", "cp", "ep")
 _EXAMPLES = ("e.g. compute:rank=3:ms=50, compute:rank=1:ms=30:pass=bwd, comm:dim=tp:ms=20, "
              "stage:stage=1:ms=30, link:dim=dp:gbps=1, loader:ms=200:every=4, gc:ms=80:rank=2, "
-             "optimizer:ms=40, sync:rank=0, hang:rank=3:step=4, die:rank=1:step=2")
+             "optimizer:ms=40, sync:rank=0, hang:rank=3:step=4, die:rank=1:step=2, desync:rank=2:step=3")
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ class Injector:
                 print(f"mfuscope: injected fault: rank {self.rank} hangs at step {step}", file=sys.stderr, flush=True)
                 while True:  # until killed: a rank stuck on the host, as most real hangs are
                     time.sleep(1)
+        for f in self.of("desync"):
+            if f.step == step:
+                _one_wrong_size_all_reduce()
         for f in self.of("loader"):
             if seconds := self.seconds(f):
                 with record_function(f"enumerate(DataLoader)#{labels.inject_label('loader')}"):
@@ -121,6 +124,20 @@ class Injector:
             if hasattr(dist, name):  # all_gather_single (FSDP2's since torch 2.12) is newer than others
                 setattr(dist, name, _slowed(getattr(dist, name), slow, self, deadlines))
         _hold_works(deadlines)
+
+
+def _one_wrong_size_all_reduce() -> None:
+    """The next ``dist.all_reduce`` of this rank sends one element more than its peers expect.
+    Wrapped around what is there now -- the collectors' wrapper, while a session runs -- so the
+    records of the call carry the size actually sent."""
+    issued = dist.all_reduce
+
+    def wrong_size(tensor, *args, **kwargs):
+        dist.all_reduce = issued  # once
+        print("mfuscope: injected fault: this rank's all-reduce sends one element more", file=sys.stderr, flush=True)
+        return issued(torch.cat([tensor.reshape(-1), tensor.new_zeros(1)]), *args, **kwargs)
+
+    dist.all_reduce = wrong_size
 
 
 def _host_sync(module, args, out) -> None:

@@ -166,11 +166,39 @@ def test_a_trainer_run_that_hangs_ends_in_its_timeout_and_says_where(tmp_path):
 
 
 @pytest.mark.paced
-def test_a_rank_that_dies_is_missing(tmp_path):
+def test_a_killed_rank_is_read_from_its_records_and_missing_without_them(tmp_path):
+    """``die:rank=1:step=3``: SIGKILL, no handler, no dump -- but its write-ahead records say how far
+    it got (step 2's collectives, all completed).  Without its records it is missing."""
     run = tmp_path / "died"
     cli = _train(run, "die:rank=1:step=3")
     assert cli.returncode != 0
+    assert not (run / hang.FOLDER / "nccl_trace_rank_1").exists()
+    result = json.loads(_hang_cli(run, "--json").stdout)
+    stuck = [g for g in result["groups"] if g["state"] == "hung"]
+    assert stuck and all([c["rank"] for c in g["culprits"]] == [1] for g in stuck)
+    c = stuck[0]["culprits"][0]
+    assert (c["class"], c["died"], c["last_entered"]["step"], c["last_entered"]["state"]) == \
+        ("never_entered", True, 2, "completed")
+    (run / hang.RECORDS / "rank1.jsonl").unlink()
     result = json.loads(_hang_cli(run, "--json").stdout)
     assert result["missing"] == [1] and result["ranks"] == [0, 2, 3]
     stuck = [g for g in result["groups"] if g["state"] == "hung"]
     assert stuck and all({c["rank"]: c["class"] for c in g["culprits"]} == {1: "missing"} for g in stuck)
+
+
+@pytest.mark.paced
+def test_a_size_desync_is_named_with_both_sizes_from_the_records(tmp_path):
+    """``desync:rank=2:step=3``: rank 2's loss all-reduce of step 3 sends 3 float64 where its peers
+    send 2; gloo aborts a receiving rank (SIGABRT) before any handler, so only the write-ahead
+    records, written before the call, can say it."""
+    run = tmp_path / "desync"
+    cli = _train(run, "desync:rank=2:step=3")
+    assert cli.returncode != 0
+    result = json.loads(_hang_cli(run, "--json").stdout)
+    stuck = [g for g in result["groups"] if g["state"] == "hung"]
+    culprits = {c["rank"]: c for g in stuck for c in g["culprits"]}
+    assert list(culprits) == [2] and culprits[2]["class"] == "desync", result
+    assert (culprits[2]["got"]["op"], culprits[2]["got"]["sizes"], culprits[2]["expected"]["sizes"]) == \
+        ("all_reduce", [[3]], [[2]])
+    assert culprits[2]["got"]["dtypes"] == culprits[2]["expected"]["dtypes"] == ["float64"]
+    assert culprits[2]["expected_from"] == [0, 1, 3]
