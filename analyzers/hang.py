@@ -139,10 +139,10 @@ def read_records(run: Path) -> tuple[list[Dump], int | None]:
                     break  # the last line cut off by the rank's death: the ones before it stand
                 raise UserInputError(f"line {n} is not a collective record", f) from None
         dumps.append(Dump(int(m.group(1)), f, list(calls.values()), True))
-    wrote = {int(x.group(1)) for x in (_RANK.search(p.name) for p in (run / FOLDER).glob("*")) if x} \
-        if (run / FOLDER).is_dir() else set()
+    stacks = _dump_stacks(run / FOLDER)
     for d in dumps:  # a session that ended early writes its dump; a rank that did not was killed
-        d.died = bool(wrote) and d.rank not in wrote
+        d.died = bool(stacks) and d.rank not in stacks
+        _give_stacks(d.entries, stacks.get(d.rank) or [])
     world = None
     try:
         manifest = run_dir.read_manifest(run)
@@ -150,6 +150,39 @@ def read_records(run: Path) -> tuple[list[Dump], int | None]:
     except (UserInputError, ValueError, TypeError):
         pass
     return dumps, world
+
+
+def _dump_stacks(folder: Path) -> dict[int, list[Entry]]:
+    """The Flight Recorder entries of each rank that wrote a dump into a run's folder (best effort:
+    they only lend their stacks to the records)."""
+    out: dict[int, list[Entry]] = {}
+    if not folder.is_dir():
+        return out
+    for f in sorted(folder.iterdir()):
+        m = _RANK.search(f.name)
+        if m is None or f.suffix == ".json":
+            continue
+        try:
+            doc = _read(f)
+            out[int(m.group(1))] = [_entry(e, f) for e in (doc or {}).get("entries") or []]
+        except UserInputError:
+            out[int(m.group(1))] = []  # written, if not readable: the rank did not die unseen
+    return out
+
+
+def _give_stacks(records: list[Entry], recorded: list[Entry]) -> None:
+    """Each record the Python stack Flight Recorder kept for the same call: the k-th last call of a
+    group and op in the records is the k-th last in the dump (their sequence numbers differ:
+    Flight Recorder also counts calls the collectors do not wrap)."""
+    by_key: dict[tuple[str, str], list[Entry]] = {}
+    for e in sorted(recorded, key=lambda e: e.seq):
+        by_key.setdefault((e.pg, _op(e)), []).append(e)
+    mine: dict[tuple[str, str], list[Entry]] = {}
+    for e in sorted(records, key=lambda e: e.seq):
+        mine.setdefault((e.pg, _op(e)), []).append(e)
+    for key, calls in mine.items():
+        for rec, fr in zip(reversed(calls), reversed(by_key.get(key, []))):
+            rec.stack = fr.stack
 
 
 def _read(f: Path) -> dict[str, Any] | None:

@@ -155,6 +155,8 @@ def test_a_trainer_run_that_hangs_ends_in_its_timeout_and_says_where(tmp_path):
     assert last.startswith("mfuscope: error: the job hung (a collective timed out): group ") and \
         "rank 3 never entered it" in last, cli.stderr[-3000:]
     assert took < 240, took  # ended by the timeout, not by the test's own limit
+    # the records carry the stack Flight Recorder kept for the same call: the trainer's line
+    assert "called at " in last and "reference_trainer/train.py" in last, last
     result = json.loads(_hang_cli(run, "--json").stdout)
     stuck = [g for g in result["groups"] if g["state"] == "hung"]
     assert [c["rank"] for g in stuck for c in g["culprits"]] == [3]
@@ -202,3 +204,4 @@ def test_a_size_desync_is_named_with_both_sizes_from_the_records(tmp_path):
         ("all_reduce", [[3]], [[2]])
     assert culprits[2]["got"]["dtypes"] == culprits[2]["expected"]["dtypes"] == ["float64"]
     assert culprits[2]["expected_from"] == [0, 1, 3]
+    assert any("inject.py" in frame for frame in culprits[2]["stack"])  # where the wrong size was sent
