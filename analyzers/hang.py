@@ -1,4 +1,8 @@
-"""Why a job hung: PyTorch Flight Recorder dumps read across ranks (``mfuscope hang DIR``).
+"""Why a job hung: every rank's record of its collectives, read across ranks (``mfuscope hang DIR``).
+
+The records are a run directory's write-ahead records (``collectives/rank<N>.jsonl``, written by
+the collectors before each call is issued and when it completes: they survive a rank killed by a
+signal) or PyTorch Flight Recorder dumps (any job's, or the ones a run writes when it ends early).
 
 Flight Recorder keeps, per rank, a ring buffer of the last collectives each process group issued:
 the group (name, description), its per-group sequence number (``collective_seq_id``), the op
@@ -124,7 +128,8 @@ def read_records(run: Path) -> tuple[list[Dump], int | None]:
         if m is None:
             continue
         calls: dict[tuple[str, int], Entry] = {}
-        for n, line in enumerate(f.read_bytes().splitlines(), 1):
+        lines = f.read_bytes().splitlines()
+        for n, line in enumerate(lines, 1):
             try:
                 r = json.loads(line)
                 key = (str(r["pg"]), int(r["seq"]) + 1)  # numbered from 1, as Flight Recorder does
@@ -135,7 +140,7 @@ def read_records(run: Path) -> tuple[list[Dump], int | None]:
                 elif r["e"] == "end" and key in calls:
                     calls[key].state = "completed"
             except (ValueError, KeyError, TypeError):
-                if n == len(f.read_bytes().splitlines()):
+                if n == len(lines):
                     break  # the last line cut off by the rank's death: the ones before it stand
                 raise UserInputError(f"line {n} is not a collective record", f) from None
         dumps.append(Dump(int(m.group(1)), f, list(calls.values()), True))

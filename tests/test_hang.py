@@ -205,3 +205,28 @@ def test_a_size_desync_is_named_with_both_sizes_from_the_records(tmp_path):
     assert culprits[2]["got"]["dtypes"] == culprits[2]["expected"]["dtypes"] == ["float64"]
     assert culprits[2]["expected_from"] == [0, 1, 3]
     assert any("inject.py" in frame for frame in culprits[2]["stack"])  # where the wrong size was sent
+
+
+def test_records_cut_by_a_death_are_read_and_a_broken_one_is_named(tmp_path):
+    """Write-ahead records written by hand: the last line of a killed rank may be cut off (the lines
+    before it stand); a broken line elsewhere is one error line naming the file and line."""
+    run = tmp_path / "run"
+    (run / hang.RECORDS).mkdir(parents=True)
+
+    def enq(seq, op="all_reduce", shapes=((4,),)):
+        return json.dumps({"e": "enq", "pg": "0", "seq": seq, "op": op, "dim": "dp", "bytes": 16, "step": seq,
+                           "dtype": "float32", "shapes": [list(s) for s in shapes], "t": seq})
+
+    def end(seq):
+        return json.dumps({"e": "end", "pg": "0", "seq": seq, "t": seq})
+
+    (run / hang.RECORDS / "rank0.jsonl").write_text("\n".join([enq(0), end(0), enq(1)]) + "\n")
+    (run / hang.RECORDS / "rank1.jsonl").write_text("\n".join([enq(0), end(0), '{"e": "enq", "pg"']))
+    result = hang.diagnose(*hang.read_dumps(run))
+    g = result["groups"][0]
+    assert (g["state"], g["seq"], g["dim"]) == ("hung", 2, "dp")
+    assert [(c["rank"], c["class"], c["last_entered"]["state"]) for c in g["culprits"]] == \
+        [(1, "never_entered", "completed")]
+    (run / hang.RECORDS / "rank1.jsonl").write_text("\n".join([enq(0), "not json", end(0)]) + "\n")
+    cli = _hang_cli(run)
+    assert cli.returncode == 2 and "rank1.jsonl: line 2 is not a collective record" in cli.stderr
