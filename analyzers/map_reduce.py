@@ -202,7 +202,8 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
     try:
         cached = _map(jobs, map_rank, take, workers, pool, progress, on_file, skipped, skip_bad, scheduler=scheduler)
         mapped = time.perf_counter()
-        _check_job([(s.rank, s.file, s.meta) for s in summaries], skipped, Path(path), allow_mixed)
+        if jobs or not trace_set.untraced_run(path):
+            _check_job([(s.rank, s.file, s.meta) for s in summaries], skipped, Path(path), allow_mixed)
     except BaseException:
         calls.close()
         raise

@@ -30,6 +30,7 @@ from . import (
     comm_stats,
     counters,
     findings,
+    health,
     kernel_time,
     mfu,
     rank_lists,
@@ -109,8 +110,9 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     leaves = rank_summary.stacked([s.leaves for s in summaries], ["rank", "step", "leaf", "seconds"])
     tree = breakdown.tree(leaves)
     rank_steps = breakdown.per_rank_step(leaves)
+    rank_step_s = _rank_step_times(run)
     flops = mfu.compute(step_s, tokens, manifest, mfu.TraceShapes.merge([s.shapes for s in summaries]),
-                        devices=world, rank_step_times=_rank_step_times(run))
+                        devices=world, rank_step_times=rank_step_s)
     strag, matrix = stragglers.find(rank_steps, recorded.stages)
     pp = recorded.pp
     microbatches = rank_summary.stacked([s.microbatches for s in summaries], timeline.MICROBATCH_COLUMNS)
@@ -136,7 +138,9 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         "step_time_p50_s": float(np.percentile(step_s, 50)) if len(step_s) else None,
         "step_time_p90_s": float(np.percentile(step_s, 90)) if len(step_s) else None,
         "tokens_per_s": flops["tokens_per_s"], "tflops_per_device": flops["tflops_per_device"],
-        "device": device, "world_size": world, "ranks": len(metas), "steps": int(len(step_s)),
+        "device": device, "world_size": world, "steps": int(len(step_s)),
+        # no trace window: the ranks the collectors timed
+        "ranks": len(metas) or (int(rank_step_s["rank"].nunique()) if rank_step_s is not None else 0),
         "status": recorded.raw.get("status"),
         "cuda_graphs": graphs,
     }
@@ -165,6 +169,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         breakdown_by_rank=_by_rank(leaves),
         ranks=[s.row for s in summaries],
         comm_calls=_comm_calls([s.comm_ops for s in summaries]),
+        health=health.analyze(run) if run is not None else None,
         counters=counters.per_step(concat_frames([s.counts for s in summaries], ["kind", "step", "count"]),
                                    comm_counts, counted_steps, flops, calls_source),
     )
@@ -225,6 +230,32 @@ def _rank_step_times(run) -> pd.DataFrame | None:
                          "seconds": (steps["end_ns"] - steps["start_ns"]) / 1e9})
 
 
+def _health_lines(health: dict[str, Any] | None) -> list[str]:
+    """The run's slow episodes, costliest first, and the lowest rank scores (analyzers/health.py)."""
+    if not health or not health.get("steps"):
+        return []
+    episodes = health["episodes"]
+    lines = ["", f"health        {len(episodes) or 'no'} slow episode(s) in {health['steps']} steps "
+                 "(every step the collectors timed" + (f"; baseline step {health['baseline_step_s'] * 1e3:.1f} ms)"
+                                                       if health.get("baseline_step_s") else ")")]
+    for e in episodes:
+        span = f"steps {e['onset_step']}-{e['end_step']}" + (" (ongoing)" if e["ongoing"] else "")
+        span += f" every {e['period']}" if e.get("period") else ""
+        who = (", ".join(f"{g['dim']} group [{_ranks_text(g['ranks'])}]" for g in e["groups"][:3])
+               if e.get("groups") else f"rank(s) {_ranks_text(e['ranks'])}")
+        lines.append(f"  {span:<26} {e['class'].replace('_', '-'):<13} {who}: +{e['cost_per_step_s'] * 1e3:.1f} ms "
+                     f"a slow step, {e['cost_s']:.2f} s in all -- {e['why']}")
+    low = [r for r in health.get("rank_scores") or [] if min(r["individual"], r["relative"]) < 0.9][:4]
+    if low:
+        lines.append("  lowest rank scores (1 = its best / the best rank's busy time): " + "; ".join(
+            f"rank {r['rank']} individual {r['individual']:.2f} relative {r['relative']:.2f}" for r in low))
+    return lines
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)})" if len(ranks) > 8 else "")
+
+
 def _by_rank(leaves: pd.DataFrame) -> list[dict[str, Any]]:
     if leaves.empty:
         return []
@@ -264,6 +295,7 @@ def format_text(report: dict[str, Any]) -> str:
                                 if graphs["captures"] else ""))
     if s.get("peak_source"):
         lines.append(f"peak          {s['peak_flops'] / 1e12:.3g} TFLOP/s per device ({s['peak_source']})")
+    lines += _health_lines(report.get("health"))
     tree = report.get("breakdown")
     if tree and tree["seconds"]:
         lines += ["", f"where a step's time went (each rank's own step markers, mean of ranks and traced steps, "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from mfuscope import run_dir
 from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable
 
@@ -159,12 +160,21 @@ def _take_hand_off(path: str) -> EventTable:
     return EventTable.from_arrow(table)
 
 
+def untraced_run(path: str | os.PathLike) -> bool:
+    """A run directory with the collectors' step table and no trace window."""
+    p = Path(path)
+    return (p / run_dir.MANIFEST).exists() and not (p / run_dir.TRACES).is_dir() and (p / run_dir.STEPS).exists()
+
+
 def rank_files(path: str | os.PathLike, rank: int | None = None,
                skip_bad: bool = False) -> tuple[list[tuple[Path, int | None]], list[tuple[str, str]]]:
     """(file, the rank it holds) for every trace under ``path``, read from each file's head or
     name before anything is parsed -- two files claiming one rank fail here, in milliseconds --
     and the files skipped (with ``skip_bad``) with why.  ``rank`` applies to a single file
-    without rank information."""
+    without rank information.  A run directory that recorded no trace window has none: its report
+    comes from the collectors' tables alone (step times, communication, health)."""
+    if untraced_run(path):
+        return [], []
     files = discover(path)
     single = len(files) == 1
     jobs = []

@@ -99,6 +99,7 @@ class ProfileSession:
         self.comm = CommTimer(self.groups, lambda: self.steps.step, self.clock, self.journal)
         if self.rank == 0:
             run_dir.write_manifest(self.out, self._manifest("running"))
+        run_dir.warm_parquet_writer()  # else the first flush, 50 steps in, stalls that step
         self.comm.install()
         self.pipeline_labels = PipelineLabels()
         self.pipeline_labels.install()

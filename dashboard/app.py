@@ -28,7 +28,8 @@ from .store import Store
 log = logging.getLogger("mfuscope.dashboard")
 
 RUN_PAGES = [("", "Overview"), ("timeline", "Timeline"), ("pipeline", "Pipeline"), ("comm", "Communication"),
-             ("stragglers", "Stragglers"), ("kernels", "Kernels"), ("optimize", "Optimize")]
+             ("stragglers", "Stragglers"), ("health", "Health"), ("kernels", "Kernels"),
+             ("optimize", "Optimize")]
 #: Bars the timeline may ship to the browser, over all lanes: 64 lanes stay responsive.
 TIMELINE_BARS = 24_000
 
@@ -111,8 +112,8 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
         return top, pages.error_panel(f"no run named {run_id!r} under {store.root}"), True
     if run.error:
         return top, pages.error_panel(f"{run.id} cannot be shown: {run.error}"), True
-    if not run.has_traces:
-        return top, pages.no_traces_page(run), True
+    if not run.has_traces:  # the collectors' tables only: their own page, and health (which reads only them)
+        return top, (pages.health_page(run, None) if slug == "health" else pages.no_traces_page(run)), True
     if "retry" in query:
         store.forget_failure(run)
     job = store.ensure_analysis(run)
@@ -124,7 +125,7 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
     a = store.load(run)
     # The Overview and Optimize pages show the run's calibrated cost model, which the store keeps.
     builders = {"": partial(pages.overview_page, store), "pipeline": pages.pipeline_page, "comm": pages.comm_page,
-                "stragglers": pages.stragglers_page, "kernels": pages.kernels_page,
+                "stragglers": pages.stragglers_page, "health": pages.health_page, "kernels": pages.kernels_page,
                 "optimize": partial(pages.optimize_page, store)}
     if slug == "timeline":
         return top, pages.timeline_page(run, a, query), True

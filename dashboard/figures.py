@@ -88,6 +88,42 @@ def step_trend(per_step: list[dict[str, Any]]) -> go.Figure:
                    legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
 
 
+#: Episode classes' colours on the health figure.
+HEALTH_COLORS = {"compute_slow": "#d6604d", "comm_slow": "#4393c3", "host": "#8c6bb1"}
+HEALTH_POINTS = 4000  # steps drawn at most on the health figure (SVG stays responsive)
+
+
+def health_steps(step_s: pd.Series, episodes: list[dict[str, Any]], baseline_s: float | None) -> go.Figure:
+    """The job's step time (its slowest rank's) over every step, each slow episode shaded from its
+    onset to its end (an intermittent one marked at each period)."""
+    if step_s.empty:
+        return empty("no step times recorded")
+    if len(step_s) > HEALTH_POINTS:  # a long run: the slowest step of each bucket, so no spike is lost
+        width = -(-len(step_s) // HEALTH_POINTS)  # steps a point stands for
+        step_s = step_s.groupby(step_s.index // width * width).max()
+    fig = go.Figure(go.Scatter(x=step_s.index, y=step_s.to_numpy() * 1e3, mode="lines", name="step time",
+                                 line=dict(color="#52667a", width=1),
+                                 hovertemplate="step %{x}: %{y:.4g} ms<extra></extra>"))
+    if baseline_s:
+        fig.add_hline(y=baseline_s * 1e3, line=dict(color="#999", dash="dot"), annotation_text="baseline")
+    for e in episodes:
+        color = HEALTH_COLORS.get(e["class"], "#999")
+        label = f"{e['class'].replace('_', '-')} · ranks {', '.join(map(str, e['ranks'][:6]))}"
+        if e.get("period"):
+            for x in range(e["onset_step"], e["end_step"] + 1, e["period"]):
+                fig.add_vline(x=x, line=dict(color=color, width=1))
+            fig.add_annotation(x=e["onset_step"], y=1, yref="paper", text=label + f" · every {e['period']}",
+                               showarrow=False, xanchor="left", font=dict(color=color, size=11))
+        else:
+            fig.add_vrect(x0=e["onset_step"] - 0.5, x1=e["end_step"] + 0.5, fillcolor=color, opacity=0.15,
+                          line_width=0, annotation_text=label, annotation_position="top left",
+                          annotation_font=dict(color=color, size=11))
+    fig.update_yaxes(title_text="step time (ms)", rangemode="tozero", gridcolor="#eee")
+    fig.update_xaxes(title_text="step")
+    return _layout(fig, 320, title=dict(text="Step time over the whole run, slow episodes shaded", font=dict(size=14)),
+                   showlegend=False)
+
+
 def timeline(lanes: pd.DataFrame, labels: dict[int, str], t0: int, waits: pd.DataFrame,
              x_range: tuple[float, float] | None = None, highlight: int | None = None,
              order: list[int] | None = None) -> go.Figure:

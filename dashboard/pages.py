@@ -16,8 +16,9 @@ import dash_ag_grid as dag
 import pandas as pd
 from dash import dcc, html
 
+from mfuscope import run_dir
 from mfuscope.analyzers import compare as compare_reports
-from mfuscope.analyzers import run_info
+from mfuscope.analyzers import health, run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
@@ -94,6 +95,8 @@ def no_traces_page(run: Run) -> html.Div:
         info_panel("This run recorded no torch.profiler window, so there is no breakdown or timeline to show. "
                    "Record one with mfuscope train --profile / --window S:N, mfuscope profile --window S:N, or "
                    "mfuscope.profile(..., window='S:N')."),
+        html.P(["Its health over every step (slow episodes, rank scores) is on the ",
+                dcc.Link("Health", href=f"/run/{quote(run.id)}/health"), " page."]),
         html.H3("What the always-on collectors recorded"),
         html.Pre(run_info.format_text(info), id="run-info"),
     ])
@@ -160,9 +163,16 @@ def overview_page(store: Store, run: Run, a: Analysis) -> html.Div:
                  "model_gain": model[f["fix"]].predicted_gain if f["fix"] in model else None,
                  "model_change": model[f["fix"]].change.summary if f["fix"] in model else None}
                 for f in r.get("findings") or []]
+    episodes = (r.get("health") or {}).get("episodes") or []
+    slow = info_panel(
+        f"The run had {len(episodes)} slow episode(s) outside and inside the traced window; the costliest, "
+        f"steps {episodes[0]['onset_step']}–{episodes[0]['end_step']} ({episodes[0]['class'].replace('_', '-')}, "
+        f"{episodes[0]['cost_s']:.3g} s): {episodes[0]['why']}. ",
+        dcc.Link("See Health", href=f"/run/{quote(run.id)}/health")) if episodes else None
     return html.Div([
         html.H2(f"Overview: {run.id}"),
         html.Div(cards, className="cards", id="summary-cards"),
+        html.Div(slow, id="health-banner"),
         html.Div([
             html.Div(dcc.Graph(id="breakdown", figure=figures.breakdown_icicle(r.get("breakdown")),
                                config={"displaylogo": False})),
@@ -621,6 +631,54 @@ def capped_note(report: dict, key: str) -> html.P | None:
 
 
 # ----------------------------------------------------------------------------- stragglers
+def health_page(run: Run, a: Analysis | None) -> html.Div:
+    """Whole-run health (analyzers/health.py): read from the collectors' tables on every visit --
+    cheap, and a run without a trace window (no analysis) has it too."""
+    title = html.H2(f"Health: {run.id}")
+    if run.kind != "run" or not (run.path / run_dir.STEPS).exists():
+        return html.Div([title, info_panel("Health needs a run directory's step and communication tables "
+                                           "(steps.parquet, comm.parquet): the collectors write them for every "
+                                           "step of a run that mfuscope wraps.")])
+    h = (a.report.get("health") if a is not None else None) or health.analyze(run.path)
+    steps = run_dir.read_table(run.path, run_dir.STEPS).select(["step", "start_ns", "end_ns"]).to_pandas()
+    step_s = ((steps["end_ns"] - steps["start_ns"]) / 1e9).groupby(steps["step"]).max()
+    episodes = h.get("episodes") or []
+    rows = [{"onset": e["onset_step"], "end": e["end_step"], "class": e["class"].replace("_", "-"),
+             "ranks": ", ".join(map(str, e["ranks"][:16])) + (" …" if len(e["ranks"]) > 16 else ""),
+             "dim": e.get("dim") or "–", "every": e.get("period"), "cost_s": e["cost_s"],
+             "per_step_ms": e.get("cost_per_step_s", 0.0) * 1e3,
+             "groups": "; ".join(f"{g['dim']} [{', '.join(map(str, g['ranks']))}]" for g in e.get("groups") or []),
+             "why": e.get("why", "")} for e in episodes]
+    head = (info_panel(f"Not enough steps to judge: {h['note']}.") if not h.get("steps") else
+            info_panel(f"{len(episodes)} slow episode(s) in {h['steps']} steps; the costliest: steps "
+                       f"{episodes[0]['onset_step']}–{episodes[0]['end_step']}, {episodes[0]['why']}.")
+            if episodes else
+            info_panel(f"No slow episode in {h.get('steps', 0)} steps: no rank, group or host stayed slower than "
+                       "its reference (its own best steps and its peers) by the threshold."))
+    return html.Div([
+        title, head,
+        html.P(h.get("method") or h.get("note") or "", className="muted"),
+        dcc.Graph(id="health-steps", figure=figures.health_steps(step_s, episodes, h.get("baseline_step_s")),
+                  config={"displaylogo": False}),
+        html.H3("Episodes (costliest first; cost: the run's time had it not happened)"),
+        grid("health-episodes", rows, [
+            {"field": "onset", "headerName": "onset step", "maxWidth": 110},
+            {"field": "end", "headerName": "end step", "maxWidth": 100},
+            {"field": "class", "maxWidth": 130}, {"field": "ranks", "maxWidth": 160},
+            {"field": "dim", "maxWidth": 90}, {"field": "every", "headerName": "period", "maxWidth": 90},
+            {"field": "cost_s", "headerName": "cost (s)", "valueFormatter": NUM, "maxWidth": 110},
+            {"field": "per_step_ms", "headerName": "ms a slow step", "valueFormatter": NUM, "maxWidth": 130},
+            {"field": "groups", "minWidth": 160, **WRAP}, {"field": "why", "minWidth": 300, **WRAP}])
+        if rows else None,
+        html.H3("Rank scores (1 = as fast as its own best / the best rank; nvidia-resiliency-ext's two scores)"),
+        grid("health-scores", h.get("rank_scores") or [], [
+            {"field": "rank", "maxWidth": 90}, {"field": "individual", "valueFormatter": NUM, "sort": "asc"},
+            {"field": "relative", "valueFormatter": NUM},
+            {"field": "busy_s", "headerName": "busy now (s)", "valueFormatter": NUM},
+            {"field": "best_busy_s", "headerName": "its best (s)", "valueFormatter": NUM}], height=260),
+    ])
+
+
 def stragglers_page(run: Run, a: Analysis) -> html.Div:
     r = a.report
     matrix = pd.DataFrame(r.get("straggler_matrix") or [])

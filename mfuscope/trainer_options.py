@@ -105,7 +105,8 @@ class TrainerOptions:
     grad_as_bucket_view: bool = _flag(False, "DDP: gradients live in the buckets", record=True, requires="ddp")
     inject: str | None = _flag(
         None, "faults, ';'-separated: compute:rank=3:ms=50[:pass=bwd], stage:stage=1:ms=30, comm:dim=tp:ms=20, "
-              "link:dim=dp:gbps=1, loader:ms=200, gc:ms=80, optimizer:ms=40, sync; each also every=N, jitter_ms=J "
+              "link:dim=dp:gbps=1[:rank=6], loader:ms=200, gc:ms=80, optimizer:ms=40, sync, "
+              "hang/die/desync:rank=R:step=S; each also every=N, from=S, jitter_ms=J "
               "(docs/reference_trainer.md)", record=True)
     collective_timeout: float | None = _flag(
         None, "seconds a collective may wait before it fails (set on every process group after a normal "

@@ -11,8 +11,10 @@ stage       ms, stage, pass=fwd|bwd                pipeline stage ``stage`` is t
 comm        dim=tp, ms, rank (default 0)           global rank R arrives ``ms`` late at every
                                                    sequence-parallel all-gather in front of attention
                                                    and the MLP: its tp peers wait there
-link        dim=dp|pp|cp|ep, gbps                  a slow link: every collective on that dimension's
-                                                   groups moves its bytes at ``gbps`` gigabits/s: it
+link        dim=dp|pp|cp|ep, gbps, rank            a slow link: every collective on that dimension's
+                                                   groups (with ``rank``: only the groups of that
+                                                   dimension that rank R is in, as when one node's
+                                                   NIC degrades) moves its bytes at ``gbps`` Gb/s: it
                                                    completes no sooner than bytes/bandwidth after it
                                                    was issued (a blocking call returns then; an async
                                                    one's wait or future is held to it, so work issued
@@ -37,9 +39,11 @@ desync      rank, step                             the rank's first all-reduce o
 ==========  =====================================  ===================================================
 
 Every kind also takes ``every=N`` (only on steps divisible by N: an intermittent
-fault) and ``jitter_ms=J`` (each occurrence lasts ``ms`` plus a uniform draw in
-[-J, J], from a generator seeded by rank, so a run repeats).  ``rank`` is the
-global rank; without it a fault hits every rank (``comm`` defaults to rank 0).
+fault), ``from=S`` (only from step S on: a job that turns slow, fail-slow) and
+``jitter_ms=J`` (each occurrence lasts ``ms`` plus a uniform draw in [-J, J],
+from a generator seeded by rank, so a run repeats).  ``rank`` is the global
+rank; without it a fault hits every rank (``comm`` defaults to rank 0; a
+``link`` without it slows every group of its dimension).
 
 Parsing is torch-free: ``mfuscope train`` checks a spec in the launching process before any
 rank starts; :mod:`.inject` makes the faults happen.
@@ -54,7 +58,7 @@ _KEYS = {  # kind -> (required keys, optional keys)
     "compute": ({"ms"}, {"rank", "pass"}),
     "stage": ({"ms", "stage"}, {"pass"}),
     "comm": ({"ms", "dim"}, {"rank"}),
-    "link": ({"dim", "gbps"}, set()),
+    "link": ({"dim", "gbps"}, {"rank"}),
     "loader": ({"ms"}, {"rank"}),
     "gc": ({"ms"}, {"rank"}),
     "optimizer": ({"ms"}, {"rank"}),
@@ -63,10 +67,11 @@ _KEYS = {  # kind -> (required keys, optional keys)
     "die": ({"rank", "step"}, set()),
     "desync": ({"rank", "step"}, set()),
 }
-_COMMON = {"every", "jitter_ms"}
+_COMMON = {"every", "jitter_ms", "from"}
 LINK_DIMS = ("dp", "pp", "cp", "ep")
 _EXAMPLES = ("e.g. compute:rank=3:ms=50, compute:rank=1:ms=30:pass=bwd, comm:dim=tp:ms=20, "
-             "stage:stage=1:ms=30, link:dim=dp:gbps=1, loader:ms=200:every=4, gc:ms=80:rank=2, "
+             "stage:stage=1:ms=30, link:dim=dp:gbps=1, link:rank=6:dim=dp:gbps=1, compute:rank=5:ms=50:from=60, "
+             "loader:ms=200:every=4, gc:ms=80:rank=2, "
              "optimizer:ms=40, sync:rank=0, hang:rank=3:step=4, die:rank=1:step=2, desync:rank=2:step=3")
 
 
@@ -81,10 +86,15 @@ class Fault:
     gbps: float | None = None  # link
     every: int = 1
     jitter_ms: float = 0.0
-    step: int | None = None    # hang/die: the step it happens at
+    step: int | None = None    # hang/die/desync: the step it happens at
+    start: int = 0             # ``from``: the first step it happens at
 
     def hits(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
+
+    def on(self, step: int) -> bool:
+        """Whether an occurrence falls on ``step`` (``from`` and ``every``)."""
+        return step >= self.start and step % self.every == 0
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -111,13 +121,14 @@ def _parse_one(spec: str) -> Fault:
                       rank=int(kv["rank"]) if "rank" in kv else (0 if kind == "comm" else None),
                       dim=kv.get("dim"), stage=int(kv["stage"]) if "stage" in kv else None, phase=kv.get("pass", "fwd"),
                       gbps=float(kv["gbps"]) if "gbps" in kv else None, every=int(kv.get("every", 1)),
-                      jitter_ms=float(kv.get("jitter_ms", 0)), step=int(kv["step"]) if "step" in kv else None)
+                      jitter_ms=float(kv.get("jitter_ms", 0)), step=int(kv["step"]) if "step" in kv else None,
+                      start=int(kv.get("from", 0)))
     except ValueError:
         raise UserInputError(f"--inject: cannot read the numbers in {spec!r}; {_EXAMPLES}") from None
     if fault.phase not in ("fwd", "bwd"):
         raise UserInputError(f"--inject: {spec!r}: pass is fwd or bwd")
-    if fault.step is not None and fault.step < 0:
-        raise UserInputError(f"--inject: {spec!r}: step must be >= 0")
+    if (fault.step is not None and fault.step < 0) or fault.start < 0:
+        raise UserInputError(f"--inject: {spec!r}: step and from must be >= 0")
     if fault.every < 1 or fault.ms < 0 or fault.jitter_ms < 0 or (fault.gbps is not None and fault.gbps <= 0):
         raise UserInputError(f"--inject: {spec!r}: every must be >= 1, ms and jitter_ms >= 0, gbps > 0")
     if kind == "comm" and fault.dim != "tp":

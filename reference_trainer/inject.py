@@ -55,7 +55,7 @@ class Injector:
         return [f for f in self.faults if f.kind == kind]
 
     def seconds(self, f: Fault) -> float:
-        if self.step % f.every:
+        if not f.on(self.step):
             return 0.0
         ms = f.ms + (self._rng.uniform(-f.jitter_ms, f.jitter_ms) if f.jitter_ms else 0.0)
         return max(ms, 0.0) / 1e3
@@ -111,11 +111,14 @@ class Injector:
 
     def slow_links(self, groups_by_dim: dict[str, list]) -> None:
         """Wrap the c10d collectives so calls on a slow dimension's groups take bytes/bandwidth longer
-        (before the collectors wrap them, so their timing and labels include the delay)."""
+        (before the collectors wrap them, so their timing and labels include the delay).  A fault
+        with a rank slows only the groups holding that rank: every member holds its calls there, so
+        the group sees long collectives and nobody in it arrives late."""
         slow = {}  # group name -> fault
         for f in self.of("link"):
             for g in groups_by_dim.get(f.dim) or []:
-                if g is not None and dist.get_world_size(g) > 1:
+                if g is not None and dist.get_world_size(g) > 1 and (
+                        f.rank is None or f.rank in dist.get_process_group_ranks(g)):
                     slow[g.group_name] = f
         if not slow:
             return
@@ -233,7 +236,7 @@ def _slowed(fn, slow: dict, injector: Injector, deadlines: dict[int, tuple[float
         fault = slow.get(getattr(group, "group_name", None))
         issued = time.monotonic()
         out = fn(*args, **kwargs)
-        if fault is None or injector.step % fault.every:
+        if fault is None or not fault.on(injector.step):
             return out
         ms = fault.jitter_ms and injector._rng.uniform(-fault.jitter_ms, fault.jitter_ms)
         deadline = issued + max(nbytes * 8 / (fault.gbps * 1e9) + ms / 1e3, 0.0)

@@ -12,6 +12,9 @@ that changes a run copies it first).
   traces.  Read by test_trainer_runs, test_dashboard.
 - ``optimized_gpipe``: a poor paced pipeline start and ``mfuscope optimize --apply`` on it (3
   rounds).  Read by test_optimize, test_dashboard.
+- ``health_run``: 8 forked ranks, 100 paced steps, no traces, two fail-slow faults (a compute delay
+  on rank 5 from step 60, rank 6's data-parallel links slow from step 30).  Read by test_health,
+  test_dashboard.
 
 Every reader of a run is in the same lane of make test (tests/lanes.py: a paced test reads all three,
 so all their readers are marked ``paced``), so each is made once.
@@ -63,6 +66,25 @@ def run_3d(root: Path) -> Path:
     """:data:`RUN_3D` on :data:`RUN_3D_WORLD` forked gloo ranks (the fork launcher: no per-rank
     interpreter start), with the collectors and a Kineto window from step 1."""
     return train_forked(root / "3d", RUN_3D_WORLD, **RUN_3D)
+
+
+#: :func:`health_run`: HSDP (data-parallel groups of 4 and of 2, so one rank's groups are not the whole
+#: dimension), a two-layer micro model paced 4/8 ms, 100 steps; rank 5 computes 50 ms more a step from
+#: step 60, and every dp group holding rank 6 moves its bytes at 0.02 Gb/s from step 30.
+HEALTH_WORLD, HEALTH_COMPUTE, HEALTH_LINK = 8, (5, 60), (6, 30)
+HEALTH_RUN = dict(layout="dp_replicate=2,dp_shard=4", steps=100, paced="fwd_ms=4,bwd_ms=8",
+                  inject=f"compute:rank={HEALTH_COMPUTE[0]}:ms=50:from={HEALTH_COMPUTE[1]};"
+                         f"link:rank={HEALTH_LINK[0]}:dim=dp:gbps=0.02:from={HEALTH_LINK[1]}")
+
+
+def health_run(root: Path) -> Path:
+    """:data:`HEALTH_RUN` on :data:`HEALTH_WORLD` forked ranks with the always-on collectors only: a
+    job that turns slow twice, for the whole-run health analysis (analyzers/health.py).  A hundred
+    steps of eight ranks take ~20 s here; the HSDP micro model keeps a step near 100 ms."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "micro2.toml"
+    config.write_text(micro_config(n_layers=2, global_batch=8, grad_accum=1))
+    return train_forked(root / "health8", HEALTH_WORLD, config=str(config), **HEALTH_RUN)
 
 
 #: ``mfuscope train`` of :func:`torchrun_run`: tensor and data parallel, no trace window.

@@ -48,11 +48,12 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe) -> Path:
+def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe, health_run) -> Path:
     """A runs directory as a user keeps one.  The session's shared runs (tests/shared_runs.py) are
     linked in under the names the pages are checked by: ``pp8`` (8 ranks, dp_shard=2 x tp=2 x pp=2,
     1F1B, 4 microbatches), ``no-window`` (mfuscope train through torchrun, no trace window) and
-    ``gpipe`` with the ``gpipe-opt-*`` runs `mfuscope optimize --apply` made of it."""
+    ``gpipe`` with the ``gpipe-opt-*`` runs `mfuscope optimize --apply` made of it, and
+    ``fail-slow`` (8 ranks x 100 steps, no trace window, two fail-slow faults)."""
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.reference_trainer.launch import fork_ranks
     from mfuscope.reference_trainer.train import run_rank
@@ -77,6 +78,7 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe) -> Path:
     # what else lies in a real runs directory: a run without a trace window, a run under an awkward
     # name, notes and a model folder -- none of which is a trace set
     (root / "no-window").symlink_to(torchrun_run, target_is_directory=True)
+    (root / "fail-slow").symlink_to(health_run, target_is_directory=True)
     (root / "odd name #1 [x]").symlink_to(root / "pp8", target_is_directory=True)
     (root / "notes.json").write_text('{"what": "not a trace"}')
     (root / "checkpoint").mkdir()
@@ -328,6 +330,7 @@ PAGES = {  # page -> (path suffix, selector that means "rendered")
     "pipeline": ("/pipeline", "#pipeline-graph .barlayer, .info-panel"),
     "comm": ("/comm", "#skew-heatmap .heatmaplayer, .info-panel"),
     "stragglers": ("/stragglers", "#straggler-heatmap .hm, #straggler-heatmap .heatmaplayer"),
+    "health": ("/health", "#health-steps .js-plotly-plot, .info-panel"),
     "kernels": ("/kernels", "#kernels-grid, .info-panel"),
     "optimize": ("/optimize", "#optimize-grid, .info-panel"),
 }
@@ -369,6 +372,26 @@ def test_runs_page_lists_every_run_and_the_broken_one(tab, runs):
     assert "Overview: pp8" in tab.text()
 
 
+def test_health_page_shades_the_episodes_of_a_run_that_turned_slow(tab, runs):
+    """The fail-slow run (tests/shared_runs.health_run: no trace window) has a Health page, linked from
+    its no-traces page: the step time over all 100 steps with each episode shaded, the episodes'
+    table (rank 5 compute-slow from step 60, rank 6's dp groups comm-slow from step 30) and the
+    rank scores, rank 5 lowest."""
+    tab.open("/run/fail-slow", "#run-info")
+    tab.page.locator("a", has_text="Health").last.click()
+    tab.page.wait_for_selector("#health-steps .js-plotly-plot")
+    tab.settle()
+    episodes = tab.text("#health-episodes")
+    assert "compute-slow" in episodes and "comm-slow" in episodes, episodes
+    shapes = tab.page.evaluate("() => document.querySelector('#health-steps .js-plotly-plot').layout.shapes"
+                               ".filter(s => s.type === 'rect').map(s => [s.x0, s.x1])")
+    starts = sorted(round(x0 + 0.5) for x0, _ in shapes)
+    assert len(starts) == 2 and abs(starts[0] - 30) <= 2 and abs(starts[1] - 60) <= 2, shapes
+    first_row = '#health-scores .ag-center-cols-container .ag-row[row-index="0"] [col-id="rank"]'
+    assert tab.page.inner_text(first_row) == "5"
+    tab.shot("fail-slow-health")
+
+
 def _first_visit(tab: Page, run: str) -> None:
     """Open a run's overview, waiting out its first analysis (the tests may run in any subset)."""
     tab.page.goto(tab.base + f"/run/{run}")
@@ -387,11 +410,13 @@ def test_every_page_renders(tab, runs, run):
                 "pipeline": ["measured bubble", "theory: 1f1b", "p=2 stages, m=4 microbatches", "F3", "B3"],
                 "comm": ["send_recv", "reduce_scatter", "Arrival lag"],
                 "stragglers": ["Busy time over the median rank"], "kernels": ["No GPU kernels"],
+                "health": ["Not enough steps to judge", "warm-up"],
                 "optimize": ["Optimize: pp8", "interleaved_schedule", "predicted gain"]},
         "dlrm": {"overview": ["Tesla V100", "hardware table: V100", "launch-bound"],
                  "timeline": ["rank 7", "comm/unknown"],
                  "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce", "all_to_all"],
                  "stragglers": ["No straggler"], "kernels": ["ncclKernel_SendRecv", "gemm"],
+                 "health": ["Health needs a run directory"],
                  "optimize": ["No model spec"]},
     }[run]
     times = {}

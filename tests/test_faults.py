@@ -118,8 +118,23 @@ def test_jitter_is_bounded_and_repeats_under_a_seed():
     assert all(d == 0.0 for s, d in enumerate(draws[0]) if s % 3)
 
 
+def test_a_fault_from_a_step_starts_there_and_keeps_its_period():
+    """``from=S`` (fail-slow): nothing before step S; with ``every=N``, steps divisible by N from S."""
+    fault = parse_faults("compute:rank=5:ms=50:from=60:every=4")[0]
+    assert (fault.rank, fault.ms, fault.start, fault.every) == (5, 50.0, 60, 4)
+    inj = Injector([fault], rank=5)
+    hit = []
+    for step in range(52, 72):
+        inj.step = step
+        hit.append(step) if inj.seconds(fault) else None
+    assert hit == [60, 64, 68]
+    link = parse_faults("link:rank=6:dim=dp:gbps=0.5")[0]
+    assert (link.rank, link.dim, link.gbps) == (6, "dp", 0.5)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("compute:rank=1", "needs ms"),
+    ("compute:ms=5:from=-3", "from must be >= 0"),
     ("link:dim=tp:gbps=1", "link dim is one of"),
     ("comm:dim=dp:ms=5", "late arrival is injected on tp"),
     ("loader:ms=5:stage=1", "takes no stage"),

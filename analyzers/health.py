@@ -1,0 +1,379 @@
+"""Whole-run health: when a job that was fine turned slow, which ranks or groups did it, and what
+it cost.
+
+The traced window is a handful of steps; a GPU that throttles, a NIC that degrades or a host that
+starts swapping at step 12,000 is outside it.  The always-on collectors time every step
+(``steps.parquet``) and every collective (``comm.parquet``) of the whole run, which is enough to
+find such episodes and say who caused them:
+
+- **compute-slow**: a rank arrives late at collectives -- its *lateness* at a collective is how
+  long after the last of the others it arrived (what the whole group waited for it alone), summed
+  over the step's collectives.  Nobody else in the group is late.
+- **comm-slow**: a group's collectives are long with nobody late -- a collective's *transfer* is the
+  time from the last member's arrival to its completion, summed per group and step.  Groups that
+  slow down together are one episode, and the ranks they share name the culprit: every dp group
+  holding rank 6 slowed, and only those, is rank 6's link.
+- **host**: the step got longer for every rank and neither explains it (a checkpoint save, a shared
+  loader, a synchronized GC).  A stall on one rank only makes its peers wait for it, so it reads as
+  that rank compute-slow; the traces' findings tell a loader or GC stall from compute where the
+  profiled window covers it.
+
+Each signal is a matrix of entities (ranks, groups, or the job) by steps.  A step is slow for an
+entity when the signal exceeds its reference -- the lower of the entity's own best steps (10th
+percentile) and its peers' median that step (the other ranks of the job; the other groups of the
+same dimension and size), so a fault present from step 1 still stands out against the peers and one shared by every
+peer against the entity's past -- by more than ``max(6 scaled MADs of the entity, min_share of the
+median step)``.  An **episode** is a run of at least three slow steps (one quiet step inside it is
+allowed) or at least four slow steps at one period (an intermittent fault, ``every=N``: one episode
+with its period, not N).  Isolated slow steps are noise -- a loaded host's scheduling -- and are
+not reported.  The onset is the first slow step of the episode; its what-if **cost** sums, over its
+slow steps, the part of the job's step-time excess that the episode's own signal accounts for: the
+run's time had it not happened.
+
+Per rank, two scores as nvidia-resiliency-ext's straggler detection reports them, both in (0, 1]
+(1 is best): *individual* = the rank's best rolling-median busy time over its current one (busy =
+its step time less the time it waited in collectives for others); *relative* = the best rank's
+current busy time over this rank's.  "Current" is the median over the run's last ``window`` steps.
+
+The first :data:`WARMUP_STEPS` steps (allocation, communicator set-up, autotuning: slower on every
+job) are left out of everything.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mfuscope import run_dir
+
+MIN_SHARE = 0.10      # a slowdown under this share of the median step is not an episode
+NOISE_K = 6.0         # ... nor one within this many scaled MADs of the entity's own spread
+MIN_RUN = 3           # slow steps (one quiet step allowed between) that make an episode
+MIN_PERIODIC = 4      # isolated slow steps at one period that make an intermittent episode
+WARMUP_STEPS = 5      # steps 0-4 left out: allocator growth, communicator set-up, autotuning settle
+SCORE_WINDOW = 20     # steps of the "current" busy time in the rank scores
+KEEP_SCORES = 64      # rank scores kept in the report: the worst (every rank's are in the views)
+
+_COMM_COLUMNS = ["rank", "step", "dim", "pg", "group_ranks", "seq", "enqueue_ns", "end_ns"]
+
+
+def analyze(run: str | Path) -> dict[str, Any] | None:
+    """The health section of a run directory's report; None where the run has no step table."""
+    run = Path(run)
+    if not (run / run_dir.STEPS).exists():
+        return None
+    steps = run_dir.read_table(run, run_dir.STEPS).select(["rank", "step", "start_ns", "end_ns"]).to_pandas()
+    comm = None
+    if (run / run_dir.COMM).exists():
+        comm = run_dir.read_table(run, run_dir.COMM).select(_COMM_COLUMNS).to_pandas()
+    return of_tables(steps, comm)
+
+
+def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float = MIN_SHARE) -> dict[str, Any]:
+    """Episodes and rank scores from the step rows (rank, step, start_ns, end_ns) and the
+    collective rows (:data:`_COMM_COLUMNS`) of a run."""
+    steps = steps[steps["step"] >= WARMUP_STEPS]
+    if steps["step"].nunique() < MIN_RUN:
+        return _empty(f"fewer than {MIN_RUN} steps after the first {WARMUP_STEPS} (warm-up)")
+    rank_step = steps.assign(seconds=(steps["end_ns"] - steps["start_ns"]) / 1e9).pivot_table(
+        index="rank", columns="step", values="seconds", aggfunc="max")
+    job = rank_step.max(axis=0)                            # the job's step time: its slowest rank's
+    step_ids = job.index.to_numpy()
+    floor = min_share * float(job.median())
+    instances, calls = _instances(comm, set(step_ids)) if comm is not None and len(comm) else (None, None)
+
+    episodes: list[dict[str, Any]] = []
+    if instances is not None and len(instances):
+        late = _matrix(calls, "rank", "own_s", rank_step.index, step_ids)
+        late_excess, late_slow = _slow(late, np.zeros(len(late)), floor)
+        episodes += _rank_episodes(late_excess, late_slow, calls, step_ids)
+        groups = instances.drop_duplicates("pg").set_index("pg")
+        xfer = _matrix(instances, "pg", "transfer_s", groups.index, step_ids)
+        peers = groups["dim"].astype(str) + "/" + groups["size"].astype(str)
+        xfer_excess, xfer_slow = _slow(xfer, peers.reindex(xfer.index).to_numpy(), floor)
+        episodes += _group_episodes(xfer_excess, xfer_slow, groups, step_ids)
+        explained = _explained(late_excess * late_slow, xfer_excess * xfer_slow, groups, rank_step.index)
+    else:
+        explained = pd.Series(0.0, index=step_ids)
+    job_excess, _ = _slow(job.to_frame().T, np.zeros(1), floor)
+    unexplained = (job_excess.iloc[0] - explained.reindex(step_ids, fill_value=0.0)).clip(lower=0.0)
+    host_slow = unexplained.to_numpy() > _threshold(job.to_numpy()[None, :], floor)[0, 0]
+    episodes += _host_episodes(unexplained, host_slow, step_ids, rank_step)
+
+    healthy = job[~_covered(episodes, step_ids)]
+    if len(healthy):
+        baseline = float(healthy.median())
+        step_excess = (job - baseline).clip(lower=0.0)
+    else:  # slow from the first step to the last: no healthy step to measure against; the signals are the cost
+        baseline = None
+        step_excess = pd.Series(np.inf, index=job.index)
+    for e in episodes:
+        signal = e.pop("_signal")
+        e["cost_s"] = float(np.minimum(step_excess.reindex(e["_steps"]).to_numpy(), signal).sum())
+        e["slow_steps"] = len(e.pop("_steps"))
+        e["cost_per_step_s"] = e["cost_s"] / e["slow_steps"]
+    episodes.sort(key=lambda e: -e["cost_s"])
+    flagged = _covered(episodes, step_ids)
+    return {
+        "episodes": episodes,
+        "rank_scores": _scores(rank_step, calls),
+        "steps": int(len(step_ids)), "flagged_steps": int(flagged.sum()),
+        "baseline_step_s": baseline,
+        "method": (f"slow = over its reference by more than max({NOISE_K:g} scaled MADs, {min_share:.0%} of the "
+                   f"median step); an episode = {MIN_RUN}+ slow steps in a run or {MIN_PERIODIC}+ at one period; "
+                   f"steps 0-{WARMUP_STEPS - 1} (warm-up) left out"),
+        "source": "steps.parquet" + (" and comm.parquet" if instances is not None else ""),
+    }
+
+
+def _empty(note: str) -> dict[str, Any]:
+    return {"episodes": [], "rank_scores": [], "steps": 0, "flagged_steps": 0, "baseline_step_s": None,
+            "note": note}
+
+
+# ---------------------------------------------------------------- the signals
+
+def _instances(comm: pd.DataFrame, steps: set) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(one row per collective instance -- group and sequence number -- every member completed: its
+    step, dimension, size, ranks and transfer, from the last arrival to the last completion;
+    one row per member's call: its own delay and its wait).
+
+    A member's *own delay* is how much longer it worked before arriving -- since its previous
+    collective, in any group, completed -- than the other members did (the other's time in a group
+    of two, the group's median in larger ones): the lateness it caused.  A rank that arrives late
+    because it was held in another group's slow collective worked no longer than its peers, and is
+    not charged.  Its *wait* is how long it stood in the collective for the last arrival."""
+    c = comm.dropna(subset=["end_ns"])
+    c = c.assign(size=c["group_ranks"].map(_size_of(c["group_ranks"].unique())))
+    c = c.sort_values(["rank", "enqueue_ns"], kind="stable")
+    before = c.groupby("rank", sort=False)["end_ns"].cummax().groupby(c["rank"], sort=False).shift(1)
+    c = c.assign(gap=((c["enqueue_ns"] - before).clip(lower=0) / 1e9).fillna(0.0))
+    c = c[c["size"] > 1]
+    key = [c["pg"], c["seq"]]
+    c = c[c.groupby(key)["rank"].transform("size") == c["size"]]  # some member never finished: not judged
+    key = [c["pg"], c["seq"]]
+    g = c.groupby(key, sort=False)
+    last_arrival = g["enqueue_ns"].transform("max")
+    others = np.where(c["size"] == 2, g["gap"].transform("sum") - c["gap"], g["gap"].transform("median"))
+    calls = pd.DataFrame({"rank": c["rank"], "step": c["step"], "dim": c["dim"],
+                          "own_s": (c["gap"] - others).clip(lower=0.0),
+                          "wait_s": (last_arrival - c["enqueue_ns"]) / 1e9})
+    first = g.head(1).set_index(["pg", "seq"])
+    instances = pd.DataFrame({
+        "step": g["step"].max(), "dim": first["dim"], "size": first["size"], "group_ranks": first["group_ranks"],
+        "transfer_s": (g["end_ns"].max() - g["enqueue_ns"].max()) / 1e9,
+    }).reset_index()
+    return (instances[instances["step"].isin(steps)].reset_index(drop=True),
+            calls[calls["step"].isin(steps)].reset_index(drop=True))
+
+
+def _size_of(lists) -> dict[str, int]:
+    return {s: len(str(s).split(",")) for s in lists}
+
+
+def _matrix(rows: pd.DataFrame, entity: str, value: str, index, step_ids: np.ndarray) -> pd.DataFrame:
+    m = rows.groupby([entity, "step"])[value].sum().unstack("step")
+    return m.reindex(index=index, columns=step_ids).fillna(0.0)
+
+
+def _threshold(values: np.ndarray, floor: float) -> np.ndarray:
+    """Per entity (a row of ``values``, steps across): the excess that makes a step slow.  The
+    spread is that of step-to-step differences (their scaled MAD over sqrt 2), which a level shift
+    -- the very episode sought, however long -- does not inflate, where the values' own MAD would."""
+    if values.shape[1] < 2:
+        return np.full((values.shape[0], 1), floor)
+    diffs = np.diff(values, axis=1)
+    noise = np.median(np.abs(diffs - np.median(diffs, axis=1, keepdims=True)), axis=1) * 1.4826 / np.sqrt(2)
+    return np.maximum(NOISE_K * noise, floor)[:, None]
+
+
+def _slow(m: pd.DataFrame, cohort: np.ndarray, floor: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(excess over the reference, slow or not) of each entity and step (see the module docstring)."""
+    values = m.to_numpy(dtype=float)
+    own = np.percentile(values, 10, axis=1)[:, None]
+    ref = np.repeat(own, values.shape[1], axis=1)
+    for c in pd.unique(cohort):
+        rows = np.flatnonzero(cohort == c)
+        if len(rows) > 1:
+            ref[rows] = np.minimum(ref[rows], _others_median(values[rows]))
+    excess = values - ref
+    return (pd.DataFrame(excess, index=m.index, columns=m.columns),
+            pd.DataFrame(excess > _threshold(values, floor), index=m.index, columns=m.columns))
+
+
+def _others_median(values: np.ndarray) -> np.ndarray:
+    """Per row and column: the median of the column's other rows (a slow entity does not pull up
+    the reference it is measured against; with two peers, the other one's value)."""
+    n = values.shape[0]
+    ordered = np.sort(values, axis=0)
+    position = np.argsort(np.argsort(values, axis=0, kind="stable"), axis=0, kind="stable")
+
+    def kth_of_others(k: int) -> np.ndarray:  # the k-th smallest once the row's own value is out
+        return np.where(k < position, ordered[k][None, :], ordered[min(k + 1, n - 1)][None, :])
+    m = n - 1
+    if m % 2:
+        return kth_of_others(m // 2)
+    return (kth_of_others(m // 2 - 1) + kth_of_others(m // 2)) / 2
+
+
+def _explained(late: pd.DataFrame, xfer: pd.DataFrame, groups: pd.DataFrame, ranks) -> pd.Series:
+    """Per step: the most any rank's slowness explains -- its own lateness plus the extra transfer of
+    the slow groups it is in."""
+    members = {pg: [int(r) for r in str(gr).split(",")] for pg, gr in groups["group_ranks"].items()}
+    per_rank = late.reindex(ranks, fill_value=0.0).copy()
+    for pg, row in xfer.iterrows():
+        for r in members.get(pg, []):
+            if r in per_rank.index:
+                per_rank.loc[r] += row
+    return per_rank.max(axis=0)
+
+
+# ---------------------------------------------------------------- episodes
+
+def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int | None]]:
+    """(the slow steps' positions, period or None) of each episode in one entity's slow mask."""
+    hits = np.flatnonzero(slow)
+    if len(hits) == 0:
+        return []
+    runs, current = [], [hits[0]]
+    for i in hits[1:]:
+        if step_ids[i] - step_ids[current[-1]] <= 2:  # one quiet step inside a run is allowed
+            current.append(i)
+        else:
+            runs.append(current)
+            current = [i]
+    runs.append(current)
+    out = [(np.arange(r[0], r[-1] + 1), None) for r in runs if len(r) >= MIN_RUN]
+    isolated = np.array([i for r in runs if len(r) < MIN_RUN for i in r])
+    if len(isolated) >= MIN_PERIODIC:
+        gaps = np.diff(step_ids[isolated])
+        period = int(pd.Series(gaps).mode().iloc[0])
+        regular = isolated[np.r_[True, gaps % period == 0]] if period >= 2 else isolated[:0]
+        if len(regular) >= MIN_PERIODIC and (gaps % period == 0).mean() >= 0.75:
+            out.append((regular, period))
+    return out
+
+
+def _episode(cls: str, positions: np.ndarray, period: int | None, step_ids: np.ndarray, signal: np.ndarray,
+             **fields: Any) -> dict[str, Any]:
+    steps = step_ids[positions]
+    e = {"onset_step": int(steps[0]), "end_step": int(steps[-1]), "class": cls, **fields,
+         "period": period, "ongoing": bool(steps[-1] == step_ids[-1]),
+         "_steps": steps, "_signal": signal[positions]}
+    return e
+
+
+def _family(dims) -> str:
+    """The parallel dimension a set of group dimensions belongs to (dp_shard_cp, dp_replicate -> dp)."""
+    names = sorted({("dp" if str(d).startswith("dp") else str(d)) for d in dims})
+    return names[0] if len(names) == 1 else "+".join(names)
+
+
+def _rank_episodes(excess: pd.DataFrame, slow: pd.DataFrame, calls: pd.DataFrame,
+                   step_ids: np.ndarray) -> list[dict[str, Any]]:
+    out = []
+    for rank in slow.index[slow.to_numpy().any(axis=1)]:
+        for positions, period in _spans(slow.loc[rank].to_numpy(), step_ids):
+            steps = set(step_ids[positions].tolist())
+            mine = calls[(calls["rank"] == rank) & calls["step"].isin(steps)]
+            by_dim = mine.groupby("dim")["own_s"].sum().sort_values(ascending=False)
+            out.append(_episode("compute_slow", positions, period, step_ids, excess.loc[rank].to_numpy(),
+                                ranks=[int(rank)], dim=_family(by_dim.index[:1]),
+                                own_delay_s_by_dim={str(d): float(s) for d, s in by_dim.items()},
+                                why=f"rank {int(rank)} works longer than its peers before its collectives; "
+                                    "they wait for it"))
+    return _merge(out)
+
+
+def _group_episodes(excess: pd.DataFrame, slow: pd.DataFrame, groups: pd.DataFrame,
+                    step_ids: np.ndarray) -> list[dict[str, Any]]:
+    found = []
+    for pg in slow.index[slow.to_numpy().any(axis=1)]:
+        members = [int(r) for r in str(groups.at[pg, "group_ranks"]).split(",")]
+        for positions, period in _spans(slow.loc[pg].to_numpy(), step_ids):
+            found.append(_episode("comm_slow", positions, period, step_ids, excess.loc[pg].to_numpy(),
+                                  groups=[{"pg": str(pg), "dim": str(groups.at[pg, "dim"]), "ranks": members}]))
+    merged = _merge(found)
+    for e in merged:
+        sets = [set(g["ranks"]) for g in e["groups"]]
+        shared = set.intersection(*sets)
+        e["ranks"] = sorted(shared if shared and len(sets) > 1 else set.union(*sets))
+        e["dim"] = _family(g["dim"] for g in e["groups"])
+        e["why"] = ("collectives of " + ("the groups holding rank(s) " + ", ".join(map(str, e["ranks"]))
+                                         if shared and len(sets) > 1 else "these groups")
+                    + " take longer with nobody late: a slow link or NIC")
+    return merged
+
+
+def _host_episodes(unexplained: pd.Series, slow: np.ndarray, step_ids: np.ndarray,
+                   rank_step: pd.DataFrame) -> list[dict[str, Any]]:
+    out = []
+    for positions, period in _spans(slow, step_ids):
+        out.append(_episode("host", positions, period, step_ids, unexplained.to_numpy(),
+                            ranks=[int(r) for r in rank_step.index], dim=None,
+                            why="every rank's step got longer with nobody late and no collective slower: "
+                                "a host-side stall (checkpoint save, data loading, garbage collection)"))
+    return _merge(out)
+
+
+def _merge(episodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Episodes of one class that start within two steps of each other and recur alike are one:
+    their ranks (and groups) together, their signals added."""
+    out: list[dict[str, Any]] = []
+    for e in sorted(episodes, key=lambda e: e["onset_step"]):
+        same = next((o for o in out if o["class"] == e["class"] and abs(o["onset_step"] - e["onset_step"]) <= 2
+                     and o["period"] == e["period"]), None)
+        if same is None:
+            out.append(e)
+            continue
+        steps = np.union1d(same["_steps"], e["_steps"])
+        signal = (pd.Series(same["_signal"], index=same["_steps"]).reindex(steps, fill_value=0.0)
+                  + pd.Series(e["_signal"], index=e["_steps"]).reindex(steps, fill_value=0.0))
+        same.update(_steps=steps, _signal=signal.to_numpy(), end_step=int(max(same["end_step"], e["end_step"])),
+                    ongoing=same["ongoing"] or e["ongoing"])
+        if "groups" in e:
+            same["groups"] += e["groups"]
+        else:
+            same["ranks"] = sorted(set(same["ranks"]) | set(e["ranks"]))
+            for d, s in (e.get("own_delay_s_by_dim") or {}).items():
+                same["own_delay_s_by_dim"][d] = same["own_delay_s_by_dim"].get(d, 0.0) + s
+    return out
+
+
+def _covered(episodes: list[dict[str, Any]], step_ids: np.ndarray) -> np.ndarray:
+    mask = np.zeros(len(step_ids), dtype=bool)
+    for e in episodes:
+        mask |= np.isin(step_ids, e.get("_steps", _steps_of(e, step_ids)))
+    return mask
+
+
+def _steps_of(e: dict[str, Any], step_ids: np.ndarray) -> np.ndarray:
+    inside = (step_ids >= e["onset_step"]) & (step_ids <= e["end_step"])
+    if e.get("period"):
+        inside &= (step_ids - e["onset_step"]) % e["period"] == 0
+    return step_ids[inside]
+
+
+# ---------------------------------------------------------------- rank scores
+
+def _scores(rank_step: pd.DataFrame, calls: pd.DataFrame | None) -> list[dict[str, Any]]:
+    busy = rank_step.copy()
+    if calls is not None and len(calls):
+        wait = _matrix(calls, "rank", "wait_s", busy.index, busy.columns.to_numpy())
+        busy = (busy - wait).clip(lower=0.0)
+    n = busy.shape[1]
+    window = max(1, min(SCORE_WINDOW, n // 5 or 1))
+    rolling = busy.T.rolling(window, min_periods=window).median().T
+    current = busy.iloc[:, -window:].median(axis=1)
+    best_own = rolling.min(axis=1).fillna(current)
+    best_rank = float(current.min())
+    rows = [{"rank": int(r), "individual": _ratio(best_own[r], current[r]), "relative": _ratio(best_rank, current[r]),
+             "busy_s": float(current[r]), "best_busy_s": float(best_own[r])} for r in busy.index]
+    rows.sort(key=lambda x: (min(x["individual"], x["relative"]), x["rank"]))
+    return rows[:KEEP_SCORES]
+
+
+def _ratio(best: float, now: float) -> float:
+    return 1.0 if now <= 0 else float(min(1.0, best / now))
