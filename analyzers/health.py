@@ -21,14 +21,16 @@ find such episodes and say who caused them:
 Each signal is a matrix of entities (ranks, groups, or the job) by steps.  A step is slow for an
 entity when the signal exceeds its reference -- the lower of the entity's own best steps (10th
 percentile) and its peers' median that step (the other ranks of the job; the other groups of the
-same dimension and size), so a fault present from step 1 still stands out against the peers and one shared by every
-peer against the entity's past -- by more than ``max(6 scaled MADs of the entity, min_share of the
-median step)``.  An **episode** is a run of at least three slow steps (one quiet step inside it is
-allowed) or at least four slow steps at one period (an intermittent fault, ``every=N``: one episode
-with its period, not N).  Isolated slow steps are noise -- a loaded host's scheduling -- and are
-not reported.  The onset is the first slow step of the episode; its what-if **cost** sums, over its
-slow steps, the part of the job's step-time excess that the episode's own signal accounts for: the
-run's time had it not happened.
+same dimension and size), so a fault present from the first step still stands out against the
+peers and one every peer shares against the entity's past -- by more than ``max(6 x the entity's
+step-to-step noise, min_share of the median step)``.  An **episode** is a run of at least five
+slow steps (one quiet step between two allowed, four in five slow) or at least four slow steps
+at one period (an intermittent fault, ``every=N``: one episode with its period, not N), lasting
+a second or more from onset to end.  Other slow steps are noise -- a loaded host's scheduling,
+whose bursts pass within a second -- and are not reported.  The onset is the
+first slow step of the episode; its what-if **cost** sums, over its slow steps, the part of the
+job's step-time excess that the episode's own signal accounts for: the run's time had it not
+happened.
 
 Per rank, two scores as nvidia-resiliency-ext's straggler detection reports them, both in (0, 1]
 (1 is best): *individual* = the rank's best rolling-median busy time over its current one (busy =
@@ -49,8 +51,10 @@ import pandas as pd
 from mfuscope import run_dir
 
 MIN_SHARE = 0.10      # a slowdown under this share of the median step is not an episode
-NOISE_K = 6.0         # ... nor one within this many scaled MADs of the entity's own spread
-MIN_RUN = 3           # slow steps (one quiet step allowed between) that make an episode
+NOISE_K = 6.0         # ... nor one within this many times the entity's step-to-step noise
+MIN_RUN = 5           # slow steps (one quiet step allowed between) that make an episode: a loaded host's
+                      # scheduling bursts make 3 in a row now and then, a fault that turns a job slow many
+MIN_SECONDS = 1.0     # ... and that last, onset to end, at least this long
 MIN_PERIODIC = 4      # isolated slow steps at one period that make an intermittent episode
 WARMUP_STEPS = 5      # steps 0-4 left out: allocator growth, communicator set-up, autotuning settle
 SCORE_WINDOW = 20     # steps of the "current" busy time in the rank scores
@@ -102,6 +106,9 @@ def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float =
     host_slow = unexplained.to_numpy() > _threshold(job.to_numpy()[None, :], floor)[0, 0]
     episodes += _host_episodes(unexplained, host_slow, step_ids, rank_step)
 
+    # A slowdown that passes within a second is a scheduling burst, not a job turning slow (it
+    # matters only where steps are a few ms: five steps of a real job already take seconds).
+    episodes = [e for e in episodes if float(job.loc[e["onset_step"]:e["end_step"]].sum()) >= MIN_SECONDS]
     healthy = job[~_covered(episodes, step_ids)]
     if len(healthy):
         baseline = float(healthy.median())
@@ -121,8 +128,9 @@ def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float =
         "rank_scores": _scores(rank_step, calls),
         "steps": int(len(step_ids)), "flagged_steps": int(flagged.sum()),
         "baseline_step_s": baseline,
-        "method": (f"slow = over its reference by more than max({NOISE_K:g} scaled MADs, {min_share:.0%} of the "
-                   f"median step); an episode = {MIN_RUN}+ slow steps in a run or {MIN_PERIODIC}+ at one period; "
+        "method": (f"slow = over its reference by more than max({NOISE_K:g} x its step-to-step noise, {min_share:.0%} of the "
+                   f"median step); an episode = {MIN_RUN}+ slow steps in a run or {MIN_PERIODIC}+ at one period, "
+                   f"over {MIN_SECONDS:g} s or more; "
                    f"steps 0-{WARMUP_STEPS - 1} (warm-up) left out"),
         "source": "steps.parquet" + (" and comm.parquet" if instances is not None else ""),
     }
@@ -245,8 +253,10 @@ def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int
             runs.append(current)
             current = [i]
     runs.append(current)
-    out = [(np.arange(r[0], r[-1] + 1), None) for r in runs if len(r) >= MIN_RUN]
-    isolated = np.array([i for r in runs if len(r) < MIN_RUN for i in r])
+    # A run: MIN_RUN slow steps, four in five of its steps slow (scattered noise chains otherwise).
+    held = [len(r) >= MIN_RUN and len(r) >= 0.8 * (step_ids[r[-1]] - step_ids[r[0]] + 1) for r in runs]
+    out = [(np.arange(r[0], r[-1] + 1), None) for r, ok in zip(runs, held) if ok]
+    isolated = np.array([i for r, ok in zip(runs, held) if not ok for i in r])
     if len(isolated) >= MIN_PERIODIC:
         gaps = np.diff(step_ids[isolated])
         period = int(pd.Series(gaps).mode().iloc[0])

@@ -153,8 +153,10 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     comm = comm_stats.summarize([s.comm_parts for s in summaries], comm_stats.Links.of(device, world, recorded.raw))
     if nccl_tests:
         compare(comm, nccl_tests)
+    whole_run = health.analyze(run) if run is not None else None  # from the collectors' tables: runs only
     return new_report(
         source, files, summary, breakdown=tree, bubbles=[bub] if bub else [],
+        **({"health": whole_run} if whole_run is not None else {}),
         comm=comm,
         stragglers=strag,
         kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count), "total_s": k.total_ns / 1e9,
@@ -169,7 +171,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         breakdown_by_rank=_by_rank(leaves),
         ranks=[s.row for s in summaries],
         comm_calls=_comm_calls([s.comm_ops for s in summaries]),
-        health=health.analyze(run) if run is not None else None,
+
         counters=counters.per_step(concat_frames([s.counts for s in summaries], ["kind", "step", "count"]),
                                    comm_counts, counted_steps, flops, calls_source),
     )

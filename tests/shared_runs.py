@@ -69,21 +69,22 @@ def run_3d(root: Path) -> Path:
 
 
 #: :func:`health_run`: HSDP (data-parallel groups of 4 and of 2, so one rank's groups are not the whole
-#: dimension), a two-layer micro model paced 4/8 ms, 100 steps; rank 5 computes 50 ms more a step from
-#: step 60, and every dp group holding rank 6 moves its bytes at 0.02 Gb/s from step 30.
+#: dimension), a one-layer micro model paced 4/8 ms kept gathered after the forward (fewer collectives:
+#: a step near 65 ms), 100 steps; rank 5 computes 50 ms more a step from
+#: step 60, and every dp group holding rank 6 moves its bytes at 0.01 Gb/s from step 30.
 HEALTH_WORLD, HEALTH_COMPUTE, HEALTH_LINK = 8, (5, 60), (6, 30)
-HEALTH_RUN = dict(layout="dp_replicate=2,dp_shard=4", steps=100, paced="fwd_ms=4,bwd_ms=8",
+HEALTH_RUN = dict(layout="dp_replicate=2,dp_shard=4", steps=100, paced="fwd_ms=4,bwd_ms=8", reshard_after_forward=False,
                   inject=f"compute:rank={HEALTH_COMPUTE[0]}:ms=50:from={HEALTH_COMPUTE[1]};"
-                         f"link:rank={HEALTH_LINK[0]}:dim=dp:gbps=0.02:from={HEALTH_LINK[1]}")
+                         f"link:rank={HEALTH_LINK[0]}:dim=dp:gbps=0.01:from={HEALTH_LINK[1]}")
 
 
 def health_run(root: Path) -> Path:
     """:data:`HEALTH_RUN` on :data:`HEALTH_WORLD` forked ranks with the always-on collectors only: a
     job that turns slow twice, for the whole-run health analysis (analyzers/health.py).  A hundred
-    steps of eight ranks take ~20 s here; the HSDP micro model keeps a step near 100 ms."""
+    steps of eight ranks take ~16 s here."""
     root.mkdir(parents=True, exist_ok=True)
-    config = root / "micro2.toml"
-    config.write_text(micro_config(n_layers=2, global_batch=8, grad_accum=1))
+    config = root / "micro1.toml"
+    config.write_text(micro_config(n_layers=1, global_batch=8, grad_accum=1))
     return train_forked(root / "health8", HEALTH_WORLD, config=str(config), **HEALTH_RUN)
 
 
