@@ -129,8 +129,8 @@ def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float =
         "steps": int(len(step_ids)), "flagged_steps": int(flagged.sum()),
         "baseline_step_s": baseline,
         "method": (f"slow = over its reference by more than max({NOISE_K:g} x its step-to-step noise, "
-                   f"{min_share:.0%} of the median step); an episode = {MIN_RUN}+ slow steps in a run or {MIN_PERIODIC}+ at one period, "
-                   f"over {MIN_SECONDS:g} s or more; "
+                   f"{min_share:.0%} of the median step); an episode = {MIN_RUN}+ slow steps in a run or "
+                   f"{MIN_PERIODIC}+ at one period, over {MIN_SECONDS:g} s or more; "
                    f"steps 0-{WARMUP_STEPS - 1} (warm-up) left out"),
         "source": "steps.parquet" + (" and comm.parquet" if instances is not None else ""),
     }
