@@ -411,7 +411,7 @@ def _why_training_failed(out: Path, rc: int) -> str:
     if not ((out / hang.RECORDS).is_dir() or (out / hang.FOLDER).is_dir()):
         return failed
     try:
-        reason = (run_dir.read_manifest(out) or {}).get("ended_reason") or ""
+        manifest = run_dir.read_manifest(out) or {}
         result = hang.diagnose(*hang.read_dumps(out), hang.run_group_dims(out))
     except UserInputError:
         return failed
@@ -421,8 +421,13 @@ def _why_training_failed(out: Path, rc: int) -> str:
     first = next(i for i, line in enumerate(lines) if line.startswith("group "))
     where = lines[first] + (f"; {lines[first + 1].strip()}" if first + 1 < len(lines)
                             and lines[first + 1].startswith("  ") else "")
-    what = "the job hung (a collective timed out)" if "timed out" in reason.lower() else \
-        "the job stopped in a collective"
+    # The manifest keeps the first rank's reason only; a peer's "connection closed" can come first
+    # when a timed-out rank leaves.  Peers left waiting in a run with a collective timeout: it timed out.
+    waiting = any(c["class"] in ("never_entered", "not_completed")
+                  for g in result["groups"] if g["state"] == "hung" for c in g["culprits"])
+    timed_out = "timed out" in (manifest.get("ended_reason") or "").lower() or (
+        waiting and (manifest.get("trainer") or {}).get("collective_timeout"))
+    what = "the job hung (a collective timed out)" if timed_out else "the job stopped in a collective"
     return f"{what}: {where} -- `mfuscope hang {out}` has every group"
 
 
