@@ -167,9 +167,9 @@ def test_a_healthy_run_of_500_steps_flags_under_one_percent(tmp_path):
     config = tmp_path / "micro.toml"
     from mfuscope.tests.helpers import micro_config
     config.write_text(micro_config(n_layers=2, global_batch=8, grad_accum=1))
-    # DDP: two collectives a step, so the 500 steps cost little more than their pacing (~30 ms each)
+    # DDP: two collectives a step, so the 500 steps cost little more than their pacing (~15 ms each)
     run = train_forked(tmp_path / "healthy", 2, config=str(config), layout="dp_replicate=2", dp_mode="ddp",
-                       steps=500, paced="fwd_ms=6,bwd_ms=12")
+                       steps=500, paced="fwd_ms=3,bwd_ms=6")
     h = health.analyze(run)
     assert h["steps"] == 500 - health.WARMUP_STEPS
     assert h["flagged_steps"] < 5, h["episodes"]

@@ -70,20 +70,20 @@ def test_a_run_directory_gets_the_same_report_from_workers_and_in_one_process(ru
 
 @needs_corpus(TRACE_FILTER)
 def test_the_parent_holds_summaries_not_events(tmp_path):
-    """The parent's traced memory (numpy and Python allocations) over 8 and 40 ranks of a real
+    """The parent's traced memory (numpy and Python allocations) over 16 and 48 ranks of a real
     trace: its growth a rank stays under the issue's 100 KB -- one rank's events here are ~800 KB
     as an EventTable, so a parent that kept them would grow 8x past it."""
     sources = sorted(TRACE_FILTER.glob("*.json.gz"))
     one = trace_set.load(sources[0], use_cache=False).events
     assert one.table.nbytes > 500_000  # the events a leaking parent would hold
-    big = replicated_set(tmp_path / "set40", sources, 20)
-    small = tmp_path / "set8"  # its first 8 ranks: the same files, so the same cache entries
+    big = replicated_set(tmp_path / "set48", sources, 24)
+    small = tmp_path / "set16"  # its first 16 ranks: the same files, so the same cache entries
     small.mkdir()
-    for r in range(8):
+    for r in range(16):
         (small / f"rank{r}.json.gz").symlink_to(big / f"rank{r}.json.gz")
     map_reduce.analyze_ranks(big, workers=2, progress=False)  # parsed once, untraced: the workers
     peaks = {}                                                # forked below read the cache
-    for n, traces in ((8, small), (40, big)):
+    for n, traces in ((16, small), (48, big)):
         # The workers forked before tracing starts (no fork while tracemalloc holds its hooks), and
         # kept for the whole run: the parent's own memory is what is traced.
         with executor.RecyclingPool(2, tasks_per_worker=1000) as pool:
@@ -92,7 +92,7 @@ def test_the_parent_holds_summaries_not_events(tmp_path):
             map_reduce.analyze_ranks(traces, pool=pool, progress=False)
             peaks[n] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-    slope = (peaks[40] - peaks[8]) / 32
+    slope = (peaks[48] - peaks[16]) / 32
     assert slope < 100_000, f"{slope / 1e3:.0f} KB a rank ({peaks})"
     print(f"parent: {slope / 1e3:.1f} KB a rank ({peaks})")
 
