@@ -6,9 +6,10 @@ starts swapping at step 12,000 is outside it.  The always-on collectors time eve
 (``steps.parquet``) and every collective (``comm.parquet``) of the whole run, which is enough to
 find such episodes and say who caused them:
 
-- **compute-slow**: a rank arrives late at collectives -- its *lateness* at a collective is how
-  long after the last of the others it arrived (what the whole group waited for it alone), summed
-  over the step's collectives.  Nobody else in the group is late.
+- **compute-slow**: a rank works longer than its peers before its collectives -- its *own delay*
+  at a collective is how much longer it worked, since its previous collective (in any group)
+  completed, than the group's other members did, summed over the step's collectives.  Its peers
+  wait for it; a rank held late by another group's slow collective is not charged.
 - **comm-slow**: a group's collectives are long with nobody late -- a collective's *transfer* is the
   time from the last member's arrival to its completion, summed per group and step.  Groups that
   slow down together are one episode, and the ranks they share name the culprit: every dp group
@@ -50,10 +51,12 @@ import pandas as pd
 
 from mfuscope import run_dir
 
+from .stragglers import leave_one_out_median
+
 MIN_SHARE = 0.10      # a slowdown under this share of the median step is not an episode
 NOISE_K = 6.0         # ... nor one within this many times the entity's step-to-step noise
-MIN_RUN = 5           # slow steps (one quiet step allowed between) that make an episode: a loaded host's
-                      # scheduling bursts make 3 in a row now and then, a fault that turns a job slow many
+MIN_RUN = 5           # slow steps (one quiet step allowed between) that make an episode: a loaded
+                      # host's scheduling bursts make three in a row now and then
 MIN_SECONDS = 1.0     # ... and that last, onset to end, at least this long
 MIN_PERIODIC = 4      # isolated slow steps at one period that make an intermittent episode
 WARMUP_STEPS = 5      # steps 0-4 left out: allocator growth, communicator set-up, autotuning settle
@@ -109,7 +112,8 @@ def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float =
     # A slowdown that passes within a second is a scheduling burst, not a job turning slow (it
     # matters only where steps are a few ms: five steps of a real job already take seconds).
     episodes = [e for e in episodes if float(job.loc[e["onset_step"]:e["end_step"]].sum()) >= MIN_SECONDS]
-    healthy = job[~_covered(episodes, step_ids)]
+    flagged = np.isin(step_ids, np.concatenate([e["_steps"] for e in episodes] or [step_ids[:0]]))
+    healthy = job[~flagged]
     if len(healthy):
         baseline = float(healthy.median())
         step_excess = (job - baseline).clip(lower=0.0)
@@ -122,7 +126,6 @@ def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float =
         e["slow_steps"] = len(e.pop("_steps"))
         e["cost_per_step_s"] = e["cost_s"] / e["slow_steps"]
     episodes.sort(key=lambda e: -e["cost_s"])
-    flagged = _covered(episodes, step_ids)
     return {
         "episodes": episodes,
         "rank_scores": _scores(rank_step, calls),
@@ -190,8 +193,6 @@ def _threshold(values: np.ndarray, floor: float) -> np.ndarray:
     """Per entity (a row of ``values``, steps across): the excess that makes a step slow.  The
     spread is that of step-to-step differences (their scaled MAD over sqrt 2), which a level shift
     -- the very episode sought, however long -- does not inflate, where the values' own MAD would."""
-    if values.shape[1] < 2:
-        return np.full((values.shape[0], 1), floor)
     diffs = np.diff(values, axis=1)
     noise = np.median(np.abs(diffs - np.median(diffs, axis=1, keepdims=True)), axis=1) * 1.4826 / np.sqrt(2)
     return np.maximum(NOISE_K * noise, floor)[:, None]
@@ -205,25 +206,10 @@ def _slow(m: pd.DataFrame, cohort: np.ndarray, floor: float) -> tuple[pd.DataFra
     for c in pd.unique(cohort):
         rows = np.flatnonzero(cohort == c)
         if len(rows) > 1:
-            ref[rows] = np.minimum(ref[rows], _others_median(values[rows]))
+            ref[rows] = np.minimum(ref[rows], leave_one_out_median(values[rows]))
     excess = values - ref
     return (pd.DataFrame(excess, index=m.index, columns=m.columns),
             pd.DataFrame(excess > _threshold(values, floor), index=m.index, columns=m.columns))
-
-
-def _others_median(values: np.ndarray) -> np.ndarray:
-    """Per row and column: the median of the column's other rows (a slow entity does not pull up
-    the reference it is measured against; with two peers, the other one's value)."""
-    n = values.shape[0]
-    ordered = np.sort(values, axis=0)
-    position = np.argsort(np.argsort(values, axis=0, kind="stable"), axis=0, kind="stable")
-
-    def kth_of_others(k: int) -> np.ndarray:  # the k-th smallest once the row's own value is out
-        return np.where(k < position, ordered[k][None, :], ordered[min(k + 1, n - 1)][None, :])
-    m = n - 1
-    if m % 2:
-        return kth_of_others(m // 2)
-    return (kth_of_others(m // 2 - 1) + kth_of_others(m // 2)) / 2
 
 
 def _explained(late: pd.DataFrame, xfer: pd.DataFrame, groups: pd.DataFrame, ranks) -> pd.Series:
@@ -269,10 +255,9 @@ def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int
 def _episode(cls: str, positions: np.ndarray, period: int | None, step_ids: np.ndarray, signal: np.ndarray,
              **fields: Any) -> dict[str, Any]:
     steps = step_ids[positions]
-    e = {"onset_step": int(steps[0]), "end_step": int(steps[-1]), "class": cls, **fields,
-         "period": period, "ongoing": bool(steps[-1] == step_ids[-1]),
-         "_steps": steps, "_signal": signal[positions]}
-    return e
+    return {"onset_step": int(steps[0]), "end_step": int(steps[-1]), "class": cls, **fields,
+            "period": period, "ongoing": bool(steps[-1] == step_ids[-1]),
+            "_steps": steps, "_signal": signal[positions]}
 
 
 def _family(dims) -> str:
@@ -350,20 +335,6 @@ def _merge(episodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for d, s in (e.get("own_delay_s_by_dim") or {}).items():
                 same["own_delay_s_by_dim"][d] = same["own_delay_s_by_dim"].get(d, 0.0) + s
     return out
-
-
-def _covered(episodes: list[dict[str, Any]], step_ids: np.ndarray) -> np.ndarray:
-    mask = np.zeros(len(step_ids), dtype=bool)
-    for e in episodes:
-        mask |= np.isin(step_ids, e.get("_steps", _steps_of(e, step_ids)))
-    return mask
-
-
-def _steps_of(e: dict[str, Any], step_ids: np.ndarray) -> np.ndarray:
-    inside = (step_ids >= e["onset_step"]) & (step_ids <= e["end_step"])
-    if e.get("period"):
-        inside &= (step_ids - e["onset_step"]) % e["period"] == 0
-    return step_ids[inside]
 
 
 # ---------------------------------------------------------------- rank scores

@@ -171,7 +171,6 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         breakdown_by_rank=_by_rank(leaves),
         ranks=[s.row for s in summaries],
         comm_calls=_comm_calls([s.comm_ops for s in summaries]),
-
         counters=counters.per_step(concat_frames([s.counts for s in summaries], ["kind", "step", "count"]),
                                    comm_counts, counted_steps, flops, calls_source),
     )

@@ -63,16 +63,16 @@ def _others(df: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
 
 
 def leave_one_out_median(values: np.ndarray) -> np.ndarray:
-    """For each element, the median of all the others, in O(n log n): sorted once, the others'
-    middle is the sorted array's middle shifted past the element's own position."""
+    """For each element, the median of all the others along the first axis (each column of a 2-D
+    array on its own), in O(n log n): sorted once, the others' middle is the sorted array's middle
+    shifted past the element's own position."""
     v = np.asarray(values, dtype=float)
-    n = len(v)
+    n = v.shape[0]
     if n < 2:
         return v.copy()
-    order = np.argsort(v, kind="stable")
-    ranked = v[order]
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
+    order = np.argsort(v, axis=0, kind="stable")
+    ranked = np.take_along_axis(v, order, axis=0)
+    pos = np.argsort(order, axis=0, kind="stable")  # each element's place in the sorted order
 
     def kth_of_others(k: int) -> np.ndarray:  # the k-th smallest once each element is removed
         return np.where(k < pos, ranked[k], ranked[min(k + 1, n - 1)])

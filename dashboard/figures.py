@@ -102,8 +102,8 @@ def health_steps(step_s: pd.Series, episodes: list[dict[str, Any]], baseline_s: 
         width = -(-len(step_s) // HEALTH_POINTS)  # steps a point stands for
         step_s = step_s.groupby(step_s.index // width * width).max()
     fig = go.Figure(go.Scatter(x=step_s.index, y=step_s.to_numpy() * 1e3, mode="lines", name="step time",
-                                 line=dict(color="#52667a", width=1),
-                                 hovertemplate="step %{x}: %{y:.4g} ms<extra></extra>"))
+                               line=dict(color="#52667a", width=1),
+                               hovertemplate="step %{x}: %{y:.4g} ms<extra></extra>"))
     if baseline_s:
         fig.add_hline(y=baseline_s * 1e3, line=dict(color="#999", dash="dot"), annotation_text="baseline")
     for e in episodes:

@@ -630,7 +630,7 @@ def capped_note(report: dict, key: str) -> html.P | None:
                   className="muted", id=f"capped-{key}")
 
 
-# ----------------------------------------------------------------------------- stragglers
+# ----------------------------------------------------------------------------- health
 def health_page(run: Run, a: Analysis | None) -> html.Div:
     """Whole-run health (analyzers/health.py): read from the collectors' tables on every visit --
     cheap, and a run without a trace window (no analysis) has it too."""
@@ -681,6 +681,7 @@ def health_page(run: Run, a: Analysis | None) -> html.Div:
     ])
 
 
+# ----------------------------------------------------------------------------- stragglers
 def stragglers_page(run: Run, a: Analysis) -> html.Div:
     r = a.report
     matrix = pd.DataFrame(r.get("straggler_matrix") or [])

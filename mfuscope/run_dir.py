@@ -161,9 +161,9 @@ def write_rank_table(run_dir: str | Path, name: str, rank: int, part: int, rows:
 
 
 def warm_parquet_writer() -> None:
-    """Write each table's empty form to memory once: Arrow sets up its Parquet writer on the first
-    write (~0.2 s a process), which would otherwise land in the training step of the first flush
-    and read, in the step times, as a host stall every rank takes at once."""
+    """Write each table's empty form to memory once: pyarrow imports pandas on its first
+    ``write_table`` (0.2-0.3 s a process), which would otherwise land in the training step of the
+    first flush and read, in the step times, as a host stall every rank takes at once."""
     for schema in TABLE_SCHEMAS.values():
         pq.write_table(schema.empty_table(), pa.BufferOutputStream())
 

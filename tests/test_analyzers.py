@@ -393,3 +393,7 @@ def test_the_leave_one_out_median_is_the_median_of_the_others():
         v = rng.integers(0, 5, size=n).astype(float)  # many ties
         expected = np.array([np.median(np.delete(v, i)) for i in range(n)])
         assert np.array_equal(leave_one_out_median(v), expected), n
+    # a 2-D array: each column on its own (the health analysis' peers, step by step)
+    m = rng.integers(0, 5, size=(6, 9)).astype(float)
+    expected = np.array([[np.median(np.delete(m[:, j], i)) for j in range(9)] for i in range(6)])
+    assert np.array_equal(leave_one_out_median(m), expected)

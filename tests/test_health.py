@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from mfuscope.analyzers import health
+from mfuscope.tests.helpers import micro_config
 from mfuscope.tests.shared_runs import HEALTH_COMPUTE, HEALTH_LINK, mfuscope, train_forked
 
 MS = 1e-3
@@ -165,7 +166,6 @@ def test_a_healthy_run_of_500_steps_flags_under_one_percent(tmp_path):
     """2 ranks x 500 paced steps, no fault: fewer than 5 steps in episodes (the issue's 1%), on a
     machine the other lane may load."""
     config = tmp_path / "micro.toml"
-    from mfuscope.tests.helpers import micro_config
     config.write_text(micro_config(n_layers=2, global_batch=8, grad_accum=1))
     # DDP: two collectives a step, so the 500 steps cost little more than their pacing (~15 ms each)
     run = train_forked(tmp_path / "healthy", 2, config=str(config), layout="dp_replicate=2", dp_mode="ddp",
