@@ -37,10 +37,13 @@ Progress = Callable[[float, str], None]
 
 def analyze(path: str | Path, report_path: str | Path, views_dir: str | Path | None, *,
             on_progress: Progress | None = None, nccl_tests: list | None = None,
+            finish: Callable[[dict[str, Any]], None] | None = None,
             **load_options: Any) -> tuple[dict[str, Any], LoadResult]:
     """Analyze ``path``, write its report (and views), return (report, what was loaded: files,
     skipped files, ranks from the cache; no events).  ``nccl_tests``: tables of
-    :func:`.nccl_tests.read_all` the communication rows are compared with; ``load_options``: as
+    :func:`.nccl_tests.read_all` the communication rows are compared with; ``finish``: what a layer
+    above adds to the report before it is written (the cost model's predicted memory:
+    ``mfuscope.optimizers.predicted_memory.analyze``); ``load_options``: as
     :func:`.map_reduce.analyze_ranks`."""
     say = on_progress or (lambda fraction, message: None)
     say(0.0, "analyzing ranks")
@@ -55,6 +58,8 @@ def analyze(path: str | Path, report_path: str | Path, views_dir: str | Path | N
             **load_options)
         if staging is not None:
             _swap(staging, Path(views_dir))
+        if finish is not None:
+            finish(report)
         write_report(report_path, report)  # last: a report on disk means the views are there too
     finally:
         if staging is not None and staging.exists():

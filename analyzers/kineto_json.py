@@ -32,7 +32,7 @@ import pyarrow as pa
 from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable, build_table
 
-from . import collectives, kernel_kinds
+from . import collectives, kernel_kinds, memory
 from .steps import UNMARKED, Steps, assign_steps, device_window, find_steps, with_whole_trace_marker
 
 try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
@@ -68,6 +68,13 @@ class _Args(msgspec.Struct, gc=False):
     input_type: msgspec.Raw = _field(name="Input type", default=msgspec.Raw())
     concrete: msgspec.Raw = _field(name="Concrete Inputs", default=msgspec.Raw())
     name: str | None = None  # thread_name / process_name metadata
+    # [memory] events: the allocator's totals after the allocation or free
+    total_allocated: int | float | None = _field(name="Total Allocated", default=None)
+    total_reserved: int | float | None = _field(name="Total Reserved", default=None)
+    device_type: int | None = _field(name="Device Type", default=None)
+    device_id: int | None = _field(name="Device Id", default=None)
+    alloc_bytes: int | float | None = _field(name="Bytes", default=None)  # > 0 allocated, < 0 freed
+    addr: int | None = _field(name="Addr", default=None)
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -451,6 +458,7 @@ class _Work:
     external_id: np.ndarray
     args: dict  # row -> _KeptArgs, for rows whose name needs the full args
     thread_names: dict
+    allocator: list  # (row, allocated, reserved, device key, bytes, address) of each [memory] event
 
 
 class _KeptArgs(NamedTuple):
@@ -497,6 +505,7 @@ def _collect_events(batches: Iterable[bytes], path: Path) -> _Work:
                                                "stream", "corr", "ext")}
     args: dict[int, _KeptArgs] = {}
     thread_names: dict = {}
+    allocator: list = []
     string_tids = False
     n = seen = 0
     for data in batches:
@@ -523,6 +532,11 @@ def _collect_events(batches: Iterable[bytes], path: Path) -> _Work:
                 a = work[row].args
                 if a is not None:
                     args[n + int(row)] = _kept(a)
+        if "[memory]" in names.dictionary.to_pylist():
+            allocator.extend((n + i, e.args.total_allocated or 0, e.args.total_reserved or 0,
+                              memory.device_key(e.args.device_type, e.args.device_id), e.args.alloc_bytes or 0,
+                              e.args.addr or 0)
+                             for i, e in enumerate(work) if e.name == "[memory]" and e.args is not None)
         tids = [e.tid for e in work]
         a = [e.args for e in work]
         chunks["names"].append(names)
@@ -556,7 +570,8 @@ def _collect_events(batches: Iterable[bytes], path: Path) -> _Work:
                                      for lab, t in zip(chunks["tid_labels"], chunks["tid"])])
     return _Work(n, dictionary("names"), dictionary("cats"), cat("pid", np.int64), cat("tid", np.int64),
                  tid_labels, cat("ts", np.float64), cat("dur", np.float64), cat("dev", np.int64),
-                 cat("stream", np.int64), cat("corr", np.int64), cat("ext", np.int64), args, thread_names)
+                 cat("stream", np.int64), cat("corr", np.int64), cat("ext", np.int64), args, thread_names,
+                 allocator)
 
 
 def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
@@ -667,6 +682,13 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
             shapes[i] = _shapes_json(a)
 
     meta["comm_groups"] = list(groups.values())
+    if work.allocator:  # the allocator's samples, folded per step (analyzers/memory.py)
+        rows = np.array([a[0] for a in work.allocator], dtype=np.int64)
+        column = lambda i: np.array([a[i] for a in work.allocator], dtype=np.int64)  # noqa: E731
+        backward = np.array([s.startswith(memory.BACKWARD_OP) for s in name_values] or [False])[name_idx]
+        meta["memory"] = memory.allocator_summary(
+            ts_ns[rows], step_col[rows], np.array([a[3] for a in work.allocator], dtype=object), column(1), column(2),
+            column(4), column(5), backward_starts=memory.first_per_step(ts_ns[backward], step_col[backward]))
     _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
                       op, dim, pg, group_ranks, nbytes, seq)
     gloo = np.array([str(v).startswith("gloo:") for v in name_values] or [False], dtype=bool)[name_idx]

@@ -96,7 +96,8 @@ def map_rank(job: RankJob) -> MapResult:
     events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
     for rank, part in overview.split_ranks(events).items():
         comm = _run_comm(job.run, rank) if job.run else None
-        s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir)
+        s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir,
+                                   run=job.run)
         s.file, s.cached = str(job.file), result.cached
         result.summaries.append(s)
     return result

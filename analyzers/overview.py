@@ -32,6 +32,7 @@ from . import (
     findings,
     health,
     kernel_time,
+    memory,
     mfu,
     rank_lists,
     rank_summary,
@@ -54,7 +55,7 @@ def build_report(events: EventTable | Context, *, source: str, files: list[str],
     comm = run_comm(run)
     world = job_world(ctx.events.ranks, ctx.manifest)
     by_rank = split_ranks(ctx.events)
-    summaries = [rank_summary.summarize(part, ctx.manifest, world=world,
+    summaries = [rank_summary.summarize(part, ctx.manifest, world=world, run=run,
                                         run_comm=None if comm is None else comm[comm["rank"] == rank])
                  for rank, part in by_rank.items()]
 
@@ -154,9 +155,11 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     if nccl_tests:
         compare(comm, nccl_tests)
     whole_run = health.analyze(run) if run is not None else None  # from the collectors' tables: runs only
+    measured_memory = memory.section([s.memory for s in summaries])
     return new_report(
         source, files, summary, breakdown=tree, bubbles=[bub] if bub else [],
         **({"health": whole_run} if whole_run is not None else {}),
+        **({"memory": measured_memory} if measured_memory is not None else {}),
         comm=comm,
         stragglers=strag,
         kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count), "total_s": k.total_ns / 1e9,
@@ -297,6 +300,7 @@ def format_text(report: dict[str, Any]) -> str:
     if s.get("peak_source"):
         lines.append(f"peak          {s['peak_flops'] / 1e12:.3g} TFLOP/s per device ({s['peak_source']})")
     lines += _health_lines(report.get("health"))
+    lines += memory.text_lines(report.get("memory"))
     tree = report.get("breakdown")
     if tree and tree["seconds"]:
         lines += ["", f"where a step's time went (each rank's own step markers, mean of ranks and traced steps, "

@@ -62,6 +62,7 @@ WORST: dict[str, tuple[str, Callable[[pd.DataFrame], pd.Series]]] = {
     "kernel_launch": ("launch-bound first, then the largest share of short kernels", _launch),
     "comm_arrival": ("latest median arrival at a collective", _by("median_lag_s", "high")),
     "clock_offsets": ("largest clock offset", _by("offset_s", "abs")),
+    "memory.per_rank": ("highest peak allocated", _by("peak_allocated_bytes", "high")),
 }
 
 
@@ -70,13 +71,13 @@ def cap(report: dict[str, Any], views_dir: str | Path | None = None, limit: int 
     docstring); the whole lists written under ``views_dir`` when given."""
     meta: dict[str, Any] = {}
     for key, (order, badness) in WORST.items():
-        rows = report.get(key) or []
+        rows = _get(report, key)
         df = pd.DataFrame(rows)
         ranks = int(df["rank"].nunique()) if len(df) else 0
         entry = {"ranks": ranks, "kept": ranks, "worst_by": order, "view": None}
         if ranks > limit:
             keep = set(badness(df).sort_values(ascending=False, kind="stable").index[:limit])
-            report[key] = [r for r in rows if r["rank"] in keep]
+            _set(report, key, [r for r in rows if r["rank"] in keep])
             entry["kept"] = limit
             if views_dir is not None:
                 entry["view"] = _write(Path(views_dir), key, rows)  # relative to the views folder
@@ -91,7 +92,19 @@ def whole(report: dict[str, Any], views_dir: str | Path | None, key: str) -> pd.
     view = ((report.get("rank_lists") or {}).get(key) or {}).get("view")
     if view and views_dir is not None and (Path(views_dir) / view).is_file():
         return pd.read_parquet(Path(views_dir) / view)
-    return pd.DataFrame(report.get(key) or [])
+    return pd.DataFrame(_get(report, key))
+
+
+def _get(report: dict[str, Any], key: str) -> list[dict]:
+    """The list at ``key``; a dotted key (``memory.per_rank``) is a list inside a section."""
+    section, _, name = key.rpartition(".")
+    holder = report.get(section) if section else report
+    return (holder or {}).get(name) or []
+
+
+def _set(report: dict[str, Any], key: str, rows: list[dict]) -> None:
+    section, _, name = key.rpartition(".")
+    (report[section] if section else report)[name] = rows
 
 
 def _write(views_dir: Path, key: str, rows: list[dict]) -> str:

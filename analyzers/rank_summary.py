@@ -28,7 +28,7 @@ from mfuscope import atomic, labels
 from mfuscope.event_table import EventTable
 from mfuscope.manifest import Manifest
 
-from . import breakdown, comm_stats, counters, findings, kernel_time, mfu, timeline
+from . import breakdown, comm_stats, counters, findings, kernel_time, memory, mfu, timeline
 from .context import Context
 
 #: The views' per-rank parts (directories of ``rankNNNNN.parquet`` files, read as one dataset).
@@ -61,19 +61,21 @@ class RankSummary:
     counts: pd.DataFrame                 # counters.event_counts
     evidence: findings.EvidenceParts
     microbatches: pd.DataFrame           # timeline.microbatches
+    memory: dict[str, Any] | None = None  # memory.of_rank: the report's memory.per_rank entry
     file: str | None = None
     cached: bool = False
 
 
 def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
               run_comm: pd.DataFrame | None = None, world: int | None = None,
-              views_dir: str | Path | None = None) -> RankSummary:
+              views_dir: str | Path | None = None, run: str | Path | None = None) -> RankSummary:
     """The summary of the one rank ``events`` holds.
 
     ``manifest``: the run's (stages, for the microbatches); ``run_comm``: the collectors'
     communication rows of this rank (``comm.parquet``), used instead of the trace's own when
     given; ``world``: the job's world size where the trace does not say it; ``views_dir``: where
-    the rank writes its parts of the views."""
+    the rank writes its parts of the views; ``run``: the run directory (the collectors' memory count
+    and the window's memory files)."""
     (rank,) = events.rank_ids
     ctx = Context.of_events(events, manifest)
     ev = ctx.events
@@ -97,7 +99,8 @@ def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
         graphs=kernel_time.graph_activity(ev), shapes=mfu.TraceShapes.of(ev),
         overlap=comm_stats.overlap_by_rank(ev), row=_rank_row(ev, rank, rank_steps),
         comm_ops=_comm_ops(ev), counts=counters.event_counts(ev),
-        evidence=findings.gather_parts(ev, steady, ctx.plans), microbatches=ctx.microbatches)
+        evidence=findings.gather_parts(ev, steady, ctx.plans), microbatches=ctx.microbatches,
+        memory=memory.of_rank(rank, meta.get("memory"), run, views_dir))
     if views_dir is not None:
         _write_views(Path(views_dir), rank, timeline.segments(ev, ctx.plans), calls)
     return summary

@@ -24,7 +24,7 @@ from mfuscope import atomic
 from mfuscope.event_table import EventTable
 
 #: Bump when the loader's output for the same input changes.
-LOADER_VERSION = "kineto-10"  # 2: a marker row for traces without step markers; 3-5: gloo worker work labelled;
+LOADER_VERSION = "kineto-11"  # 2: a marker row for traces without step markers; 3-5: gloo worker work labelled;
 #                               6: the device span as the markerless window, unclosed steps clipped;
 #                               7: dpsk::ep and custom all-reduce kernels are communication, MTIA dma_request a copy;
 #                               8: trace-stated collective names win over kernel names; a one-step trace's
@@ -32,7 +32,8 @@ LOADER_VERSION = "kineto-10"  # 2: a marker row for traces without step markers;
 #                               9: shapes keep types and concrete inputs (conv FLOPs, dtypes), conv ops
 #                                  shaped; full or no group rank lists (Kineto cuts them at 30), Group size,
 #                                  comm_groups; all_gather bytes are the output (nccl-tests' size);
-#                               10: a one-step trace's step is its device-side annotation where it has one
+#                               10: a one-step trace's step is its device-side annotation where it has one;
+#                               11: the allocator's [memory] samples summarized in the rank's metadata
 
 
 def cache_dir() -> Path:

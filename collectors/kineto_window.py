@@ -3,7 +3,8 @@
 ``window="5:3"`` records steps 5, 6 and 7 (with step 4 as the profiler's
 warm-up), writes ``traces/rank<N>.pt.trace.json.gz`` atomically, and costs
 nothing outside the window.  Shapes are always recorded (FLOPs and bytes come
-from them); Python stacks and memory are optional because they are expensive.
+from them); Python stacks and memory are optional because they are expensive
+(memory takes stacks too: the profiler's memory categorizer needs them).
 
 On GPU the window is also a CUDA profiler range (``cudaProfilerStart/Stop``),
 so ``nsys profile --capture-range=cudaProfilerApi`` records the same steps.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,8 +25,12 @@ _UNTIL_THE_END = 2**31 - 1  # steps; the window is then exported when the sessio
 
 class KinetoWindow:
     def __init__(self, trace_dir: str | Path, rank: int, start: int, steps: int | None, *,
-                 with_stack: bool = False, profile_memory: bool = False, cuda_range: bool = False):
+                 with_stack: bool = False, profile_memory: bool = False, cuda_range: bool = False,
+                 also_export: Callable | None = None):
+        """``also_export(prof)``: more to write from the window's profile once its trace is written
+        (the memory timeline); its failure is reported and does not cost the trace."""
         self.path = Path(trace_dir) / f"rank{rank}.pt.trace.json.gz"
+        self.rank, self.also_export = rank, also_export
         self.start_step, self.steps = start, steps or _UNTIL_THE_END
         self.cuda_range = cuda_range and torch.cuda.is_available()
         self.exported = False
@@ -31,7 +38,7 @@ class KinetoWindow:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         warmup = min(1, start)
-        self._prof = profile(activities=activities, record_shapes=True, with_stack=with_stack,
+        self._prof = profile(activities=activities, record_shapes=True, with_stack=with_stack or profile_memory,
                              profile_memory=profile_memory,
                              schedule=schedule(wait=start - warmup, warmup=warmup, active=self.steps, repeat=1),
                              on_trace_ready=self._export)
@@ -86,3 +93,9 @@ class KinetoWindow:
             plain.unlink(missing_ok=True)
             packed.unlink(missing_ok=True)
         self.exported = True
+        if self.also_export is not None:
+            try:
+                self.also_export(prof)
+            except Exception as e:  # noqa: BLE001 - the trace is written; say what else was not
+                print(f"mfuscope: rank {self.rank}: writing the window's memory files failed: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)

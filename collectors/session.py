@@ -46,6 +46,7 @@ from .comm_timer import CommTimer
 from .cpu_peak import measured_matmul_peak
 from .group_dims import GroupDims, mesh_groups
 from .kineto_window import KinetoWindow
+from .memory_recorder import MemoryRecorder
 from .nvml_sampler import NvmlSampler
 from .pipeline_labels import PipelineLabels
 from .step_timer import DeviceClock, StepTimer
@@ -72,7 +73,7 @@ class ProfileSession:
         self.force, self.flush_every, self.handle_signals = force, flush_every, handle_signals
         self.rank, self.world = _identity()
         self.running = False
-        self._parts = {run_dir.STEPS: 0, run_dir.COMM: 0, run_dir.NVML: 0}
+        self._parts = {run_dir.STEPS: 0, run_dir.COMM: 0, run_dir.NVML: 0, run_dir.MEMORY: 0}
         self._previous_handlers: dict[int, Any] = {}
         self._lock = threading.RLock()  # a signal may arrive while close() runs
         self._closing = False
@@ -110,11 +111,16 @@ class ProfileSession:
                                 announce=local == 0)
         if self.nvml_enabled:
             self.nvml.start()
+        self.memory = None
+        if self.profile_memory:
+            self.memory = MemoryRecorder(self.out, self.rank, self.model)
+            self.memory.install()
         self.kineto = None
         if self.window is not None:
             self.kineto = KinetoWindow(self.out / run_dir.TRACES, self.rank, *self.window,
                                        with_stack=self.with_stack, profile_memory=self.profile_memory,
-                                       cuda_range=os.environ.get("MFUSCOPE_NSYS") == "1")
+                                       cuda_range=os.environ.get("MFUSCOPE_NSYS") == "1",
+                                       also_export=self.memory.write_window if self.memory else None)
             self.kineto.start()
         if self.handle_signals:
             self._install_signal_handlers()
@@ -129,6 +135,8 @@ class ProfileSession:
         if not self.running:
             return -1
         index = self.steps.end(tokens if tokens is not None else self.tokens_per_step, loss)
+        if self.memory is not None:
+            self.memory.end_step(index)
         if self.kineto is not None:
             self.kineto.step()
         if self.clock is not None:
@@ -155,6 +163,7 @@ class ProfileSession:
             # Each stop on its own: the rows already captured are written even if one collector
             # fails to stop (a signal can land anywhere, e.g. inside a DDP comm hook).
             stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall, self.journal.close]
+            stops += [self.memory.uninstall] if self.memory is not None else []
             for stop in ([self.kineto.stop] if self.kineto is not None else []) + stops:
                 _warn_on_failure(stop, f"rank {self.rank}: stopping {stop.__qualname__}")
             self.flush()
@@ -181,6 +190,8 @@ class ProfileSession:
                   (run_dir.COMM, lambda: [dict(zip(("rank", *COMM_COLUMNS), (self.rank, *row)))
                                           for row in self.comm.take_rows(upto_step)]),
                   (run_dir.NVML, self.nvml.take_rows))
+        if self.memory is not None:
+            tables += ((run_dir.MEMORY, self.memory.take_rows),)
         for name, take in tables:
             _warn_on_failure(lambda name=name, take=take: self._write_part(name, take()),
                              f"rank {self.rank}: writing {name}")

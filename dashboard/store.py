@@ -37,7 +37,7 @@ from mfuscope import run_dir
 from mfuscope.analyzers import analysis, rank_lists, trace_cache, trace_set
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
-from mfuscope.optimizers import measured, optimize
+from mfuscope.optimizers import measured, optimize, predicted_memory
 from mfuscope.optimizers.model import Prediction
 from mfuscope.optimizers.system import Profile
 from mfuscope.report import read_report
@@ -271,7 +271,8 @@ class Store:
         with self._one_at_a_time:
             try:
                 run.analysis_dir.mkdir(parents=True, exist_ok=True)
-                analysis.analyze(run.path, run.report_path, run.views_dir, on_progress=progress, progress=False)
+                predicted_memory.analyze(run.path, run.report_path, run.views_dir, on_progress=progress,
+                                         progress=False)
             except UserInputError as e:
                 job.error = str(e)
             except Exception as e:  # noqa: BLE001 -- shown on the run's page, logged with its traceback

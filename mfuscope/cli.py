@@ -77,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a directory of Flight Recorder dumps (or one dump)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_hang)
+    p = sub.add_parser("memory", help="read a CUDA memory snapshot or a memory timeline export",
+                       description="A pickled torch.cuda.memory._snapshot() (as _dump_snapshot, Megatron's "
+                                   "--record-memory-history and torchtitan write them): reserved, allocated, "
+                                   "fragmentation and, with recorded history, the peaks.  A memory timeline "
+                                   "(export_memory_timeline's .raw.json.gz): the peak and its categories.  A run's "
+                                   "measured memory per rank is in `mfuscope analyze`'s report.")
+    p.add_argument("path", help="a snapshot pickle or a .raw.json.gz memory timeline")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.set_defaults(func=cmd_memory)
     p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer through torchrun",
                        description="Train the reference Llama/MoE model on N local ranks (gloo on CPU, NCCL on "
                                    "CUDA) and write a run directory.")
@@ -303,7 +312,7 @@ def _report_of(path: str) -> dict:
     p = Path(path)
     if is_run_dir(p):
         if not (p / REPORT).exists():
-            from mfuscope.analyzers.analysis import analyze
+            from mfuscope.optimizers.predicted_memory import analyze
             from mfuscope.run_dir import VIEWS
 
             analyze(p, p / REPORT, p / VIEWS)
@@ -471,9 +480,17 @@ def cmd_hang(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    from mfuscope.analyzers import memory
+
+    result = memory.read_any(args.path)
+    print(json.dumps(result, indent=2) if args.json else memory.file_text(result))
+    return 0
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from mfuscope.analyzers import nccl_tests, overview
-    from mfuscope.analyzers.analysis import analyze
+    from mfuscope.optimizers.predicted_memory import analyze
     from mfuscope.run_dir import REPORT, VIEWS, is_run_dir
 
     run = is_run_dir(args.path)

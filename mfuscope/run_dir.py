@@ -7,7 +7,10 @@
       steps.parquet/                one row per (rank, step): wall-clock span, tokens, loss
       comm.parquet/                 one row per collective call per rank
       nvml.parquet/                 GPU samples (utilization, clocks, power, memory)
+      memory.parquet/               --profile-memory: model-state bytes per (rank, step), GPU peaks
       traces/rank<N>.pt.trace.json.gz   Kineto window, one file per rank
+      memory/rank<N>.raw.json.gz    --profile-memory: the window's memory timeline (and on a GPU
+                                    rank<N>.snapshot.pickle, the allocator's snapshot)
       nsys/                         optional Nsight Systems export
       report.json                   written by ``mfuscope analyze``
 
@@ -40,7 +43,9 @@ MANIFEST = "manifest.json"
 STEPS = "steps.parquet"
 COMM = "comm.parquet"
 NVML = "nvml.parquet"
+MEMORY = "memory.parquet"
 TRACES = "traces"
+MEMORY_FILES = "memory"  # memory/rank<N>.raw.json.gz (memory timeline), rank<N>.snapshot.pickle (CUDA)
 REPORT = "report.json"
 VIEWS = "views"
 
@@ -64,7 +69,15 @@ NVML_SCHEMA = pa.schema([
     ("pcie_tx_bps", pa.float64()), ("pcie_rx_bps", pa.float64()), ("nvlink_bps", pa.float64()),
 ])
 
-TABLE_SCHEMAS = {STEPS: STEPS_SCHEMA, COMM: COMM_SCHEMA, NVML: NVML_SCHEMA}
+#: --profile-memory: the model states this rank holds, counted at each optimizer step from the
+#: tensors (local shards), and on a GPU the allocator's peaks over the step (null on the CPU).
+MEMORY_SCHEMA = pa.schema([
+    ("rank", pa.int32()), ("step", pa.int32()),
+    ("parameter_bytes", pa.int64()), ("gradient_bytes", pa.int64()), ("optimizer_state_bytes", pa.int64()),
+    ("peak_allocated_bytes", pa.int64()), ("peak_reserved_bytes", pa.int64()),
+])
+
+TABLE_SCHEMAS = {STEPS: STEPS_SCHEMA, COMM: COMM_SCHEMA, NVML: NVML_SCHEMA, MEMORY: MEMORY_SCHEMA}
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -130,7 +143,8 @@ def mark_ended_early(run_dir: str | Path, reason: str) -> None:
 #: --force), so that the ranks' sessions write into it instead of refusing a directory that exists.
 ENV_PREPARED = "MFUSCOPE_RUN_PREPARED"
 
-RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, TRACES, "nsys", REPORT, VIEWS, ".manifest.lock")
+RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, MEMORY, TRACES, MEMORY_FILES, "collectives", "flight_recorder", "nsys",
+               REPORT, VIEWS, ".manifest.lock")
 
 
 def prepare(run_dir: str | Path, force: bool = False) -> Path:

@@ -212,7 +212,7 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
                                  "run `mfuscope optimize` without --apply for proposals", run_path)
         return _optimize_foreign(run_path, wanted, as_json)
     if not (run_path / "report.json").is_file():
-        from mfuscope.analyzers.analysis import analyze
+        from .predicted_memory import analyze
         _err(f"mfuscope: analyzing {run_path} first")
         analyze(run_path, run_path / "report.json", run_path / run_dir.VIEWS)
     run = measured.load(run_path)

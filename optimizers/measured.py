@@ -136,23 +136,8 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
                              "(runs of the reference trainer have both)", manifest_path)
     model = ModelSpec.from_manifest(m.model)
     opts = TrainerOptions.from_manifest(m)
-    degrees, train = m.degrees, m.train
-    pp = degrees.pp
-    dp_replicate, dp_shard = degrees.dp_replicate, degrees.dp_shard
-    if opts.dp_mode == "ddp":
-        dp_replicate, dp_shard = degrees.data_ranks, 1
-    microbatches = m.microbatches if pp > 1 else int(train.get("grad_accum", 1))
-    data_ranks = dp_replicate * dp_shard
-    global_batch = int(train["global_batch"])
-    if global_batch % (data_ranks * microbatches):
-        raise UserInputError(f"global batch {global_batch} does not split over {data_ranks} data ranks x "
-                             f"{microbatches} microbatches", manifest_path)
-    layout = Layout(tp=degrees.tp, pp=pp, vpp=int(m.schedule.get("virtual_stages") or 1), dp_replicate=dp_replicate,
-                    dp_shard=dp_shard, cp=degrees.cp, ep=degrees.ep,
-                    micro_batch=global_batch // (data_ranks * microbatches), microbatches=microbatches,
-                    schedule=m.schedule_name or "1f1b", recompute=train.get("recompute", "none"),
-                    sequence_parallel=degrees.tp > 1 and train.get("sequence_parallel", True) is not False,
-                    split=opts.stage_layers or ())
+    layout = run_layout(m, opts, manifest_path)
+    train, pp = m.train, layout.pp
     summary = report.get("summary") or {}
     acc = hardware.lookup(m.device_name) if m.device_name not in (None, "x86_64", "cpu") else None
     training = Training.of_run(opts, train, on_gpu=acc is not None)
@@ -183,6 +168,28 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
 #: Pipeline ranks whose compute differs by more than this ratio are uneven stages (the threshold
 #: from which rebalancing them applies).
 UNEVEN = 1 + FIXES["rebalance_stages"].threshold
+
+
+def run_layout(m: Manifest, opts: TrainerOptions, manifest_path: Path) -> Layout:
+    """The layout a reference-trainer run ran, in the cost model's terms (DDP's ranks are
+    replicas; without a pipeline the microbatches are the gradient-accumulation steps)."""
+    degrees, train = m.degrees, m.train
+    pp = degrees.pp
+    dp_replicate, dp_shard = degrees.dp_replicate, degrees.dp_shard
+    if opts.dp_mode == "ddp":
+        dp_replicate, dp_shard = degrees.data_ranks, 1
+    microbatches = m.microbatches if pp > 1 else int(train.get("grad_accum", 1))
+    data_ranks = dp_replicate * dp_shard
+    global_batch = int(train["global_batch"])
+    if global_batch % (data_ranks * microbatches):
+        raise UserInputError(f"global batch {global_batch} does not split over {data_ranks} data ranks x "
+                             f"{microbatches} microbatches", manifest_path)
+    return Layout(tp=degrees.tp, pp=pp, vpp=int(m.schedule.get("virtual_stages") or 1), dp_replicate=dp_replicate,
+                  dp_shard=dp_shard, cp=degrees.cp, ep=degrees.ep,
+                  micro_batch=global_batch // (data_ranks * microbatches), microbatches=microbatches,
+                  schedule=m.schedule_name or "1f1b", recompute=train.get("recompute", "none"),
+                  sequence_parallel=degrees.tp > 1 and train.get("sequence_parallel", True) is not False,
+                  split=opts.stage_layers or ())
 
 
 def _stage_leaves(report: dict[str, Any], manifest: Manifest, pp: int) -> list[dict[str, float]]:

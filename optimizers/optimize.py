@@ -137,8 +137,9 @@ def write_config(manifest: Manifest | dict[str, Any], path: Path) -> Path:
 
 def run_and_measure(manifest: Manifest, config: Path, out: Path, change: dict[str, str],
                     say: Callable[[str], None], system: System) -> measured.MeasuredRun:
-    from mfuscope.analyzers.analysis import analyze
     from mfuscope.run_dir import VIEWS
+
+    from .predicted_memory import analyze
 
     cmd = trainer_command(manifest, config, out, change)
     say("+ " + " ".join(cmd[2:]))

@@ -56,7 +56,7 @@ def load_run(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, Path]:
                 raise UserInputError("the run has no trace window to analyze; record CI runs with one "
                                      "(mfuscope train --window 1:5, mfuscope profile --window 5:3): the gate's "
                                      "counters come from the traced steps", path)
-            from mfuscope.analyzers.analysis import analyze
+            from mfuscope.optimizers.predicted_memory import analyze
             print(f"mfuscope ci: analyzing {path}", file=sys.stderr, flush=True)
             report, _ = analyze(path, report_path, path / run_dir.VIEWS)
         return report, run_dir.read_manifest(path), path

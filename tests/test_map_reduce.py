@@ -81,8 +81,7 @@ def test_the_parent_holds_summaries_not_events(tmp_path):
     small.mkdir()
     for r in range(16):
         (small / f"rank{r}.json.gz").symlink_to(big / f"rank{r}.json.gz")
-    map_reduce.analyze_ranks(big, workers=2, progress=False)  # parsed once, untraced: the workers
-    peaks = {}                                                # forked below read the cache
+    peaks = {}  # the workers parse (the 48 ranks' first 16 from the cache the 16 filled): the parent never does
     for n, traces in ((16, small), (48, big)):
         # The workers forked before tracing starts (no fork while tracemalloc holds its hooks), and
         # kept for the whole run: the parent's own memory is what is traced.

@@ -22,37 +22,66 @@ last the LM head and final norm), attention and dense MLPs split over tp, the
 experts split over ep (experts are not split over tp, as in the reference
 trainer), norms and router replicated.
 
-Activations per layer and microbatch (Korthikanti et al. 2022, Table 2), for b
-sequences of s tokens (s/cp under context parallelism), hidden h, a heads, t =
-tp, in 16-bit with dropout masks:
+Activations per layer and microbatch, for b sequences of s tokens (s/cp under context
+parallelism), hidden h, a heads, t = tp, e bytes an element (2 in 16-bit, 4 in fp32):
 
-==============================  ================================
-no tensor parallelism           s b h (34 + 5 a s / h)
-tensor parallel                 s b h (10 + 24/t + 5 a s / (h t))
-tensor + sequence parallel      s b h / t (34 + 5 a s / h)
-selective recompute             the 5 a s / h term dropped (so does flash attention,
-                                the default: it keeps no s x s scores)
-full recompute                  2 s b h (/t with sequence parallel): the layer input
-==============================  ================================
+- a GPT block (``mlp="gelu"``: Korthikanti et al. 2022, Table 2, with dropout masks; their bytes
+  are 16-bit, scaled by e/2):
+
+  ==============================  ================================
+  no tensor parallelism           s b h (34 + 5 a s / h)
+  tensor parallel                 s b h (10 + 24/t + 5 a s / (h t))
+  tensor + sequence parallel      s b h / t (34 + 5 a s / h)
+  selective recompute             the 5 a s / h term dropped (so does flash attention,
+                                  the default: it keeps no s x s scores)
+  full recompute                  2 s b h (/t with sequence parallel): the layer input
+  ==============================  ================================
+
+- a Llama block (SwiGLU, GQA with k = kv heads x head dim, RMSNorm, RoPE, no dropout; counted
+  from the tensors autograd keeps, flash attention): per token, e x (6h + 2h + 2k + 4f) plus
+  4 x (a + 2) bytes.  The 6h are replicated over tp unless sequence parallel (the block input,
+  the normalized and weighted input of attention, the residual sum, the same two of the MLP);
+  the rest is split over tp: the rotated q (h), k and v (2k), attention's output (h), the MLP's
+  three f-wide tensors and their product (4f), attention's fp32 log-sum-exp (a) and the norms'
+  fp32 inverse RMS (2).  Selective recompute drops attention's output and log-sum-exp (the core
+  is re-run); full recompute keeps the block input, e h (/t with sequence parallel), and holds
+  one layer's activations again while that layer's backward runs.
+
+The last stage also holds, while the loss is computed, the logits (e bytes each, s b V / t of
+them), their fp32 copy in 16-bit training and the fp32 log-probabilities the loss keeps; in
+backward the gradients of the log-probabilities and of the logits (4 bytes each) as temporaries;
+and the final norm's three h-wide tensors.
 
 In flight on the first (busiest) pipeline stage: GPipe keeps all m
 microbatches, 1F1B and the zero-bubble schedules min(p, m), interleaved
 schedules that times (1 + (p-1)/(p v)) (Korthikanti et al., section 4.2.3).
-Plus the fp32 logits the loss keeps, s b V / t x 4 bytes on the last stage.
-What is not modelled is listed in each result's ``assumptions``.
+Zero-bubble schedules defer each microbatch's weight gradients (W) past its input gradients (B):
+until W runs, the linear layers' inputs and their outputs' gradients stay, about the stage's
+activations of one microbatch for each W in flight (p - 1 of them at the steady state of ZB-H1 and
+ZB-V; Qi et al. 2023 bound ZB-H1's memory at 1F1B's plus this).
+
+Headroom (``fits``): the allocator's fragmentation, taken as 10% of what is allocated, and the CUDA
+context with NCCL's buffers, taken as 1 GiB a GPU (each process's context is hundreds of MB; NCCL
+keeps buffers per channel and peer); a run's measured peak replaces the estimate where there is one
+(``optimize``'s memory check).  What is not modelled is listed in each result's ``assumptions``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from mfuscope.layout import ZERO_BUBBLE
 
 from ..spec import Layout, ModelSpec
 
 GiB = 2**30
+#: Headroom: fragmentation as a share of what is allocated, and the CUDA context with NCCL's buffers.
+FRAGMENTATION = 0.10
+CONTEXT_BYTES = 1 * GiB
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes on the busiest GPU (the pipeline stage with the most)."""
+    """Bytes on one GPU: the busiest (the pipeline stage with the most), or the stage asked for."""
 
     params: int             # parameters held (count)
     weights_bytes: float
@@ -60,47 +89,73 @@ class Memory:
     optimizer_bytes: float
     gathered_bytes: float   # FSDP: 16-bit copies of the layers being computed
     activations_bytes: float
-    logits_bytes: float
+    logits_bytes: float     # the logits and the loss's fp32 log-probabilities (last stage only)
+    temporary_bytes: float  # the loss's gradients in backward, or a recomputed layer's activations
     device_bytes: float | None
     assumptions: tuple[str, ...]
 
     @property
     def total_bytes(self) -> float:
         return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.gathered_bytes
-                + self.activations_bytes + self.logits_bytes)
+                + self.activations_bytes + self.logits_bytes + self.temporary_bytes)
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Fragmentation and the CUDA context with NCCL's buffers (module docstring)."""
+        return FRAGMENTATION * self.total_bytes + CONTEXT_BYTES
 
     @property
     def fits(self) -> bool | None:
-        return None if self.device_bytes is None else self.total_bytes <= self.device_bytes
+        return None if self.device_bytes is None else self.total_bytes + self.headroom_bytes <= self.device_bytes
+
+    def categories(self) -> dict[str, float]:
+        """In the measured report's categories (``memory.per_rank[].predicted``)."""
+        return {"parameter": self.weights_bytes, "gradient": self.grads_bytes, "optimizer_state": self.optimizer_bytes,
+                "activation": self.activations_bytes + self.logits_bytes, "temporary": self.temporary_bytes,
+                "other": self.gathered_bytes}
 
 
-def params_per_gpu(model: ModelSpec, layout: Layout) -> int:
-    """Parameters of the busiest pipeline stage's GPU: its layers, and the embedding or head."""
+def params_per_gpu(model: ModelSpec, layout: Layout, stage: int | None = None) -> int:
+    """Parameters on a GPU of pipeline rank ``stage`` (None: the busiest): its layers, and the
+    embedding (first stage) or the head and final norm (last)."""
     dense, experts = model.layer_params()
     replicated = 2 * model.dim + (model.dim * model.n_experts if model.n_experts else 0)
     per_layer = (dense - replicated) // layout.tp + replicated + experts // layout.ep
-    layers = layout.stage_layers(model)
     embedding = model.vocab_size * model.dim // layout.tp
-    head = 0 if model.tied_embeddings else model.vocab_size * model.dim // layout.tp
-    first = layers * per_layer + embedding
-    last = layers * per_layer + head + model.dim
-    return max(first, last) if layout.pp > 1 else layers * per_layer + embedding + head + model.dim
+    head = (0 if model.tied_embeddings else model.vocab_size * model.dim // layout.tp) + model.dim
+    if layout.pp == 1:
+        return layout.stage_layers(model) * per_layer + embedding + head
+    if stage is None:
+        layers = layout.stage_layers(model)
+        return max(layers * per_layer + embedding, layers * per_layer + head)
+    layers = layout.rank_layers(model)[stage]
+    return layers * per_layer + (embedding if stage == 0 else 0) + (head if stage == layout.pp - 1 else 0)
 
 
-def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, flash_attention: bool = True) -> float:
-    """One layer, one microbatch (Korthikanti et al. 2022, Table 2).  Flash attention stores no
-    s x s scores (it recomputes them in backward), which drops the 5 a s / h term exactly as
-    selective recomputation does."""
+def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, flash_attention: bool = True,
+                               element_bytes: int = 2) -> float:
+    """One layer, one microbatch (module docstring: Korthikanti et al.'s GPT block, or the Llama
+    block counted tensor by tensor).  Flash attention stores no s x s scores (it recomputes them in
+    backward), which drops the 5 a s / h term exactly as selective recomputation does."""
     s, b, h, a, t = seq_len / layout.cp, layout.micro_batch, model.dim, model.n_heads, layout.tp
     sp = layout.sequence_parallel and t > 1
+    e = element_bytes
     if layout.recompute == "full":
-        return 2 * s * b * h / (t if sp else 1)
-    attention = 0.0 if layout.recompute == "selective" or flash_attention else 5 * a * s / h
-    if t == 1:
-        return s * b * h * (34 + attention)
-    if sp:
-        return s * b * h / t * (34 + attention)
-    return s * b * h * (10 + 24 / t + attention / t)
+        return e * s * b * h / (t if sp else 1)
+    if model.mlp == "gelu":
+        scale = e / 2
+        attention = 0.0 if layout.recompute == "selective" or flash_attention else 5 * a * s / h
+        if t == 1:
+            return scale * s * b * h * (34 + attention)
+        if sp:
+            return scale * s * b * h / t * (34 + attention)
+        return scale * s * b * h * (10 + 24 / t + attention / t)
+    k, f = model.kv_heads * model.head_dim, model.ffn_dim
+    replicated = e * 6 * h + 4 * 2
+    split = e * (2 * h + 2 * k + 4 * f) + 4 * a
+    if layout.recompute == "selective":  # attention's output and log-sum-exp are not kept
+        split -= e * h + 4 * a
+    return s * b * (replicated / (t if sp else 1) + split / t)
 
 
 def microbatches_in_flight(layout: Layout) -> float:
@@ -116,26 +171,41 @@ def microbatches_in_flight(layout: Layout) -> float:
     return held
 
 
+def deferred_weight_grads(layout: Layout) -> float:
+    """Microbatches whose weight-gradient (W) pass is pending at the peak under a zero-bubble
+    schedule (each holds about one microbatch's activations of the stage); 0 otherwise."""
+    if layout.schedule not in ZERO_BUBBLE or layout.pp == 1:
+        return 0.0
+    return float(min(layout.pp - 1, layout.microbatches))
+
+
 def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf16",
              device_bytes: float | None = None, reshard_after_forward: bool | None = None,
-             flash_attention: bool = True) -> Memory:
-    """Memory on the busiest GPU.  ``device_bytes``: the device's memory, for the ``fits`` verdict."""
+             flash_attention: bool = True, stage: int | None = None, optimizer_states: int = 2) -> Memory:
+    """Memory on the busiest GPU, or on a GPU of pipeline rank ``stage``.  ``device_bytes``: the
+    device's memory, for the ``fits`` verdict; ``optimizer_states``: fp32 tensors the optimizer
+    keeps per parameter (Adam 2, SGD without momentum 0)."""
     problems = layout.problems(model, seq_len)
     if problems:
         raise ValueError("; ".join(problems))
-    n = params_per_gpu(model, layout)
+    n = params_per_gpu(model, layout, stage)
     mixed = dtype in ("bf16", "fp16", "fp8")
-    weight_b, grad_b, opt_b = (2, 4, 12) if mixed else (4, 4, 8)
-    assumptions = ["Adam with fp32 master weights and moments" if mixed else "fp32 training with Adam",
-                   "activations: Korthikanti et al. Table 2 (GPT block with dropout, 16-bit); SwiGLU and "
-                   "GQA differences not modelled",
-                   "no allocator fragmentation, CUDA context or communication buffers"]
+    e = 2 if mixed else 4
+    weight_b, grad_b, opt_b = (2, 4, 4 + 4 * optimizer_states) if mixed else (4, 4, 4 * optimizer_states)
+    assumptions = [("Adam" if optimizer_states == 2 else f"{optimizer_states} optimizer state(s) a parameter")
+                   + (" with fp32 master weights and moments" if mixed else ", fp32 training"),
+                   "activations: " + ("Korthikanti et al. Table 2 (GPT block with dropout)" if model.mlp == "gelu"
+                                      else "the Llama block's saved tensors (SwiGLU, GQA, RMSNorm, RoPE)"),
+                   "gradients alive at the activation peak (a trainer that frees them before forward peaks lower)",
+                   f"headroom: {FRAGMENTATION:.0%} fragmentation and {CONTEXT_BYTES / GiB:.0f} GiB of CUDA context "
+                   "and NCCL buffers"]
     gathered = 0.0
+    layers = layout.rank_layers(model)[stage] if stage is not None and layout.pp > 1 else layout.stage_layers(model)
     if layout.dp_shard > 1:
-        # FSDP: the sharded fp32 weight is the master, with its fp32 gradient and Adam's moments;
-        # compute uses 16-bit copies of the layers it gathers.
-        weights, grads, optimizer = 4 * n / layout.dp_shard, 4 * n / layout.dp_shard, 8 * n / layout.dp_shard
-        layers = layout.stage_layers(model)
+        # FSDP: the sharded fp32 weight is the master, with its fp32 gradient and the optimizer's
+        # states; compute uses 16-bit copies of the layers it gathers.
+        weights, grads = 4 * n / layout.dp_shard, 4 * n / layout.dp_shard
+        optimizer = 4 * optimizer_states * n / layout.dp_shard
         keep_all = (layout.pp > 1) if reshard_after_forward is None else not reshard_after_forward
         gathered = (2 if mixed else 4) * n / max(layers, 1) * (layers if keep_all else min(2, layers))
         assumptions.append("FSDP keeps " + ("every layer of the stage gathered (no resharding after forward)"
@@ -145,10 +215,23 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
         weights = weight_b * n
         grads = grad_b * n / (dp if layout.zero >= 2 else 1)
         optimizer = opt_b * n / (dp if layout.zero >= 1 else 1)
-    layers = layout.stage_layers(model)
-    activations = (activation_bytes_per_layer(model, layout, seq_len, flash_attention) * layers
-                   * microbatches_in_flight(layout))
-    logits = 4 * seq_len / layout.cp * layout.micro_batch * model.vocab_size / layout.tp
+    per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e)
+    tokens = seq_len / layout.cp * layout.micro_batch
+    sp = layout.sequence_parallel and layout.tp > 1
+    activations = per_layer * layers * (microbatches_in_flight(layout) + deferred_weight_grads(layout))
+    last = stage is None or stage == layout.pp - 1
+    # While the loss is computed: the logits, their fp32 copy (16-bit training) and the fp32
+    # log-probabilities the loss keeps; in backward the gradients of the last two.
+    logit_elements = tokens * model.vocab_size / layout.tp if last else 0.0
+    logits = (e + (4 if e < 4 else 0) + 4) * logit_elements
+    if last:  # the final norm's input, normalized input and output, and its fp32 inverse RMS
+        activations += (e * 3 * model.dim + 4) * tokens / (layout.tp if sp else 1)
+    temporary = 2 * 4 * logit_elements
+    if layout.recompute == "full":  # the layer whose backward runs holds its activations again
+        whole = activation_bytes_per_layer(model, replace(layout, recompute="none"), seq_len, flash_attention, e)
+        temporary = max(temporary, whole)
+    if deferred_weight_grads(layout):
+        assumptions.append("zero-bubble: a stage's activations of one microbatch for each deferred W pass")
     return Memory(params=n, weights_bytes=weights, grads_bytes=grads, optimizer_bytes=optimizer,
                   gathered_bytes=gathered, activations_bytes=activations, logits_bytes=logits,
-                  device_bytes=device_bytes, assumptions=tuple(assumptions))
+                  temporary_bytes=temporary, device_bytes=device_bytes, assumptions=tuple(assumptions))

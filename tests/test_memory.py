@@ -1,0 +1,173 @@
+"""Memory measured (analyzers/memory.py, collectors/memory_recorder.py) and the model beside it.
+
+Expected values come from outside the code under test: the model states from a hand count of
+tiny_dense's parameters (numel x 4 bytes x states: fp32 weights, fp32 gradients, AdamW's two fp32
+moments); the corpus's memory timeline from HTA's own reader; the H100 trace's peaks from its
+``[memory]`` events read with the json module; the snapshot's figures from a snapshot built by hand
+in the documented format (``torch.cuda.memory._snapshot``'s TypedDicts) with known sizes.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mfuscope.analyzers import memory
+from mfuscope.tests.helpers import CORPUS
+
+TIMELINE = CORPUS / "traces/HolisticTraceAnalysis/tests/data/memory_analysis/memory_timeline.raw.gz"
+QWEN_H100 = CORPUS / "traces/TraceLens/tests/traces/h100/Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz"
+
+# tiny_dense (reference_trainer/configs/tiny_dense.toml): vocab 256, dim 64, 4 layers, 4 heads of 16,
+# 2 KV heads, SwiGLU 128.  Per layer: wq, wo 64x64; wk, wv 64x32; w1, w2, w3 64x128; two norms of 64.
+TINY_PARAMS = 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 2 * 256 * 64 + 64
+HAND = {"parameter": 4 * TINY_PARAMS, "gradient": 4 * TINY_PARAMS, "optimizer_state": 2 * 4 * TINY_PARAMS}
+
+
+@pytest.fixture(scope="module")
+def memory_runs(tmp_path_factory):
+    """Three tiny_dense runs with ``--profile-memory`` (window: steps 2-3, the optimizer's state made
+    at step 0): one rank; dp_shard=2 (FSDP2); one rank with full recomputation.  Each analyzed."""
+    pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+    from mfuscope.optimizers.predicted_memory import analyze
+    from mfuscope.tests.shared_runs import train_forked
+
+    root = tmp_path_factory.mktemp("memory")
+    runs = {}
+    for name, world, options in (("one", 1, {"layout": "dp_shard=1"}), ("fsdp", 2, {"layout": "dp_shard=2"}),
+                                 ("full", 1, {"layout": "dp_shard=1", "overrides": {"recompute": "full"}})):
+        out = train_forked(root / name, world, steps=4, window="2:2", profile_memory=True, **options)
+        report, _ = analyze(out, out / "report.json", out / "views")
+        runs[name] = (out, report)
+    return runs
+
+
+def _rank(report: dict, rank: int) -> dict:
+    return next(e for e in report["memory"]["per_rank"] if e["rank"] == rank)
+
+
+def test_model_states_are_the_hand_count_and_fsdp_halves_them(memory_runs):
+    _, one = memory_runs["one"]
+    states = _rank(one, 0)["states"]
+    for c, expected in HAND.items():
+        # optimizer state: AdamW's step counters (one 4-byte scalar a parameter tensor) on top
+        assert states[c] == pytest.approx(expected, rel=0.01), c
+    _, fsdp = memory_runs["fsdp"]
+    for rank in (0, 1):  # every parameter's first dimension is even: FSDP2's shards are exact halves
+        sharded = _rank(fsdp, rank)["states"]
+        for c, expected in HAND.items():
+            assert sharded[c] == pytest.approx(expected / 2, rel=0.01), (rank, c)
+
+
+def test_the_peak_is_measured_and_its_categories_add_up(memory_runs):
+    out, one = memory_runs["one"]
+    e = _rank(one, 0)
+    assert e["device"] == "cpu" and e["peak_reserved_bytes"] is None and "reserves nothing" in e["reserved_note"]
+    assert e["peak_allocated_bytes"] == sum(e["categories"].values())  # the timeline's peak, whole
+    # Kineto's CPU totals count from the window's start: its peak is the timeline's less the tensors
+    # alive before the window (the parameters and the optimizer's state at least)
+    trace = json.loads(gzip.decompress((out / "traces" / "rank0.pt.trace.json.gz").read_bytes()))
+    kineto_peak = max(ev["args"]["Total Allocated"] for ev in trace["traceEvents"] if ev.get("name") == "[memory]")
+    assert kineto_peak <= e["peak_allocated_bytes"] - HAND["parameter"] - HAND["optimizer_state"]
+    assert max(s["peak_allocated_bytes"] for s in e["per_step"].values()) == kineto_peak
+    # the states at the peak: the trainer frees gradients before its forward (zero_grad(set_to_none))
+    assert e["categories"]["parameter"] == e["states"]["parameter"]
+    assert e["categories"]["optimizer_state"] == e["states"]["optimizer_state"]
+    assert e["categories"]["gradient"] == 0
+    assert one["memory"]["peak_rank"] == 0 and "memory_timeline" in one["memory"]["sources"]
+    view = __import__("pandas").read_parquet(out / "views" / memory.VIEW)
+    assert set(view["source"]) == {"memory_timeline", "kineto cpu"}
+    assert view.loc[view["source"] == "memory_timeline", "allocated_bytes"].max() == e["peak_allocated_bytes"]
+
+
+def test_full_recompute_lowers_the_activation_peak_and_the_model_predicts_each_category(memory_runs):
+    _, one = memory_runs["one"]
+    _, full = memory_runs["full"]
+    _, fsdp = memory_runs["fsdp"]
+    kept, recomputed = _rank(one, 0)["activation_peak_bytes"], _rank(full, 0)["activation_peak_bytes"]
+    assert recomputed < 0.5 * kept, (recomputed, kept)
+    for report in (one, full, fsdp):
+        for e in report["memory"]["per_rank"]:
+            predicted = e["predicted"]
+            for c in memory.STATES:  # against the states held (the count at the optimizer step)
+                assert predicted[c] == pytest.approx(e["states"][c], rel=0.15), (e["rank"], c)
+            assert predicted["activation"] == pytest.approx(e["activation_peak_bytes"], rel=0.15), e["rank"]
+
+
+def test_the_corpus_timeline_gives_htas_totals():
+    hta = pytest.importorskip("hta.memory_analysis", reason="HTA (the oracle) is in the [dev] extra")
+    times, sizes = hta.MemoryAnalysis(str(TIMELINE))._process_raw_events()
+    ours_t, ours = memory.timeline_sizes(memory.read_timeline(TIMELINE))
+    assert ours_t.tolist() == times
+    assert ours.tolist() == sizes  # every category at every timestamp, in bytes
+    top = int(np.argmax(np.array(sizes).sum(axis=1)))
+    summary = memory.timeline_summary(memory.read_timeline(TIMELINE))
+    assert summary["peak_bytes"] == sum(sizes[top])
+    assert list(summary["at_peak"].values()) == sizes[top]
+
+
+def test_a_gpu_traces_allocator_peaks_are_its_memory_events():
+    from mfuscope.analyzers import overview, trace_set
+
+    raw = json.loads(gzip.decompress(QWEN_H100.read_bytes()))
+    cuda = [ev["args"] for ev in raw["traceEvents"] if ev.get("name") == "[memory]" and ev["args"]["Device Type"] == 1]
+    events = trace_set.load(QWEN_H100, rank=0).events
+    report = overview.build_report(events, source=str(QWEN_H100), files=[str(QWEN_H100)])
+    e = _rank(report, 0)
+    assert e["device"] == "cuda:0"
+    assert e["peak_allocated_bytes"] == max(a["Total Allocated"] for a in cuda)
+    assert e["peak_reserved_bytes"] == max(a["Total Reserved"] for a in cuda)
+    fullest = max(cuda, key=lambda a: a["Total Reserved"])  # the first sample at the reserve's peak
+    assert e["fragmentation"] == pytest.approx(1 - fullest["Total Allocated"] / fullest["Total Reserved"])
+
+
+def _snapshot() -> dict:
+    """Two segments on cuda:0 (a 2 MiB small-pool and a 20 MiB large-pool one) and the history that
+    led to them: 20 MiB reserved, 12 MiB allocated and 8 MiB freed (the peak, 20 MiB allocated of
+    22 MiB reserved, before the free), then the small segment."""
+    mib = 2**20
+    block = lambda size, state: {"size": size, "requested_size": size, "address": 0, "state": state,  # noqa: E731
+                                 "frames": []}
+    segments = [
+        {"device": 0, "address": 1 << 30, "total_size": 20 * mib, "stream": 0, "segment_type": "large",
+         "segment_pool_id": (0, 0), "allocated_size": 12 * mib, "active_size": 12 * mib,
+         "blocks": [block(12 * mib, "active_allocated"), block(8 * mib, "inactive")]},
+        {"device": 0, "address": 2 << 30, "total_size": 2 * mib, "stream": 0, "segment_type": "small",
+         "segment_pool_id": (0, 0), "allocated_size": 2 * mib, "active_size": 2 * mib,
+         "blocks": [block(2 * mib, "active_allocated")]},
+    ]
+    entry = lambda action, size: {"action": action, "addr": 0, "size": size, "stream": 0, "frames": []}  # noqa: E731
+    trace = [entry("segment_alloc", 20 * mib), entry("alloc", 12 * mib), entry("alloc", 8 * mib),
+             entry("segment_alloc", 2 * mib), entry("alloc", 2 * mib), entry("free_requested", 8 * mib),
+             entry("free_completed", 8 * mib)]
+    return {"segments": segments, "device_traces": [trace]}
+
+
+def test_a_snapshot_in_the_documented_format_parses(tmp_path):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(_snapshot()))
+    d = memory.snapshot_summary(memory.read_snapshot(path))["cuda:0"]
+    mib = 2**20
+    assert (d["reserved_bytes"], d["allocated_bytes"], d["inactive_bytes"]) == (22 * mib, 14 * mib, 8 * mib)
+    assert d["fragmentation"] == pytest.approx(8 / 22)
+    assert (d["peak_allocated_bytes"], d["peak_reserved_bytes"]) == (22 * mib, 22 * mib)
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "memory", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0 and "reserved 22 MiB in 2 segment(s)" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("content", [pickle.dumps(_snapshot())[:200],            # cut short
+                                     pickle.dumps(Path("/etc/passwd")),          # names a Python object
+                                     pickle.dumps({"device_traces": []})],       # no segments
+                         ids=["truncated", "names-an-object", "no-segments"])
+def test_a_bad_snapshot_is_one_line_and_exit_2(tmp_path, content):
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(content)
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "memory", str(path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and str(path) in done.stderr
