@@ -436,7 +436,16 @@ def series_frame(rank: int, allocators: dict[str, Any] | None, timeline: dict[st
         for t, allocated, reserved in a["series"]:
             rows.append({"rank": rank, "t_ns": t, "source": f"kineto {key}", "allocated_bytes": allocated,
                          "reserved_bytes": reserved if key != "cpu" else None})
-    return pd.DataFrame(rows, columns=VIEW_COLUMNS).sort_values("t_ns", kind="stable", ignore_index=True)
+    frame = pd.DataFrame(rows, columns=VIEW_COLUMNS).sort_values("t_ns", kind="stable", ignore_index=True)
+    # one schema in every rank's part (a missing figure is NaN, not a column of nulls)
+    return frame.astype({"rank": "int32", "t_ns": "int64", "source": "string",
+                         **{c: "float64" for c in VIEW_COLUMNS[3:]}})
+
+
+def read_view(views_dir: str | Path, rank: int) -> pd.DataFrame:
+    """A rank's rows of the memory view (empty when it has none)."""
+    part = Path(views_dir) / VIEW / f"rank{rank:05d}.parquet"
+    return pd.read_parquet(part) if part.is_file() else pd.DataFrame(columns=VIEW_COLUMNS)
 
 
 def _states(run: Path, rank: int) -> dict[str, int] | None:

@@ -28,7 +28,7 @@ from .store import Store
 log = logging.getLogger("mfuscope.dashboard")
 
 RUN_PAGES = [("", "Overview"), ("timeline", "Timeline"), ("pipeline", "Pipeline"), ("comm", "Communication"),
-             ("stragglers", "Stragglers"), ("health", "Health"), ("kernels", "Kernels"),
+             ("stragglers", "Stragglers"), ("health", "Health"), ("memory", "Memory"), ("kernels", "Kernels"),
              ("optimize", "Optimize")]
 #: Bars the timeline may ship to the browser, over all lanes: 64 lanes stay responsive.
 TIMELINE_BARS = 24_000
@@ -125,7 +125,8 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
     a = store.load(run)
     # The Overview and Optimize pages show the run's calibrated cost model, which the store keeps.
     builders = {"": partial(pages.overview_page, store), "pipeline": pages.pipeline_page, "comm": pages.comm_page,
-                "stragglers": pages.stragglers_page, "health": pages.health_page, "kernels": pages.kernels_page,
+                "stragglers": pages.stragglers_page, "health": pages.health_page, "memory": pages.memory_page,
+                "kernels": pages.kernels_page,
                 "optimize": partial(pages.optimize_page, store)}
     if slug == "timeline":
         return top, pages.timeline_page(run, a, query), True

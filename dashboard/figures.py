@@ -124,6 +124,51 @@ def health_steps(step_s: pd.Series, episodes: list[dict[str, Any]], baseline_s: 
                    showlegend=False)
 
 
+#: The memory categories' colours, stacked bottom to top in this order.
+MEMORY_COLORS = {"parameter": "#2f6f4f", "optimizer_state": "#c49a1a", "gradient": "#2b5fb4",
+                 "activation": "#c0392b", "temporary": "#8e6bbf", "other": "#9aa5b1"}
+
+
+def memory_timeline(view: pd.DataFrame, rank: int) -> go.Figure:
+    """A rank's memory over its profiled window: the memory timeline's categories stacked where it
+    has one, and the device allocator's allocated and reserved lines (Kineto's samples)."""
+    if view.empty:
+        return empty(f"rank {rank}: no memory series recorded")
+    t0 = int(view["t_ns"].min())
+    fig = go.Figure()
+    cats = view[view["source"] == "memory_timeline"]
+    for c, color in MEMORY_COLORS.items():
+        if len(cats):
+            fig.add_trace(go.Scatter(x=(cats["t_ns"] - t0) / 1e6, y=cats[c] / 2**20, name=c.replace("_", " "),
+                                     stackgroup="cats", mode="lines", line=dict(width=0.5, color=color),
+                                     hovertemplate=c.replace("_", " ") + " %{y:.4g} MiB<extra></extra>"))
+    for source, g in view[view["source"] != "memory_timeline"].groupby("source"):
+        x = (g["t_ns"] - t0) / 1e6
+        fig.add_trace(go.Scatter(x=x, y=g["allocated_bytes"] / 2**20, name=f"allocated ({source})", mode="lines",
+                                 line=dict(color="#222", width=1)))
+        if g["reserved_bytes"].notna().any():
+            fig.add_trace(go.Scatter(x=x, y=g["reserved_bytes"] / 2**20, name=f"reserved ({source})", mode="lines",
+                                     line=dict(color="#222", width=1, dash="dot")))
+    fig.update_yaxes(title_text="MiB", rangemode="tozero", gridcolor="#eee")
+    fig.update_xaxes(title_text="ms into the profiled window")
+    return _layout(fig, 340, title=dict(text=f"Rank {rank}: memory over the profiled window", font=dict(size=14)),
+                   legend=dict(orientation="h", y=-0.25))
+
+
+def memory_categories(measured: dict[str, Any], predicted: dict[str, Any] | None) -> go.Figure:
+    """Bytes per category at the peak, measured beside the cost model's prediction."""
+    names = [c for c in MEMORY_COLORS if measured.get(c) is not None or (predicted or {}).get(c) is not None]
+    fig = go.Figure(go.Bar(x=[c.replace("_", " ") for c in names], y=[(measured.get(c) or 0) / 2**20 for c in names],
+                           name="measured at the peak", marker_color="#52667a"))
+    if predicted:
+        fig.add_trace(go.Bar(x=[c.replace("_", " ") for c in names], y=[(predicted.get(c) or 0) / 2**20 for c in names],
+                             name="predicted (cost model)", marker_color="#d9a441"))
+    fig.update_yaxes(title_text="MiB", gridcolor="#eee")
+    return _layout(fig, 300, barmode="group", title=dict(text="At the peak: measured and predicted",
+                                                         font=dict(size=14)),
+                   legend=dict(orientation="h", y=1.12, x=1, xanchor="right"))
+
+
 def timeline(lanes: pd.DataFrame, labels: dict[int, str], t0: int, waits: pd.DataFrame,
              x_range: tuple[float, float] | None = None, highlight: int | None = None,
              order: list[int] | None = None) -> go.Figure:

@@ -18,7 +18,7 @@ from dash import dcc, html
 
 from mfuscope import run_dir
 from mfuscope.analyzers import compare as compare_reports
-from mfuscope.analyzers import health, run_info
+from mfuscope.analyzers import health, memory, run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
@@ -30,6 +30,8 @@ from . import figures, style
 from .store import Analysis, Run, Store, manifest_text, status_text, trace_set_text
 
 NUM = {"function": "params.value == null ? '–' : d3.format(',.4~g')(params.value)"}
+#: Bytes, whole, with thousands separators.
+BYTES = {"function": "params.value == null ? '–' : d3.format(',')(params.value)"}
 #: Wrapped cells: several lines at text spacing, not one line per row height.
 WRAP = {"wrapText": True, "autoHeight": True,
         "cellStyle": {"lineHeight": "1.45", "paddingTop": "9px", "paddingBottom": "9px"}}
@@ -54,7 +56,7 @@ def _md_escape(text: str) -> str:
     return "".join("\\" + c if c in "\\`*_{}[]()#+-.!<>|" else c for c in text)
 
 
-def card(label: str, value: str, note: str = "") -> html.Div:
+def card(label: str, value: str, note: Any = "") -> html.Div:
     return html.Div([html.Div(label, className="label"), html.Div(value, className="value"),
                      html.Div(note, className="note")], className="card")
 
@@ -158,6 +160,10 @@ def overview_page(store: Store, run: Run, a: Analysis) -> html.Div:
         card("steps timed", f"{s.get('steps')}", f"{_traced_steps(r)} in the trace window · "
              + (f"run {s['status']}" if s.get("status") else "from traces")),
     ]
+    mem = r.get("memory") or {}
+    if mem.get("peak_allocated_bytes") is not None:
+        cards.append(card("peak memory", style.size(mem["peak_allocated_bytes"]),
+                          dcc.Link(f"rank {mem['peak_rank']}: see Memory", href=f"/run/{quote(run.id)}/memory")))
     model = _model_gains(store, run)
     findings = [{"gain_ms": f["gain_s"] * 1e3, "gain": f["gain_fraction"], "title": f["title"], "fix": f["fix"],
                  "model_gain": model[f["fix"]].predicted_gain if f["fix"] in model else None,
@@ -678,6 +684,55 @@ def health_page(run: Run, a: Analysis | None) -> html.Div:
             {"field": "relative", "valueFormatter": NUM},
             {"field": "busy_s", "headerName": "busy now (s)", "valueFormatter": NUM},
             {"field": "best_busy_s", "headerName": "its best (s)", "valueFormatter": NUM}], height=260),
+    ])
+
+
+# ----------------------------------------------------------------------------- memory
+def memory_page(run: Run, a: Analysis) -> html.Div:
+    """Memory measured in the profiled window (analyzers/memory.py): the highest rank's series and
+    categories at its peak beside the cost model's, and every rank's peak."""
+    title = html.H2(f"Memory: {run.id}")
+    section = a.report.get("memory")
+    if not section:
+        return html.Div([title, info_panel(
+            "No memory was measured in this run's traces. Record it with ",
+            html.Code("mfuscope train --profile-memory"),
+            " (or ", html.Code("mfuscope.profile(..., profile_memory=True)"), "): the allocator's events, the memory "
+            "timeline and, on a GPU, the allocator's snapshot of the profiled window.")])
+    top = next(e for e in section["per_rank"] if e["rank"] == section["peak_rank"]) if section.get("peak_rank") \
+        is not None else section["per_rank"][0]
+    predicted = top.get("predicted")
+    size = style.size
+    head = (f"Peak {size(top['peak_allocated_bytes'])} allocated on rank {top['rank']} ({top['device']})"
+            + (f", {size(top['peak_reserved_bytes'])} reserved" if top.get("peak_reserved_bytes") else
+               f" ({top.get('reserved_note', 'nothing reserved')})")
+            + (f"; the model predicts {size(sum(v for v in predicted.values() if v))} "
+               "with gradients held" if predicted else "") + ".")
+    rows = [{"rank": e["rank"], "device": e["device"], "peak": e["peak_allocated_bytes"],
+             "reserved": e["peak_reserved_bytes"], "fragmentation": e.get("fragmentation"),
+             "activation_peak": e.get("activation_peak_bytes"),
+             "predicted_activation": (e.get("predicted") or {}).get("activation"),
+             **{f"held_{c}": (e.get("states") or {}).get(c) for c in ("parameter", "gradient", "optimizer_state")}}
+            for e in section["per_rank"]]
+    return html.Div([
+        title, info_panel(head),
+        html.P(f"Sources: {', '.join(section.get('sources') or [])}. {section.get('predicted_note') or ''}",
+               className="muted"),
+        dcc.Graph(id="memory-timeline", figure=figures.memory_timeline(memory.read_view(a.views_dir, top["rank"]),
+                                                                       top["rank"]), config={"displaylogo": False}),
+        dcc.Graph(id="memory-categories", figure=figures.memory_categories(top.get("categories") or {}, predicted),
+                  config={"displaylogo": False}),
+        html.H3("Every rank (bytes; held: the model states counted at the optimizer step)"),
+        grid("memory-ranks", rows, [
+            {"field": "rank", "maxWidth": 90}, {"field": "device", "maxWidth": 110},
+            {"field": "peak", "headerName": "peak allocated", "valueFormatter": BYTES, "sort": "desc"},
+            {"field": "reserved", "headerName": "peak reserved", "valueFormatter": BYTES},
+            {"field": "fragmentation", "valueFormatter": PCT},
+            {"field": "activation_peak", "headerName": "activations (highest)", "valueFormatter": BYTES},
+            {"field": "predicted_activation", "headerName": "predicted", "valueFormatter": BYTES},
+            {"field": "held_parameter", "headerName": "held: parameters", "valueFormatter": BYTES},
+            {"field": "held_gradient", "headerName": "gradients", "valueFormatter": BYTES},
+            {"field": "held_optimizer_state", "headerName": "optimizer state", "valueFormatter": BYTES}], height=300),
     ])
 
 

@@ -90,6 +90,16 @@ def signed_percent(v: float | None) -> str:
     return "–" if _missing(v) else ("+" if v > 0 else "") + percent(v)
 
 
+def size(v: float | None) -> str:
+    """Bytes in binary units, 3 significant digits."""
+    if _missing(v):
+        return "–"
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g} {unit}"
+    return f"{v:.0f} B"
+
+
 def rate(v: float | None, unit: str) -> str:
     if _missing(v):
         return "–"

@@ -49,6 +49,8 @@ class MeasuredRun:
     stage_compute_s: tuple[float, ...] = ()           # compute seconds a step per pipeline rank, measured
     mfu: float | None = None
     dp_mode: str = "fsdp"                             # how the trainer shards data ranks: fsdp | ddp
+    measured_memory_bytes: float | None = None        # --profile-memory: the highest rank's peak (reserved
+                                                      # where the device reserves, else allocated)
 
     def predict(self, profile: Profile | None, layout: Layout | None = None,
                 training: Training | None = None) -> Prediction:
@@ -162,12 +164,21 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
     return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout, model), pacing, leaves,
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
                        tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute,
-                       summary.get("mfu"), opts.dp_mode)
+                       summary.get("mfu"), opts.dp_mode, _measured_memory(report))
 
 
 #: Pipeline ranks whose compute differs by more than this ratio are uneven stages (the threshold
 #: from which rebalancing them applies).
 UNEVEN = 1 + FIXES["rebalance_stages"].threshold
+
+
+def _measured_memory(report: dict[str, Any]) -> float | None:
+    """The highest rank's measured peak (analyzers/memory.py): what it reserved on a GPU (the
+    allocator's fragmentation included), what it allocated on the CPU."""
+    ranks = (report.get("memory") or {}).get("per_rank") or []
+    peaks = [e.get("peak_reserved_bytes") or e.get("peak_allocated_bytes") for e in ranks]
+    peaks = [p for p in peaks if p]
+    return float(max(peaks)) if peaks else None
 
 
 def run_layout(m: Manifest, opts: TrainerOptions, manifest_path: Path) -> Layout:

@@ -33,6 +33,7 @@ from mfuscope.manifest import Manifest
 from mfuscope.trainer_options import TrainerOptions
 
 from . import calibrate, fixes, measured
+from .cost import memory as memory_model
 from .model import Prediction
 from .system import Profile, System
 
@@ -74,6 +75,19 @@ class Proposal:
         self.moved = f"{leaf} {delta[leaf] * 1e3:+.0f} ms"
 
 
+def memory_needed(run: measured.MeasuredRun, base: memory_model.Memory,
+                  changed: memory_model.Memory) -> tuple[float, bool | None]:
+    """(bytes a change needs on the busiest GPU, whether they fit).  Where the run measured its memory
+    (``--profile-memory``), its measured peak scaled by the model's ratio of the change to the base
+    -- the model's errors in what it predicts for the run cancel -- plus the CUDA context; else the
+    model's estimate with its headroom (optimizers/cost/memory.py)."""
+    if run.measured_memory_bytes and base.total_bytes:
+        need = run.measured_memory_bytes * changed.total_bytes / base.total_bytes
+        budget = run.system.device_bytes
+        return need, None if budget is None else need + memory_model.CONTEXT_BYTES <= budget
+    return changed.total_bytes, changed.fits
+
+
 def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[Prediction, Profile, list[Proposal]]:
     """(the base's prediction, the run's profile, proposals best first)."""
     profile = calibrate.fit_run(run)
@@ -89,11 +103,12 @@ def propose(run: measured.MeasuredRun, only: set[str] | None = None) -> tuple[Pr
                 p = run.predict(profile, change.layout, change.training)
             except ValueError:
                 continue  # an illegal layout for this model: the fix does not apply
-            gib = p.memory.total_bytes / 2**30
-            note = "" if p.memory.fits is not False else (
+            need, fits = memory_needed(run, base_prediction.memory, p.memory)
+            gib = need / 2**30
+            note = "" if fits is not False else (
                 f"not applied: needs {gib:.4g} GiB, the budget is {run.system.device_bytes / 2**30:.4g}")
             leaves = {k: v for k, v in p.leaves.items() if v > 0}
-            out.append(Proposal(change, p.step_s, 1 - p.step_s / base, p.memory.fits, gib, leaves, p.mfu, note=note))
+            out.append(Proposal(change, p.step_s, 1 - p.step_s / base, fits, gib, leaves, p.mfu, note=note))
     out.sort(key=lambda pr: -pr.predicted_gain)
     return base_prediction, profile, out
 

@@ -79,6 +79,8 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe, health_run) ->
     # name, notes and a model folder -- none of which is a trace set
     (root / "no-window").symlink_to(torchrun_run, target_is_directory=True)
     (root / "fail-slow").symlink_to(health_run, target_is_directory=True)
+    from mfuscope.tests.shared_runs import train_forked  # one rank that measured its memory
+    train_forked(root / "memory", 1, layout="dp_shard=1", steps=4, window="2:2", profile_memory=True)
     (root / "odd name #1 [x]").symlink_to(root / "pp8", target_is_directory=True)
     (root / "notes.json").write_text('{"what": "not a trace"}')
     (root / "checkpoint").mkdir()
@@ -331,6 +333,7 @@ PAGES = {  # page -> (path suffix, selector that means "rendered")
     "comm": ("/comm", "#skew-heatmap .heatmaplayer, .info-panel"),
     "stragglers": ("/stragglers", "#straggler-heatmap .hm, #straggler-heatmap .heatmaplayer"),
     "health": ("/health", "#health-steps .js-plotly-plot, .info-panel"),
+    "memory": ("/memory", "#memory-timeline .js-plotly-plot, .info-panel"),
     "kernels": ("/kernels", "#kernels-grid, .info-panel"),
     "optimize": ("/optimize", "#optimize-grid, .info-panel"),
 }
@@ -392,6 +395,29 @@ def test_health_page_shades_the_episodes_of_a_run_that_turned_slow(tab, runs):
     tab.shot("fail-slow-health")
 
 
+def test_memory_page_shows_the_peak_its_categories_and_the_prediction(tab, runs):
+    """A run recorded with --profile-memory: the overview's peak-memory card links to the Memory page,
+    which draws the peak rank's series (the memory timeline's categories stacked, Kineto's CPU
+    allocator line), the categories at the peak beside the cost model's, and each rank's peak --
+    the report's figures (analyzers/memory.py), shown as it wrote them."""
+    _first_visit(tab, "memory")
+    report = json.loads((runs / "memory" / "report.json").read_text())
+    top = report["memory"]["per_rank"][0]
+    tab.page.locator("#summary-cards a", has_text="see Memory").click()
+    tab.page.wait_for_selector("#memory-timeline .js-plotly-plot")
+    tab.settle()
+    names = tab.page.evaluate("() => document.querySelector('#memory-timeline .js-plotly-plot').data.map(t => t.name)")
+    assert {"parameter", "optimizer state", "activation", "allocated (kineto cpu)"} <= set(names), names
+    bars = tab.page.evaluate("() => document.querySelector('#memory-categories .js-plotly-plot').data"
+                             ".map(t => [t.name, t.x, t.y])")
+    by_name = {name: dict(zip(x, y)) for name, x, y in bars}
+    assert by_name["measured at the peak"]["activation"] == pytest.approx(top["categories"]["activation"] / 2**20)
+    assert by_name["predicted (cost model)"]["parameter"] == pytest.approx(top["predicted"]["parameter"] / 2**20)
+    cell = '#memory-ranks .ag-center-cols-container .ag-row[row-index="0"] [col-id="peak"]'
+    assert tab.page.inner_text(cell).replace(",", "") == str(top["peak_allocated_bytes"])
+    tab.shot("memory")
+
+
 def _first_visit(tab: Page, run: str) -> None:
     """Open a run's overview, waiting out its first analysis (the tests may run in any subset)."""
     tab.page.goto(tab.base + f"/run/{run}")
@@ -411,12 +437,14 @@ def test_every_page_renders(tab, runs, run):
                 "comm": ["send_recv", "reduce_scatter", "Arrival lag"],
                 "stragglers": ["Busy time over the median rank"], "kernels": ["No GPU kernels"],
                 "health": ["Not enough steps to judge", "warm-up"],
+                "memory": ["No memory was measured", "--profile-memory"],
                 "optimize": ["Optimize: pp8", "interleaved_schedule", "predicted gain"]},
         "dlrm": {"overview": ["Tesla V100", "hardware table: V100", "launch-bound"],
                  "timeline": ["rank 7", "comm/unknown"],
                  "pipeline": ["No pipeline parallelism"], "comm": ["all_reduce", "all_to_all"],
                  "stragglers": ["No straggler"], "kernels": ["ncclKernel_SendRecv", "gemm"],
                  "health": ["Health needs a run directory"],
+                 "memory": ["No memory was measured"],
                  "optimize": ["No model spec"]},
     }[run]
     times = {}

@@ -171,3 +171,23 @@ def test_a_bad_snapshot_is_one_line_and_exit_2(tmp_path, content):
     done = subprocess.run([sys.executable, "-m", "mfuscope", "memory", str(path)], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and str(path) in done.stderr
+
+
+def test_optimize_weighs_a_change_against_the_measured_peak(memory_runs):
+    """A run that measured its memory: a change needs the measured peak scaled by the model's ratio
+    (the base itself needs exactly what was measured), and it fits when that and the CUDA
+    context are within the device's memory."""
+    from dataclasses import replace
+
+    from mfuscope.optimizers import measured, optimize
+    from mfuscope.optimizers.cost.memory import CONTEXT_BYTES
+
+    out, report = memory_runs["one"]
+    run = measured.load(out)
+    assert run.measured_memory_bytes == report["memory"]["peak_allocated_bytes"]  # the CPU: allocated
+    base = run.predict(None).memory
+    need, _ = optimize.memory_needed(run, base, base)
+    assert need == run.measured_memory_bytes
+    for budget, fits in ((need + CONTEXT_BYTES, True), (need + CONTEXT_BYTES - 1, False)):
+        sized = replace(run, system=replace(run.system, memory_bytes=budget))
+        assert optimize.memory_needed(sized, base, base) == (need, fits)
