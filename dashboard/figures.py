@@ -144,6 +144,7 @@ def memory_timeline(view: pd.DataFrame, rank: int) -> go.Figure:
                                      hovertemplate=c.replace("_", " ") + " %{y:.4g} MiB<extra></extra>"))
     for source, g in view[view["source"] != "memory_timeline"].groupby("source"):
         x = (g["t_ns"] - t0) / 1e6
+        # Kineto's CPU totals count from the window's start; a GPU's are the allocator's own
         fig.add_trace(go.Scatter(x=x, y=g["allocated_bytes"] / 2**20, name=f"allocated ({source})", mode="lines",
                                  line=dict(color="#222", width=1)))
         if g["reserved_bytes"].notna().any():

@@ -703,9 +703,9 @@ def memory_page(run: Run, a: Analysis) -> html.Div:
         is not None else section["per_rank"][0]
     predicted = top.get("predicted")
     size = style.size
-    head = (f"Peak {size(top['peak_allocated_bytes'])} allocated on rank {top['rank']} ({top['device']})"
-            + (f", {size(top['peak_reserved_bytes'])} reserved" if top.get("peak_reserved_bytes") else
-               f" ({top.get('reserved_note', 'nothing reserved')})")
+    head = (f"Peak {size(top['peak_allocated_bytes'])} allocated on rank {top['rank']} ({top['device']}"
+            + (f"; {size(top['peak_reserved_bytes'])} reserved)" if top.get("peak_reserved_bytes") else
+               f": {top.get('reserved_note', 'nothing reserved')})")
             + (f"; the model predicts {size(sum(v for v in predicted.values() if v))} "
                "with gradients held" if predicted else "") + ".")
     rows = [{"rank": e["rank"], "device": e["device"], "peak": e["peak_allocated_bytes"],
@@ -732,7 +732,8 @@ def memory_page(run: Run, a: Analysis) -> html.Div:
             {"field": "predicted_activation", "headerName": "predicted", "valueFormatter": BYTES},
             {"field": "held_parameter", "headerName": "held: parameters", "valueFormatter": BYTES},
             {"field": "held_gradient", "headerName": "gradients", "valueFormatter": BYTES},
-            {"field": "held_optimizer_state", "headerName": "optimizer state", "valueFormatter": BYTES}], height=300),
+            {"field": "held_optimizer_state", "headerName": "optimizer state", "valueFormatter": BYTES}],
+            height=min(300, 100 + 42 * len(rows))),
     ])
 
 
