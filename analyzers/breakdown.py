@@ -23,6 +23,9 @@ On a GPU rank (device work in the trace), the device's view:
   8. host_bound       idle while the host is busy in operators or launches
   9. idle             idle otherwise (Python between operators, or nothing to do)
 
+On either, before all of these: ``checkpoint``, the training thread blocked in a checkpoint save
+(``mfuscope.checkpoint/<mode>``, the collectors' ``checkpoint`` region), whatever runs in it.
+
 On a CPU-only rank (gloo training), the training thread's view: the thread
 blocked in a collective or its wait (``mfuscope.comm/...``,
 ``mfuscope.wait/...``, c10d operators) is exposed communication (bubble for
@@ -120,7 +123,10 @@ def rank_plan(rdf: pd.DataFrame, steps: pd.DataFrame) -> list[tuple[str, tuple[n
     """
     device = rdf[(rdf["device"] >= 0) & rdf["kind"].isin(["kernel", "comm", "memcpy", "memset"])]
     categories, idle_split = _device_plan(rdf, device) if len(device) else _cpu_plan(rdf, steps)
-    return categories + idle_split  # idle_split: what idle device time is spent on, lowest priority
+    # A checkpoint save holds the training thread: its whole span is the save's, whatever runs in it.
+    saving = rdf[rdf["name"].str.startswith(labels.CHECKPOINT)]
+    first = _sets(saving, pd.Series("checkpoint", index=saving.index)) if len(saving) else []
+    return first + categories + idle_split  # idle_split: what idle device time is spent on, lowest priority
 
 
 def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):

@@ -294,6 +294,10 @@ def _waiting(leaves: dict[str, float], step_s: float, add, share, ev: Evidence, 
     if FIXES["faster_data_loading"].applies(loading / step_s):
         add("faster_data_loading", f"data loading: the device idles {loading / step_s:.0%} of the step while the "
             "loop waits for its next batch", loading, {**share(loading), "annotations": ev.loader})
+    saving = leaves.get("checkpoint", 0.0)
+    if FIXES["async_checkpoint"].applies(saving / step_s):
+        add("async_checkpoint", f"checkpoint saves hold the training thread {saving / step_s:.0%} of the step: "
+            "save asynchronously (stage to host memory, write in the background)", saving, share(saving))
     memory = leaves.get("memory", 0.0)
     if FIXES["fewer_copies"].applies(memory / step_s):
         top = f" ({ev.copies[0]['name']} most)" if ev.copies else ""

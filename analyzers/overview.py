@@ -26,6 +26,7 @@ from mfuscope.report import new_report
 from . import (
     breakdown,
     bubbles,
+    checkpoints,
     collective_match,
     comm_stats,
     counters,
@@ -156,10 +157,13 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         compare(comm, nccl_tests)
     whole_run = health.analyze(run) if run is not None else None  # from the collectors' tables: runs only
     measured_memory = memory.section([s.memory for s in summaries])
+    saves = checkpoints.analyze(run) if run is not None else None
+    summary["goodput"] = saves["goodput"] if saves else None
     return new_report(
         source, files, summary, breakdown=tree, bubbles=[bub] if bub else [],
         **({"health": whole_run} if whole_run is not None else {}),
         **({"memory": measured_memory} if measured_memory is not None else {}),
+        **({"checkpoints": saves} if saves is not None else {}),
         comm=comm,
         stragglers=strag,
         kernels=[{"name": k.name, "kind": k.kind, "count": int(k.count), "total_s": k.total_ns / 1e9,
@@ -301,6 +305,7 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"peak          {s['peak_flops'] / 1e12:.3g} TFLOP/s per device ({s['peak_source']})")
     lines += _health_lines(report.get("health"))
     lines += memory.text_lines(report.get("memory"))
+    lines += checkpoints.text_lines(report.get("checkpoints"))
     tree = report.get("breakdown")
     if tree and tree["seconds"]:
         lines += ["", f"where a step's time went (each rank's own step markers, mean of ranks and traced steps, "

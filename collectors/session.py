@@ -22,12 +22,14 @@ the same message.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,8 @@ class ProfileSession:
         self.force, self.flush_every, self.handle_signals = force, flush_every, handle_signals
         self.rank, self.world = _identity()
         self.running = False
-        self._parts = {run_dir.STEPS: 0, run_dir.COMM: 0, run_dir.NVML: 0, run_dir.MEMORY: 0}
+        self._parts = {name: 0 for name in run_dir.TABLE_SCHEMAS}
+        self._checkpoints: list[dict] = []
         self._previous_handlers: dict[int, Any] = {}
         self._lock = threading.RLock()  # a signal may arrive while close() runs
         self._closing = False
@@ -146,6 +149,38 @@ class ProfileSession:
             self.flush(upto_step=index + 1)
         return index
 
+    @contextlib.contextmanager
+    def checkpoint(self, mode: str = "sync"):
+        """Around a checkpoint save on the training thread: its blocking time is recorded
+        (``checkpoints.parquet``) and marked in the trace (``mfuscope.checkpoint/<mode>``: the
+        breakdown's ``checkpoint`` leaf)::
+
+            with prof.checkpoint("async"):
+                dcp.async_save(state, checkpoint_id=path, process_group=group)
+        """
+        if not self.running:
+            yield
+            return
+        start = time.time_ns()
+        with torch.profiler.record_function(labels.checkpoint_label(mode)):
+            yield
+        row = {"rank": self.rank, "step": self.steps.step, "mode": mode, "start_ns": start,
+               "blocking_ns": time.time_ns() - start, "background_ns": None}
+        with self._lock:
+            self._checkpoints.append(row)
+
+    def checkpoint_background(self, step: int, seconds: float, mode: str = "async") -> None:
+        """An async save's background part (writing, metadata, commit) ended after ``seconds``;
+        ``step``: the step whose save it was.  Callable from any thread."""
+        with self._lock:
+            self._checkpoints.append({"rank": self.rank, "step": step, "mode": mode, "start_ns": None,
+                                      "blocking_ns": None, "background_ns": int(seconds * 1e9)})
+
+    def _take_checkpoints(self) -> list[dict]:
+        with self._lock:
+            rows, self._checkpoints = self._checkpoints, []
+        return rows
+
     def mark_step_start(self) -> None:
         """Restart the current step's clock here (the no-code wrap calls it at the first forward,
         so start-up is not counted as part of step 0)."""
@@ -192,6 +227,7 @@ class ProfileSession:
                   (run_dir.NVML, self.nvml.take_rows))
         if self.memory is not None:
             tables += ((run_dir.MEMORY, self.memory.take_rows),)
+        tables += ((run_dir.CHECKPOINTS, self._take_checkpoints),)
         for name, take in tables:
             _warn_on_failure(lambda name=name, take=take: self._write_part(name, take()),
                              f"rank {self.rank}: writing {name}")

@@ -160,6 +160,11 @@ def overview_page(store: Store, run: Run, a: Analysis) -> html.Div:
         card("steps timed", f"{s.get('steps')}", f"{_traced_steps(r)} in the trace window · "
              + (f"run {s['status']}" if s.get("status") else "from traces")),
     ]
+    saves = r.get("checkpoints") or {}
+    if saves.get("count"):
+        cards.append(card("goodput", style.percent(s.get("goodput")),
+                          f"{saves['count']} checkpoint save(s) blocked {style.seconds(saves['blocking_s'])} of "
+                          f"{style.seconds(saves['wall_s'])}"))
     mem = r.get("memory") or {}
     if mem.get("peak_allocated_bytes") is not None:
         cards.append(card("peak memory", style.size(mem["peak_allocated_bytes"]),

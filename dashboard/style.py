@@ -34,6 +34,7 @@ COMPUTE_COLORS = {
 OTHER_COLORS = {
     "memory": "#c49c94",
     "data_loading": "#e377c2",
+    "checkpoint": "#8c564b",
     "queued": "#9467bd",
     "host_bound": "#f7b6d2",
     "idle": "#e5e5e5",

@@ -119,6 +119,13 @@ _FIXES = (
                        "builder",
          "megatron": "--num-workers N; a preprocessed (indexed) dataset",
          "pytorch": "DataLoader(num_workers=N, pin_memory=True, persistent_workers=True, prefetch_factor=4)"}),
+    Fix("async_checkpoint", "checkpoint: the training thread blocked in checkpoint saves, share of the step", 0.05,
+        "that time (an async save still stages the state into host memory, usually a small part of it)", 1.0,
+        "--checkpoint every=N,mode=async,dir=DIR (reference_trainer/checkpointing.py)",
+        {"torchtitan": "--checkpoint.async_mode async_with_pinned_mem",
+         "megatron": "--async-save (with --ckpt-format torch_dist)",
+         "pytorch": "torch.distributed.checkpoint.async_save(state_dict, checkpoint_id=..., "
+                    "process_group=dist.new_group(backend='gloo'))"}),
     Fix("fewer_copies", "memory: the device only copying or filling, share of the step", 0.05, "that time", 1.0,
         "none in the reference trainer",
         {"torchtitan": "(no flag) keep tensors on the device; pinned, non-blocking input copies",

@@ -14,6 +14,7 @@ label                                  marks                                    
 ``mfuscope.pp/<stage><F|B|W><mb>``     a pipeline stage's chunk of microbatch <mb>       pipeline labels
 ``mfuscope.paced/<what>``              the trainer's paced compute (a sleep)             trainer
 ``mfuscope.inject/<what>``             an injected fault's compute (a sleep)             trainer
+``mfuscope.checkpoint/<mode>``         the training thread blocked saving a checkpoint   session (``checkpoint``)
 =====================================  ================================================  ==========================
 
 ``<dim>`` and ``<op>`` are single path segments (no ``/``): the comm timer's dimension names
@@ -40,6 +41,7 @@ WAIT = "mfuscope.wait/"
 PP = "mfuscope.pp/"
 PACED = "mfuscope.paced/"
 INJECT = "mfuscope.inject/"
+CHECKPOINT = "mfuscope.checkpoint/"
 #: Sleeps standing in for compute: the breakdown counts them as compute, not idle.
 SIMULATED = (PACED, INJECT)
 
@@ -48,6 +50,12 @@ _STEP_RE = re.compile(rf"^({re.escape(STEP)}|{re.escape(PROFILER_STEP)})#(\d+)$"
 COMM_RE = re.compile(rf"^(?P<kind>{re.escape(COMM)}|{re.escape(WAIT)})(?P<dim>[^/]+)/(?P<op>[^/]+)$")
 _PP_RE = re.compile(rf"^(?:PP:|{re.escape(PP)})(\d+)([FBIW])(\d+)$")
 _GPIPE_RE = re.compile(r"^(Forward|Backward) (\d+)$")
+
+
+def checkpoint_label(mode: str) -> str:
+    """``mfuscope.checkpoint/<mode>``: the training thread blocked in a checkpoint save (all of a
+    sync save; the staging of an async one)."""
+    return f"{CHECKPOINT}{mode}"
 
 
 def step_label(step: int) -> str:

@@ -8,6 +8,7 @@
       comm.parquet/                 one row per collective call per rank
       nvml.parquet/                 GPU samples (utilization, clocks, power, memory)
       memory.parquet/               --profile-memory: model-state bytes per (rank, step), GPU peaks
+      checkpoints.parquet/          each checkpoint save: blocking and background time
       traces/rank<N>.pt.trace.json.gz   Kineto window, one file per rank
       memory/rank<N>.raw.json.gz    --profile-memory: the window's memory timeline (and on a GPU
                                     rank<N>.snapshot.pickle, the allocator's snapshot)
@@ -44,6 +45,7 @@ STEPS = "steps.parquet"
 COMM = "comm.parquet"
 NVML = "nvml.parquet"
 MEMORY = "memory.parquet"
+CHECKPOINTS = "checkpoints.parquet"
 TRACES = "traces"
 MEMORY_FILES = "memory"  # memory/rank<N>.raw.json.gz (memory timeline), rank<N>.snapshot.pickle (CUDA)
 REPORT = "report.json"
@@ -77,7 +79,15 @@ MEMORY_SCHEMA = pa.schema([
     ("peak_allocated_bytes", pa.int64()), ("peak_reserved_bytes", pa.int64()),
 ])
 
-TABLE_SCHEMAS = {STEPS: STEPS_SCHEMA, COMM: COMM_SCHEMA, NVML: NVML_SCHEMA, MEMORY: MEMORY_SCHEMA}
+#: Each checkpoint save a rank made (``ProfileSession.checkpoint``): the training thread's blocking time
+#: (a row per save), and for an async save, later, a row with its background time.
+CHECKPOINTS_SCHEMA = pa.schema([
+    ("rank", pa.int32()), ("step", pa.int32()), ("mode", pa.string()),
+    ("start_ns", pa.int64()), ("blocking_ns", pa.int64()), ("background_ns", pa.int64()),
+])
+
+TABLE_SCHEMAS = {STEPS: STEPS_SCHEMA, COMM: COMM_SCHEMA, NVML: NVML_SCHEMA, MEMORY: MEMORY_SCHEMA,
+                 CHECKPOINTS: CHECKPOINTS_SCHEMA}
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -143,8 +153,8 @@ def mark_ended_early(run_dir: str | Path, reason: str) -> None:
 #: --force), so that the ranks' sessions write into it instead of refusing a directory that exists.
 ENV_PREPARED = "MFUSCOPE_RUN_PREPARED"
 
-RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, MEMORY, TRACES, MEMORY_FILES, "collectives", "flight_recorder", "nsys",
-               REPORT, VIEWS, ".manifest.lock")
+RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, MEMORY, CHECKPOINTS, TRACES, MEMORY_FILES, "collectives",
+               "flight_recorder", "nsys", REPORT, VIEWS, ".manifest.lock")
 
 
 def prepare(run_dir: str | Path, force: bool = False) -> Path:

@@ -55,6 +55,40 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+CHECKPOINT_MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """``--checkpoint every=N,mode=sync|async,dir=DIR``."""
+
+    every: int
+    mode: str
+    dir: str
+
+
+def parse_checkpoint(text: str) -> CheckpointSpec:
+    """``every=5,mode=async,dir=ckpt`` (mode defaults to sync); a bad spec is a UserInputError."""
+    try:
+        kv = dict(part.split("=", 1) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UserInputError(f"--checkpoint {text!r}: use every=N,mode=sync|async,dir=DIR") from None
+    if unknown := set(kv) - {"every", "mode", "dir"}:
+        raise UserInputError(f"--checkpoint {text!r}: unknown key(s) {', '.join(sorted(unknown))}; "
+                             "it takes every=N,mode=sync|async,dir=DIR")
+    if "every" not in kv or not kv.get("dir"):
+        raise UserInputError(f"--checkpoint {text!r}: needs every=N and dir=DIR, e.g. every=5,mode=async,dir=ckpt")
+    try:
+        every = int(kv["every"])
+    except ValueError:
+        raise UserInputError(f"--checkpoint {text!r}: every takes a whole number of steps") from None
+    mode = kv.get("mode", "sync")
+    if every < 1 or mode not in CHECKPOINT_MODES:
+        raise UserInputError(f"--checkpoint {text!r}: every must be >= 1 and mode one of "
+                             f"{', '.join(CHECKPOINT_MODES)}")
+    return CheckpointSpec(every, mode, kv["dir"])
+
+
 def _text(value: Any) -> str:
     """A value as its flag takes it on the command line."""
     if isinstance(value, bool):
@@ -121,8 +155,15 @@ class TrainerOptions:
                                       metavar="KEY=VALUE")
     window: str | None = _flag(None, "record torch.profiler traces of these steps, e.g. 5:3", record=True,
                                metavar="START:STEPS")
-    profile_memory: bool = _flag(False, "record allocations in the traced window (Kineto's [memory] events)",
-                                 record=True)
+    profile_memory: bool = _flag(False, "record memory in the traced window: Kineto's [memory] events, the memory "
+                                        "timeline, on a GPU the allocator's snapshot; and the model states' bytes "
+                                        "every step (docs/memory.md)", record=True)
+    checkpoint: str | None = _flag(None, "save model, optimizer, data position and RNG with "
+                                         "torch.distributed.checkpoint every N steps, sync or async (staged, then "
+                                         "written in the background), e.g. every=5,mode=async,dir=ckpt",
+                                   record=True, metavar="every=N,mode=sync|async,dir=DIR")
+    resume: str | None = _flag(None, "start from the latest complete checkpoint under DIR (or DIR itself), onto "
+                                     "this run's layout", record=True, metavar="DIR")
     out: str | None = _flag(None, "run directory (steps, communication, GPU samples)", launcher=False)
     force: bool = _flag(False, "replace an earlier run directory at --out", launcher=False)
     result: str | None = _flag(None, "tests: where each rank saves its losses and every step's full gradients",

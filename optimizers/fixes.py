@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from mfuscope.analyzers.findings import host_wait_s
 from mfuscope.fix_registry import FIXES
 from mfuscope.layout import Degrees
-from mfuscope.trainer_options import TrainerOptions
+from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 
 from . import planner
 from .cost import memory as memory_model
@@ -293,6 +294,31 @@ def _megatron_flags(lay: Layout) -> str:
     return flags
 
 
+#: The host-memory copy rate an async save's staging is taken at: DCP's default stager copies each
+#: tensor into pageable host memory (device-to-host over PCIe on a GPU, a memcpy on a CPU; about
+#: 10 GB/s is the order of both).  An assumption; a save's fixed costs (planning, the hand-off to the
+#: background thread) are not in it, and the measurement shows them on small models.
+STAGING_BYTES_PER_S = 10e9
+
+
+def async_checkpoint(run: MeasuredRun) -> list[Change]:
+    """The training thread is blocked in synchronous checkpoint saves: save asynchronously -- the
+    call stages the state (parameters and optimizer state) into host memory and the shards are
+    written in the background -- into a folder of its own under the run's checkpoint folder (the
+    base run's saves are left as they are)."""
+    if not run.checkpoint:
+        return []
+    spec = parse_checkpoint(run.checkpoint)
+    if spec.mode != "sync" or not _applies(run, "async_checkpoint", "checkpoint"):
+        return []
+    mem = memory_model.estimate(run.model, run.layout, run.training.seq_len, dtype=run.training.dtype)
+    staging_s = (mem.weights_bytes + mem.optimizer_bytes) / STAGING_BYTES_PER_S / spec.every
+    async_spec = f"every={spec.every},mode=async,dir={Path(spec.dir) / 'async'}"
+    return [Change("async_checkpoint", f"save checkpoints asynchronously (every {spec.every} steps: staged, then "
+                   "written in the background)", run.layout, replace(run.training, checkpoint_s=staging_s),
+                   TrainerOptions.change(checkpoint=async_spec), dict(FIXES["async_checkpoint"].flags))]
+
+
 _TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
                     "zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 
@@ -308,4 +334,5 @@ CATALOGUE: dict[str, Callable[..., list[Change]]] = {
     "cuda_graphs": cuda_graphs,
     "keep_weights_gathered": keep_weights_gathered,
     "better_layout": better_layout,
+    "async_checkpoint": async_checkpoint,
 }

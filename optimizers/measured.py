@@ -14,7 +14,7 @@ host, so every dimension uses the one ``gloo`` tier over loopback.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class MeasuredRun:
     dp_mode: str = "fsdp"                             # how the trainer shards data ranks: fsdp | ddp
     measured_memory_bytes: float | None = None        # --profile-memory: the highest rank's peak (reserved
                                                       # where the device reserves, else allocated)
+    checkpoint: str | None = None                     # --checkpoint as the run was given it
 
     def predict(self, profile: Profile | None, layout: Layout | None = None,
                 training: Training | None = None) -> Prediction:
@@ -157,6 +158,7 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
     stages = _stage_leaves(report, m, pp)
     stage_compute = tuple(sum(v for k, v in leaves.items() if k.startswith("compute/")) for leaves in stages)
     leaves = leaves_of(report["breakdown"])
+    training = replace(training, checkpoint_s=leaves.get("checkpoint", 0.0))
     if stage_compute and max(stage_compute) > UNEVEN * min(stage_compute):
         # The model predicts the busiest rank; where stages differ, that rank's leaves are the
         # measurement to hold it against (the mean of ranks mixes in the light stages' waits).
@@ -164,7 +166,7 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
     return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout, model), pacing, leaves,
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
                        tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute,
-                       summary.get("mfu"), opts.dp_mode, _measured_memory(report))
+                       summary.get("mfu"), opts.dp_mode, _measured_memory(report), opts.checkpoint)
 
 
 #: Pipeline ranks whose compute differs by more than this ratio are uneven stages (the threshold

@@ -167,6 +167,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     shard = layout.dp_shard if layout.dp_shard > 1 else (layout.data_ranks if layout.zero >= 1 else 1)
     ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
     ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
+    if training.checkpoint_s:
+        ledger.add("checkpoint", training.checkpoint_s)
 
     step = sum(ledger.leaves.values())
     bubble = ledger.leaves.get("bubble", 0.0)

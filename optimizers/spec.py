@@ -203,7 +203,10 @@ class Training:
     the recomputed forward and once more for its backward (per-module hooks, DeepSpeed's ZeRO-3);
     FSDP2 gathers a block once for both.  ``fp8_gather``: under float8 training FSDP gathers the
     linear weights already cast to float8, 1 byte each (torchao's float8 all-gather).
-    ``fp8_recipe``: torchao's float8 scaling, ``tensorwise`` or ``rowwise``."""
+    ``fp8_recipe``: torchao's float8 scaling, ``tensorwise`` or ``rowwise``.  ``checkpoint_s``:
+    seconds a step the training thread is blocked saving checkpoints -- a measured run's
+    ``checkpoint`` leaf, carried as measured (the model has no storage term); the async-save fix
+    replaces it by the staging an async save keeps."""
 
     seq_len: int
     dtype: str = "bf16"
@@ -227,6 +230,7 @@ class Training:
     fp8_gather: bool = False
     fp8_recipe: str = "tensorwise"
     scatter_gather_sends: bool = False
+    checkpoint_s: float = 0.0
 
     @classmethod
     def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> Training:

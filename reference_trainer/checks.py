@@ -8,9 +8,11 @@ silently ignore part of it.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from mfuscope.errors import UserInputError
 from mfuscope.layout import SCHEDULES, ZERO_BUBBLE, Degrees, virtual_stages
-from mfuscope.trainer_options import TrainerOptions
+from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 
 from .config import TrainConfig
 
@@ -31,6 +33,14 @@ def check_run(cfg: TrainConfig, dims: Degrees, opts: TrainerOptions) -> None:
     ddp_buckets, bucket_mb = opts.ddp_bucket_mb is not None or opts.grad_as_bucket_view, opts.ddp_bucket_mb
     if schedule not in SCHEDULES:
         raise UserInputError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if opts.checkpoint or opts.resume:
+        if opts.checkpoint:
+            parse_checkpoint(opts.checkpoint)
+        if opts.resume and not Path(opts.resume).is_dir():
+            raise UserInputError("--resume: no such checkpoint directory", opts.resume)
+        if dims.pp > 1 and virtual_stages(schedule) > 1:
+            raise UserInputError(f"--checkpoint/--resume with the {schedule} schedule: a rank holding several "
+                                 "pipeline stages is not supported yet; use 1f1b or gpipe")
     if dp_mode not in ("fsdp", "ddp"):
         raise UserInputError(f"dp_mode must be fsdp or ddp, not {dp_mode!r}")
     if dp_mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):

@@ -64,7 +64,7 @@ class Injector:
         """Called first thing inside each step: the step-level stalls happen here."""
         self.step = step
         for f in self.of("die"):
-            if f.step == step:
+            if f.step == step and f.at == "step":
                 print(f"mfuscope: injected fault: rank {self.rank} dies at step {step}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         for f in self.of("hang"):
@@ -81,6 +81,14 @@ class Injector:
                     time.sleep(seconds)
         for f in self.of("gc"):
             time.sleep(self.seconds(f))  # no region: a collector pass shows as a gap between operators
+
+    def in_checkpoint(self, steps_done: int) -> None:
+        """Called inside a checkpoint save, between its write and its commit (``die ... at=checkpoint``)."""
+        for f in self.of("die"):
+            if f.at == "checkpoint" and f.step == steps_done - 1:
+                print(f"mfuscope: injected fault: rank {self.rank} dies saving the checkpoint of step "
+                      f"{steps_done - 1}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def attach_optimizer(self, opt: torch.optim.Optimizer) -> None:
         for f in self.of("optimizer"):

@@ -36,9 +36,9 @@ from mfuscope.collectors.session import ProfileSession
 from mfuscope.errors import UserInputError
 from mfuscope.layout import virtual_stages
 from mfuscope.pacing import parse_paced
-from mfuscope.trainer_options import TrainerOptions, add_arguments
+from mfuscope.trainer_options import TrainerOptions, add_arguments, parse_checkpoint
 
-from . import context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
+from . import checkpointing, context_parallel, data_parallel, expert_parallel, pipeline_parallel, tensor_parallel
 from .checks import check_run, reshard_after_forward
 from .config import TrainConfig, load_config
 from .data import global_batch, shard_rows
@@ -155,6 +155,11 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
     params = [p for m in modules for p in m.parameters()]
     opt = (torch.optim.SGD(params, lr=cfg.lr) if cfg.optimizer == "sgd"
            else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0))
+    first_step = 0
+    if opts.resume:  # before the injector wraps the optimizer: making its state is not a training step
+        first_step, save = checkpointing.resume(opts.resume, modules, opt, cfg.global_batch)
+        if rank == 0:
+            print(f"resumed from {save}: {first_step} steps done", flush=True)
     injector.attach_optimizer(opt)
     injector.slow_links(_groups_by_dim(dims, extra_groups))  # before the collectors wrap the same calls
 
@@ -185,8 +190,12 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
     loop_starts, grads = [], []
     if opts.collective_timeout:
         _set_collective_timeout(opts.collective_timeout)
+    saver = None
+    if opts.checkpoint:
+        saver = checkpointing.Checkpointer(parse_checkpoint(opts.checkpoint), rank, world,
+                                           on_background=lambda done, s: session.checkpoint_background(done - 1, s))
     with session:
-        for step in range(cfg.steps):
+        for step in range(first_step, cfg.steps):
             loop_starts.append(time.perf_counter())
             tokens = shard_rows(global_batch(cfg, step), chunks, dp_rows, dp_index)
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -230,6 +239,10 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
                 if opts.result:
                     grads.append(_full_grads(modules))
                 opt.step()
+                if saver is not None and saver.due(step + 1):
+                    with session.checkpoint(saver.spec.mode):
+                        saver.save(step + 1, modules, opt, samples=(step + 1) * cfg.global_batch, layout=dims.text(),
+                                   before_commit=injector.in_checkpoint)
             _sync(device)
             end = time.time_ns()
             loss_value = _global_loss(local, device)
@@ -238,6 +251,8 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
             if rank == 0:
                 print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
             session.step(tokens=tokens_per_step, loss=loss_value)
+        if saver is not None:
+            saver.wait()  # the last async save written and committed before the run ends
 
     loop_starts.append(time.perf_counter())
     # step_times: the training step itself; loop_times: the whole iteration, instrumentation included
@@ -299,6 +314,12 @@ def _nvtx(name: str):
 class _NoSession(contextlib.nullcontext):
     def step(self, tokens=None, loss=None) -> int:
         return -1
+
+    def checkpoint(self, mode: str = "sync"):
+        return contextlib.nullcontext()
+
+    def checkpoint_background(self, step: int, seconds: float, mode: str = "async") -> None:
+        pass
 
 
 def _global_loss(local: torch.Tensor | None, device) -> float:

@@ -17,10 +17,24 @@ MODEL = ModelSpec(n_layers=8, dim=64, n_heads=4, ffn_dim=128, vocab_size=256)
 
 
 def _run(layout: Layout, leaves: dict[str, float], step_s: float = 1.0, stage_compute=(), on_gpu=False,
-         training: Training | None = None, dp_mode: str = "fsdp") -> MeasuredRun:
+         training: Training | None = None, dp_mode: str = "fsdp", checkpoint: str | None = None) -> MeasuredRun:
     sys_ = system("H100") if on_gpu else cpu_system(1e11, layout.gpus)
     return MeasuredRun(Path("run"), MODEL, layout, training or Training(seq_len=32, dtype="fp32"), sys_, None, None,
-                       leaves, step_s, None, None, tuple(stage_compute), dp_mode=dp_mode)
+                       leaves, step_s, None, None, tuple(stage_compute), dp_mode=dp_mode, checkpoint=checkpoint)
+
+
+def test_async_checkpoint_keeps_the_staging_of_parameters_and_optimizer_state():
+    """Sync saves every 4 steps holding the thread 20% of the step: async, into its own folder; what
+    stays on the thread is the staging copy of the FSDP shard's fp32 weights and AdamW's two moments,
+    12 bytes a parameter over dp_shard=2, at 10 GB/s, once every 4 steps."""
+    lay = Layout(dp_shard=2, micro_batch=4)
+    run = _run(lay, {"checkpoint": 0.2}, checkpoint="every=4,mode=sync,dir=/ckpt")
+    (change,) = fixes.async_checkpoint(run)
+    assert change.trainer == {"checkpoint": "every=4,mode=async,dir=/ckpt/async"}
+    params = MODEL.total_params()  # no pipeline: every parameter, sharded over 2
+    assert change.training.checkpoint_s == pytest.approx(12 * params / 2 / 10e9 / 4)
+    assert fixes.async_checkpoint(replace(run, checkpoint="every=4,mode=async,dir=/ckpt")) == []  # already async
+    assert fixes.async_checkpoint(replace(run, leaves={"checkpoint": 0.01})) == []  # 1%: under the threshold
 
 
 def test_rebalance_moves_layers_off_the_busiest_stage():
@@ -138,7 +152,8 @@ def test_every_fix_names_the_flags_of_three_frameworks(fix):
                  {"compute/norm_elementwise": 0.3, "bubble": 0.3}, stage_compute=(0.7, 0.1)),
             _run(Layout(dp_shard=2, micro_batch=4, recompute="full"), {"comm/dp/all_gather": 0.2},
                  training=Training(seq_len=32, dtype="fp32", overlap_param_gather=False)),
-            _run(Layout(tp=2, micro_batch=8), {"comm/tp/all_gather": 0.2, "host_bound": 0.2}, on_gpu=True)]
+            _run(Layout(tp=2, micro_batch=8), {"comm/tp/all_gather": 0.2, "host_bound": 0.2}, on_gpu=True),
+            _run(Layout(dp_shard=2, micro_batch=4), {"checkpoint": 0.2}, checkpoint="every=2,mode=sync,dir=c")]
     changes = [c for r in runs for c in (fixes.CATALOGUE[fix](r, None) if fix == "better_layout"
                                          else fixes.CATALOGUE[fix](r))]
     assert changes, fix

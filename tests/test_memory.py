@@ -32,8 +32,9 @@ HAND = {"parameter": 4 * TINY_PARAMS, "gradient": 4 * TINY_PARAMS, "optimizer_st
 
 @pytest.fixture(scope="module")
 def memory_runs(tmp_path_factory):
-    """Three tiny_dense runs with ``--profile-memory`` (window: steps 2-3, the optimizer's state made
-    at step 0): one rank; dp_shard=2 (FSDP2); one rank with full recomputation.  Each analyzed."""
+    """Three tiny_dense runs with ``--profile-memory`` (window: step 2, the optimizer's state made at
+    step 0 and a step to warm up): one rank; dp_shard=2 (FSDP2); one rank with full recomputation.
+    Each analyzed."""
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.optimizers.predicted_memory import analyze
     from mfuscope.tests.shared_runs import train_forked
@@ -42,7 +43,7 @@ def memory_runs(tmp_path_factory):
     runs = {}
     for name, world, options in (("one", 1, {"layout": "dp_shard=1"}), ("fsdp", 2, {"layout": "dp_shard=2"}),
                                  ("full", 1, {"layout": "dp_shard=1", "overrides": {"recompute": "full"}})):
-        out = train_forked(root / name, world, steps=4, window="2:2", profile_memory=True, **options)
+        out = train_forked(root / name, world, steps=3, window="2:1", profile_memory=True, **options)
         report, _ = analyze(out, out / "report.json", out / "views")
         runs[name] = (out, report)
     return runs

@@ -1,0 +1,122 @@
+"""Checkpoints of the reference trainer (reference_trainer/checkpointing.py) and what they cost
+(analyzers/checkpoints.py): saved on one layout, resumed on another; a save killed midway never
+loads; async saves block less than sync ones; the breakdown's ``checkpoint`` leaf is the blocking
+time the collectors saw.
+
+Expected values: an uninterrupted run of the same steps (a single source of truth for the losses),
+an injected kill (``die:...:at=checkpoint``) at a known save, and the collectors' own clock.
+"""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+
+STEPS = 6
+
+
+def _tolerance(steps: int) -> float:
+    """Relative loss difference allowed between a run that took its first steps on dp_shard=2 and one
+    that took them on tp=2: each step's gradients differ by at most the float32 tolerance of a
+    reordered sum (tests/test_reference_trainer.fp32_tolerance), AdamW's update is invariant to a
+    gradient's scale so it does not amplify a relative perturbation, and the perturbations of
+    successive steps add: ``steps`` times that tolerance."""
+    from mfuscope.tests.test_reference_trainer import fp32_tolerance
+    return steps * fp32_tolerance("tiny_dense")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """tp=2, AdamW, STEPS steps, no checkpoint: the losses every resumed run must reproduce."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    from mfuscope.reference_trainer.launch import fork_ranks
+    from mfuscope.reference_trainer.train import run_rank
+    from mfuscope.trainer_options import TrainerOptions
+    return fork_ranks(run_rank, 2, TrainerOptions(layout="tp=2", steps=STEPS, out=str(out)))[0]["losses"]
+
+
+def _train(out, **options):
+    from mfuscope.reference_trainer.launch import fork_ranks
+    from mfuscope.reference_trainer.train import run_rank
+    from mfuscope.trainer_options import TrainerOptions
+    return fork_ranks(run_rank, 2, TrainerOptions(out=str(out), **options))[0]["losses"]
+
+
+def test_saved_on_dp_shard_resumed_on_tp_continues_the_same_run(tmp_path, uninterrupted):
+    """Three steps on FSDP2 (dp_shard=2) saved after step 3; resumed onto tensor parallelism (tp=2),
+    which shards every weight differently: steps 4-6 give the uninterrupted tp=2 run's losses (the
+    model, AdamW's moments and step counts, and the data position all carried over)."""
+    save = tmp_path / "ckpt"
+    _train(tmp_path / "first", layout="dp_shard=2", steps=3, checkpoint=f"every=3,mode=sync,dir={save}")
+    assert sorted(p.name for p in save.iterdir()) == ["step_000003"]
+    info = json.loads((save / "step_000003" / "mfuscope.json").read_text())
+    assert info["steps_done"] == 3 and info["samples"] == 3 * 8 and info["layout"] == "dp_shard=2"
+    resumed = _train(tmp_path / "second", layout="tp=2", steps=STEPS, resume=str(save))
+    assert len(resumed) == STEPS - 3
+    assert resumed == pytest.approx(uninterrupted[3:], rel=_tolerance(STEPS))
+
+
+def test_a_save_killed_before_its_commit_leaves_the_previous_one_to_load(tmp_path, uninterrupted):
+    """Saves every 2 steps; rank 1 is killed inside the save of step 4, after every shard and DCP's
+    metadata are written but before the commit.  The folder it leaves is loadable by DCP yet not
+    committed: --resume takes the save of step 2 and continues from step 3."""
+    save = tmp_path / "ckpt"
+    with pytest.raises(Exception, match="rank 1"):
+        _train(tmp_path / "killed", layout="dp_shard=2", steps=6, checkpoint=f"every=2,mode=sync,dir={save}",
+               inject="die:rank=1:step=3:at=checkpoint")
+    names = sorted(p.name for p in save.iterdir())
+    assert names == ["step_000002", "step_000004.partial"], names
+    assert (save / "step_000004.partial" / ".metadata").is_file()  # DCP finished; the commit did not
+    resumed = _train(tmp_path / "resumed", layout="tp=2", steps=STEPS, resume=str(save))
+    assert len(resumed) == STEPS - 2
+    assert resumed == pytest.approx(uninterrupted[2:], rel=_tolerance(STEPS))
+
+
+@pytest.mark.paced
+def test_async_saves_block_less_and_the_leaf_is_the_blocking_time(tmp_path):
+    """Ten steps, a save every 2 (5 saves), once sync and once async, each traced from step 1: the
+    median blocking time of the async saves is below the sync saves'; in each run the trace's
+    ``checkpoint`` leaf of a saving step equals the blocking time the collectors measured on their
+    own clock, within a scheduler wake-up (1 ms); goodput is the share of the steps not blocked.  The
+    sync run's saves are a finding (``async_checkpoint``), and optimize proposes the async change,
+    into a folder of its own, with the staging as what remains of the leaf."""
+    from mfuscope.analyzers.analysis import analyze
+    from mfuscope.optimizers import measured, optimize
+
+    medians = {}
+    for mode in ("sync", "async"):
+        out = tmp_path / mode
+        _train(out, layout="dp_shard=2", steps=10, window="1:9",
+               checkpoint=f"every=2,mode={mode},dir={tmp_path}/c-{mode}")
+        report, _ = analyze(out, out / "report.json", out / "views")
+        saves = report["checkpoints"]
+        assert saves["count"] == 5 and saves["modes"] == [mode]
+        assert (saves["median_background_s"] is None) == (mode == "sync")
+        medians[mode] = saves["median_blocking_s"]
+        seg = pd.read_parquet(out / "views" / "timeline.parquet")
+        leaf = seg[seg["leaf"] == "checkpoint"].assign(s=lambda d: (d.end_ns - d.start_ns) / 1e9)
+        leaf = leaf.groupby(["rank", "step"])["s"].sum()
+        rows = pd.read_parquet(out / "checkpoints.parquet").dropna(subset=["blocking_ns"])
+        blocked = rows.set_index(["rank", "step"])["blocking_ns"] / 1e9
+        assert sorted(leaf.index) == sorted(blocked.index)  # every save in the window, no other step
+        assert (leaf - blocked.loc[leaf.index]).abs().max() < 1e-3
+        total = blocked.groupby(level="rank").sum().max()
+        assert report["summary"]["goodput"] == pytest.approx(1 - total / saves["wall_s"], rel=1e-9)
+        found = {f["id"] for f in report["findings"]}
+        proposals = [p for p in optimize.propose(measured.load(out))[2] if p.change.fix == "async_checkpoint"]
+        if mode == "sync":
+            assert "async_checkpoint" in found, found
+            (p,) = proposals
+            assert p.change.trainer == {"checkpoint": f"every=2,mode=async,dir={tmp_path}/c-sync/async"}
+            assert p.predicted_gain > 0 and p.predicted_leaves["checkpoint"] < report_leaf(report)
+        else:
+            assert "async_checkpoint" not in {p.change.fix for p in proposals}
+    assert medians["async"] < medians["sync"], medians
+
+
+def report_leaf(report: dict) -> float:
+    """The breakdown's ``checkpoint`` leaf, seconds a step."""
+    return next(c["seconds"] for c in report["breakdown"]["children"] if c["name"] == "checkpoint")
