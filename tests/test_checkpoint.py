@@ -9,9 +9,12 @@ an injected kill (``die:...:at=checkpoint``) at a known save, and the collectors
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from mfuscope.tests.shared_runs import mfuscope
 
 pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
@@ -112,6 +115,12 @@ def test_async_saves_block_less_and_the_leaf_is_the_blocking_time(tmp_path):
             (p,) = proposals
             assert p.change.trainer == {"checkpoint": f"every=2,mode=async,dir={tmp_path}/c-sync/async"}
             assert p.predicted_gain > 0 and p.predicted_leaves["checkpoint"] < report_leaf(report)
+            done = mfuscope("optimize", str(out), "--apply", "--fixes", "async_checkpoint", "--rounds", "1", "--json")
+            assert done.returncode == 0, done.stderr[-3000:]
+            (row,) = json.loads(done.stdout)["fixes"]
+            applied = json.loads((Path(row["run"]) / "report.json").read_text())["checkpoints"]
+            assert row["measured_step_s"] is not None and applied["modes"] == ["async"]
+            assert applied["median_blocking_s"] < saves["median_blocking_s"], (applied, saves)
         else:
             assert "async_checkpoint" not in {p.change.fix for p in proposals}
     assert medians["async"] < medians["sync"], medians
