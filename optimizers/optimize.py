@@ -30,7 +30,7 @@ from typing import Any
 
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
-from mfuscope.trainer_options import TrainerOptions
+from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 
 from . import calibrate, fixes, measured
 from .cost import memory as memory_model
@@ -129,11 +129,15 @@ def best_by_fix(proposals: list[Proposal]) -> dict[str, Proposal]:
 def trainer_command(manifest: Manifest | dict[str, Any], config: Path, out: Path, change: dict[str, str]) -> list[str]:
     """``mfuscope train`` as the run was launched (:meth:`TrainerOptions.from_manifest`), with
     ``change`` (in its recorded text form) applied, traced from step 1 if the run was not, and
-    without the switches the changed layout cannot take."""
+    without the switches the changed layout cannot take.  A run that saved checkpoints saves the
+    rerun's into a folder of its own under them (never over the run's own saves)."""
     m = Manifest.of(manifest)
     base = TrainerOptions.from_manifest(m, config=str(config))
     opts = base.changed(change).carried_over(base)
     opts = replace(opts, window=opts.window or "1:", out=str(out), force=True)
+    if opts.checkpoint and "checkpoint" not in change:
+        spec = parse_checkpoint(opts.checkpoint)
+        opts = replace(opts, checkpoint=f"every={spec.every},mode={spec.mode},dir={Path(spec.dir) / Path(out).name}")
     return [sys.executable, "-m", "mfuscope", "train", "--nproc", str(m.world_size), *opts.to_argv()]
 
 

@@ -144,6 +144,10 @@ def test_trainer_command_carries_the_run_and_drops_what_a_new_layout_cannot_take
     assert "--stage-layers" not in moved and "--prefetch" not in moved
     interleaved = trainer_command(MANIFEST, Path("c.toml"), Path("out"), {"schedule": "interleaved_1f1b"})
     assert "--stage-layers" not in interleaved
+    # A run that saved checkpoints: a rerun saves its own beside them, never over them.
+    saving = {**MANIFEST, "trainer": {**MANIFEST["trainer"], "checkpoint": "every=2,mode=sync,dir=/ck"}}
+    cmd = trainer_command(saving, Path("c.toml"), Path("runs/r1"), {"microbatches": "8"})
+    assert cmd[cmd.index("--checkpoint") + 1] == "every=2,mode=sync,dir=/ck/r1"
 
 
 @pytest.mark.parametrize("fix", sorted(fixes.CATALOGUE))
