@@ -4,9 +4,11 @@ onto any layout, committed atomically, saved in the background if asked.
 ``--checkpoint every=N,mode=sync|async,dir=DIR`` saves after every N steps; ``--resume DIR`` starts
 from DIR's latest complete save (or from DIR itself when it is one), onto this run's layout.
 
-What a save holds: the model and optimizer state as ``get_state_dict`` gives them -- DTensor shards
-under FSDP2 and tensor parallelism, so DCP reshards them on load and a save made on dp_shard=2
-restores onto tp=2 --; ``mfuscope.json``: the steps done and the data position in global samples
+What a save holds: each model part's and its optimizer's state as DCP's state-dict helpers give
+them, under the full model's parameter names (the optimizer's flattened: ``state.<name>.exp_avg``),
+so the parts of any pipeline layout meet in one namespace -- DTensor shards under FSDP2 and tensor
+parallelism, so DCP reshards them on load and a save made on dp_shard=2 restores onto tp=2, or
+onto an interleaved pipeline --; ``mfuscope.json``: the steps done and the data position in global samples
 (the loader's stream is indexed by sample, so a resume onto another data-parallel degree continues
 the same stream); and each rank's RNG state (restored when the world size matches).
 
@@ -34,10 +36,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from mfuscope.errors import UserInputError
 from mfuscope.trainer_options import CheckpointSpec
+
+from .optimizers import PartOptimizers
 
 INFO = "mfuscope.json"
 PARTIAL = ".partial"
@@ -78,7 +88,7 @@ class Checkpointer:
     def due(self, steps_done: int) -> bool:
         return steps_done % self.spec.every == 0
 
-    def save(self, steps_done: int, modules: list, optimizer, samples: int, layout: str,
+    def save(self, steps_done: int, modules: list, optimizer: PartOptimizers, samples: int, layout: str,
              before_commit=None) -> None:
         """Save the state after ``steps_done`` steps (blocking the caller for the whole save, or for
         the staging of an async one).  ``before_commit(steps_done)``: called between the write and
@@ -124,7 +134,7 @@ class Checkpointer:
             dist.barrier(group=self.group)  # every rank's callback ran: rank 0's commit included
 
 
-def resume(path: str | Path, modules: list, optimizer, global_batch: int) -> tuple[int, Path]:
+def resume(path: str | Path, modules: list, optimizer: PartOptimizers, global_batch: int) -> tuple[int, Path]:
     """Load the latest complete save under ``path`` into ``modules`` and ``optimizer``; returns (the
     step to continue from, the save).  The optimizer's state is made first (one step of zero
     gradients: Adam's update of a zero gradient is zero, and weight decay is off), so DCP has
@@ -135,22 +145,29 @@ def resume(path: str | Path, modules: list, optimizer, global_batch: int) -> tup
     if samples % global_batch:
         raise UserInputError(f"the checkpoint is {samples} samples in, not a whole number of this run's global "
                              f"batches of {global_batch}", save)
-    _make_optimizer_state(optimizer)
+    for o in optimizer.optimizers:
+        _make_optimizer_state(o)
     state = _state(modules, optimizer)
     dcp.load(state, checkpoint_id=str(save))
-    model_sd, optim_sd = state["model"], state["optim"]
-    set_state_dict(modules[0], optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for part, o in zip(modules, optimizer.optimizers):  # each takes its own names of the whole
+        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(part, o, state["optim"], options=_FLAT)
     rng = save / "rng" / f"rank{dist.get_rank()}.pt"
     if info.get("world_size") == dist.get_world_size() and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=True))
     return samples // global_batch, save
 
 
-def _state(modules: list, optimizer) -> dict[str, Any]:
-    if len(modules) != 1:
-        raise UserInputError("--checkpoint/--resume: a rank with several pipeline stages (looped schedules) "
-                             "is not supported yet; use 1f1b or gpipe")
-    model_sd, optim_sd = get_state_dict(modules[0], optimizer)
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+
+
+def _state(modules: list, optimizer: PartOptimizers) -> dict[str, Any]:
+    """Every part's model and optimizer state, merged under the full model's names."""
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    for part, o in zip(modules, optimizer.optimizers):
+        model_sd.update(get_model_state_dict(part))
+        optim_sd.update(get_optimizer_state_dict(part, o, options=_FLAT))
     return {"model": model_sd, "optim": optim_sd}
 
 

@@ -38,9 +38,6 @@ def check_run(cfg: TrainConfig, dims: Degrees, opts: TrainerOptions) -> None:
             parse_checkpoint(opts.checkpoint)
         if opts.resume and not Path(opts.resume).is_dir():
             raise UserInputError("--resume: no such checkpoint directory", opts.resume)
-        if dims.pp > 1 and virtual_stages(schedule) > 1:
-            raise UserInputError(f"--checkpoint/--resume with the {schedule} schedule: a rank holding several "
-                                 "pipeline stages is not supported yet; use 1f1b or gpipe")
     if dp_mode not in ("fsdp", "ddp"):
         raise UserInputError(f"dp_mode must be fsdp or ddp, not {dp_mode!r}")
     if dp_mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):

@@ -45,6 +45,7 @@ from .data import global_batch, shard_rows
 from .faults import parse_faults
 from .inject import Injector, apply_paced
 from .model import Experts, cross_entropy
+from .optimizers import PartOptimizers
 from .parallel_dims import ParallelDims
 
 
@@ -153,8 +154,8 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
     tp_moe_params = tensor_parallel.moe_params(modules) if dims.tp > 1 and cfg.model.n_experts else []
 
     params = [p for m in modules for p in m.parameters()]
-    opt = (torch.optim.SGD(params, lr=cfg.lr) if cfg.optimizer == "sgd"
-           else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0))
+    opt = PartOptimizers(modules, lambda part: torch.optim.SGD(part, lr=cfg.lr) if cfg.optimizer == "sgd"
+                         else torch.optim.AdamW(part, lr=cfg.lr, weight_decay=0.0))
     first_step = 0
     if opts.resume:  # before the injector wraps the optimizer: making its state is not a training step
         first_step, save = checkpointing.resume(opts.resume, modules, opt, cfg.global_batch)

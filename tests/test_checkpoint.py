@@ -130,3 +130,14 @@ def test_async_saves_block_less_and_the_leaf_is_the_blocking_time(tmp_path):
 def report_leaf(report: dict) -> float:
     """The breakdown's ``checkpoint`` leaf, seconds a step."""
     return next(c["seconds"] for c in report["breakdown"]["children"] if c["name"] == "checkpoint")
+
+
+def test_an_interleaved_pipelines_save_resumes_on_tensor_parallelism(tmp_path, uninterrupted):
+    """pp=2 with the interleaved 1F1B schedule: each rank holds two stage modules (layers 0 and 2, or
+    1 and 3), each with its own optimizer; their states are saved under the full model's names and
+    load onto tp=2, whose ranks hold a slice of every layer: steps 4-5 give the uninterrupted run's."""
+    save = tmp_path / "ckpt"
+    _train(tmp_path / "pp", layout="pp=2", schedule="interleaved_1f1b", steps=3,
+           checkpoint=f"every=3,mode=sync,dir={save}")
+    resumed = _train(tmp_path / "tp", layout="tp=2", steps=5, resume=str(save))
+    assert resumed == pytest.approx(uninterrupted[3:5], rel=_tolerance(STEPS))
