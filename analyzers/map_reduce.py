@@ -13,12 +13,14 @@ worker alone is named in the error, and the others still finish.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import socket
 import sys
 import time
+import warnings
 from concurrent.futures import Executor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -88,18 +90,40 @@ class MapResult:
     bytes: int
 
 
+@contextlib.contextmanager
+def _object_strings():
+    """pandas' string columns as Python objects while a rank is summarized: pandas 3 backs them with
+    Arrow, whose per-call cost dominates the hundreds of small frames one rank's analyses make (a
+    small trace's rank: 112 -> 79 ms).  For the task only, so a process that imports mfuscope keeps
+    its own settings.  pandas 3 deprecates the switch (said once a call, silenced here); where it is
+    gone the task runs with Arrow strings, slower and the same."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*infer_string.*")
+        try:
+            context = pd.option_context("future.infer_string", False)
+            context.__enter__()
+        except (KeyError, pd.errors.OptionError):
+            context = None
+        try:
+            yield
+        finally:
+            if context is not None:
+                context.__exit__(None, None, None)
+
+
 def map_rank(job: RankJob) -> MapResult:
     """Load, summarize and write the views of the rank(s) in ``job.file`` (a worker's task)."""
     events, result = _load(job)
     if events is None:
         return result
-    events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
-    for rank, part in overview.split_ranks(events).items():
-        comm = _run_comm(job.run, rank) if job.run else None
-        s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir,
-                                   run=job.run)
-        s.file, s.cached = str(job.file), result.cached
-        result.summaries.append(s)
+    with _object_strings():
+        events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
+        for rank, part in overview.split_ranks(events).items():
+            comm = _run_comm(job.run, rank) if job.run else None
+            s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir,
+                                       run=job.run)
+            s.file, s.cached = str(job.file), result.cached
+            result.summaries.append(s)
     return result
 
 
