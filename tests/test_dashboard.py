@@ -451,6 +451,8 @@ def test_every_page_renders(tab, runs, run):
     for page, (suffix, ready) in PAGES.items():
         times[page] = tab.open(f"/run/{run}{suffix}", ready)
         tab.settle()  # the comm page's info panel, for one, is there before its table's rows
+        if page == "timeline":  # its lanes' names are the y axis' ticks, drawn after the first bars
+            tab.page.wait_for_selector("#timeline-graph .ytick")
         if page == "overview":
             tab.page.wait_for_selector("#breakdown .slice")
             body = tab.text() + " ".join(tab.page.locator("#breakdown .slice").all_text_contents())
