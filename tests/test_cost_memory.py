@@ -77,6 +77,14 @@ def test_microbatches_in_flight_per_schedule(layout, held):
     assert memory.microbatches_in_flight(layout) == pytest.approx(held)
 
 
+def test_later_1f1b_stages_hold_fewer_microbatches_and_gpipe_holds_all():
+    """1F1B: stage s runs p - s forwards before its first backward (its warm-up), so it holds p - s
+    microbatches; the last stage one.  GPipe runs every forward first on every stage."""
+    one_f_one_b, gpipe = Layout(pp=4, microbatches=8), Layout(pp=4, microbatches=8, schedule="gpipe")
+    assert [memory.microbatches_in_flight(one_f_one_b, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [memory.microbatches_in_flight(gpipe, s) for s in range(4)] == [8, 8, 8, 8]
+
+
 def test_fits_verdicts():
     h100 = 80e9
     # torchtitan's Llama 3 8B on 8 H100s (FSDP, 8k tokens a GPU), with activation checkpointing:

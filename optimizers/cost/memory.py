@@ -52,9 +52,10 @@ them), their fp32 copy in 16-bit training and the fp32 log-probabilities the los
 backward the gradients of the log-probabilities and of the logits (4 bytes each) as temporaries;
 and the final norm's three h-wide tensors.
 
-In flight on the first (busiest) pipeline stage: GPipe keeps all m
-microbatches, 1F1B and the zero-bubble schedules min(p, m), interleaved
-schedules that times (1 + (p-1)/(p v)) (Korthikanti et al., section 4.2.3).
+In flight on pipeline stage s (the first, the busiest, by default): GPipe keeps all m
+microbatches, 1F1B and the zero-bubble schedules min(p - s, m), interleaved
+schedules that times (1 + (p-1)/(p v)) (Korthikanti et al., section 4.2.3); the
+last stage keeps each in-flight microbatch's log-probabilities.
 Zero-bubble schedules defer each microbatch's weight gradients (W) past its input gradients (B):
 until W runs, the linear layers' inputs and their outputs' gradients stay, about the stage's
 activations of one microbatch for each W in flight (p - 1 of them at the steady state of ZB-H1 and
@@ -158,14 +159,17 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, f
     return s * b * (replicated / (t if sp else 1) + split / t)
 
 
-def microbatches_in_flight(layout: Layout) -> float:
-    """Microbatches whose activations the first pipeline stage holds at its peak."""
+def microbatches_in_flight(layout: Layout, stage: int | None = None) -> float:
+    """Microbatches whose activations pipeline rank ``stage`` holds at its peak (None: the first,
+    the busiest).  GPipe: all m on every stage.  1F1B and the others: stage s runs p - s forwards
+    before its first backward, min(p - s, m) (the last stage one at a time); interleaved schedules
+    that times (1 + (p-1)/(p v)) (Korthikanti et al., section 4.2.3)."""
     p, m = layout.pp, layout.microbatches
     if p == 1:
         return 1.0  # gradient accumulation: one microbatch at a time
     if layout.schedule == "gpipe":
         return float(m)
-    held = float(min(p, m))
+    held = float(min(p - (stage or 0), m))
     if layout.vpp > 1 and layout.schedule != "zbv":
         held *= 1 + (p - 1) / (p * layout.vpp)
     return held
@@ -218,12 +222,14 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
     per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e)
     tokens = seq_len / layout.cp * layout.micro_batch
     sp = layout.sequence_parallel and layout.tp > 1
-    activations = per_layer * layers * (microbatches_in_flight(layout) + deferred_weight_grads(layout))
+    activations = per_layer * layers * (microbatches_in_flight(layout, stage) + deferred_weight_grads(layout))
     last = stage is None or stage == layout.pp - 1
     # While the loss is computed: the logits, their fp32 copy (16-bit training) and the fp32
-    # log-probabilities the loss keeps; in backward the gradients of the last two.
+    # log-probabilities the loss keeps -- one microbatch's, and the log-probabilities of the others
+    # the last stage holds (GPipe: all m); in backward the gradients of the last two.
     logit_elements = tokens * model.vocab_size / layout.tp if last else 0.0
-    logits = (e + (4 if e < 4 else 0) + 4) * logit_elements
+    held = microbatches_in_flight(layout, layout.pp - 1) if layout.pp > 1 else 1.0
+    logits = (e + (4 if e < 4 else 0) + 4 * held) * logit_elements
     if last:  # the final norm's input, normalized input and output, and its fp32 inverse RMS
         activations += (e * 3 * model.dim + 4) * tokens / (layout.tp if sp else 1)
     temporary = 2 * 4 * logit_elements
