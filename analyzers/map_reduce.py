@@ -97,18 +97,11 @@ def _object_strings():
     small trace's rank: 112 -> 79 ms).  For the task only, so a process that imports mfuscope keeps
     its own settings.  pandas 3 deprecates the switch (said once a call, silenced here); where it is
     gone the task runs with Arrow strings, slower and the same."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         warnings.filterwarnings("ignore", message=".*infer_string.*")
-        try:
-            context = pd.option_context("future.infer_string", False)
-            context.__enter__()
-        except (KeyError, pd.errors.OptionError):
-            context = None
-        try:
-            yield
-        finally:
-            if context is not None:
-                context.__exit__(None, None, None)
+        with contextlib.suppress(KeyError, pd.errors.OptionError):
+            stack.enter_context(pd.option_context("future.infer_string", False))
+        yield
 
 
 def map_rank(job: RankJob) -> MapResult:
