@@ -14,6 +14,7 @@ from mfuscope.errors import UserInputError
 from mfuscope.layout import SCHEDULES, ZERO_BUBBLE, Degrees, virtual_stages
 from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 
+from .checkpoint_files import latest
 from .config import TrainConfig
 
 
@@ -36,8 +37,10 @@ def check_run(cfg: TrainConfig, dims: Degrees, opts: TrainerOptions) -> None:
     if opts.checkpoint or opts.resume:
         if opts.checkpoint:
             parse_checkpoint(opts.checkpoint)
-        if opts.resume and not Path(opts.resume).is_dir():
-            raise UserInputError("--resume: no such checkpoint directory", opts.resume)
+        if opts.resume:
+            if not Path(opts.resume).is_dir():
+                raise UserInputError("--resume: no such checkpoint directory", opts.resume)
+            latest(opts.resume)  # a folder with no complete save fails here, once
     if dp_mode not in ("fsdp", "ddp"):
         raise UserInputError(f"dp_mode must be fsdp or ddp, not {dp_mode!r}")
     if dp_mode == "ddp" and (dims.tp > 1 or dims.pp > 1 or dims.ep > 1):

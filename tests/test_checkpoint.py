@@ -9,6 +9,7 @@ an injected kill (``die:...:at=checkpoint``) at a known save, and the collectors
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -74,6 +75,12 @@ def test_a_save_killed_before_its_commit_leaves_the_previous_one_to_load(tmp_pat
     names = sorted(p.name for p in save.iterdir())
     assert names == ["step_000002", "step_000004.partial"], names
     assert (save / "step_000004.partial" / ".metadata").is_file()  # DCP finished; the commit did not
+    lone = tmp_path / "lone"  # a folder holding only a save that did not finish: refused before any rank starts
+    shutil.copytree(save / "step_000004.partial", lone / "step_000004.partial")
+    refused = mfuscope("train", "--nproc", "1", "--resume", str(lone), "--out", str(tmp_path / "never"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines() == [f"mfuscope: error: {lone}: no complete checkpoint here (only "
+                                                    "step_000004.partial, a save that did not finish)"]
     resumed = _train(tmp_path / "resumed", layout="tp=2", steps=STEPS, resume=str(save))
     assert len(resumed) == STEPS - 2
     assert resumed == pytest.approx(uninterrupted[2:], rel=_tolerance(STEPS))
