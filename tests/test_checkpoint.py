@@ -20,6 +20,8 @@ from mfuscope.tests.shared_runs import mfuscope
 pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
 STEPS = 8
+#: One CFS scheduling period on 2 CPUs: sched_latency 6 ms x (1 + log2(2)).
+SCHED_PERIOD_S = 0.012
 
 
 def _tolerance(steps: int) -> float:
@@ -91,7 +93,10 @@ def test_async_saves_block_less_and_the_leaf_is_the_blocking_time(tmp_path):
     """Ten steps, a save every 2 (5 saves), once sync and once async, each traced from step 1: the
     median blocking time of the async saves is below the sync saves'; in each run the trace's
     ``checkpoint`` leaf of a saving step equals the blocking time the collectors measured on their
-    own clock, within a scheduler wake-up (1 ms); goodput is the share of the steps not blocked.  The
+    own clock, within one CFS scheduling period (6 ms x (1 + log2 of 2 CPUs) = 12 ms: a thread
+    preempted between the profiler's and the collectors' readings waits at most that long; a leaf
+    that missed the save, or took other work, would be off by tens of ms); goodput is the share of
+    the steps not blocked.  The
     sync run's saves are a finding (``async_checkpoint``), and optimize proposes the async change,
     into a folder of its own, with the staging as what remains of the leaf."""
     from mfuscope.analyzers.analysis import analyze
@@ -113,7 +118,7 @@ def test_async_saves_block_less_and_the_leaf_is_the_blocking_time(tmp_path):
         rows = pd.read_parquet(out / "checkpoints.parquet").dropna(subset=["blocking_ns"])
         blocked = rows.set_index(["rank", "step"])["blocking_ns"] / 1e9
         assert sorted(leaf.index) == sorted(blocked.index)  # every save in the window, no other step
-        assert (leaf - blocked.loc[leaf.index]).abs().max() < 1e-3
+        assert (leaf - blocked.loc[leaf.index]).abs().max() < SCHED_PERIOD_S
         total = blocked.groupby(level="rank").sum().max()
         assert report["summary"]["goodput"] == pytest.approx(1 - total / saves["wall_s"], rel=1e-9)
         found = {f["id"] for f in report["findings"]}
