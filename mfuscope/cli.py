@@ -113,19 +113,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_ci(sub)
 
-    p = sub.add_parser("predict", help="predict step time, MFU and memory of published or planned runs (cost model)",
-                       description="Read rows with the columns of calibration.csv, predict each with the cost model, "
-                                   "write them with predicted_* columns and print the error per source.")
-    p.add_argument("runs", type=Path, help="CSV with the columns of corpus/published/calibration.csv")
-    p.add_argument("--out", type=Path, default=None, help="output CSV (default: RUNS.predicted.csv)")
+    p = sub.add_parser("predict", help="predict step time, MFU and memory of published, planned or measured runs "
+                                       "(cost model)",
+                       description="A CSV with the columns of calibration.csv: each row predicted, written with "
+                                   "predicted_* columns, the error per source printed.  Run directories: each run's "
+                                   "step predicted beside its measured median step, leaf by leaf.")
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUNS",
+                   help="CSV with the columns of corpus/published/calibration.csv, or run directories")
+    p.add_argument("--out", type=Path, default=None, help="CSV input: output CSV (default: RUNS.predicted.csv)")
     p.add_argument("--hardware", type=Path, default=None,
                    help="profile from `mfuscope calibrate` (default: the one fitted on the published runs)")
+    p.add_argument("--json", action="store_true", help="run directories: a JSON list on stdout")
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("calibrate", help="fit the cost model's efficiencies to measured runs, write hw.json",
-                       description="From a CSV of published runs (fit, then leave-one-source-out) or from a measured "
-                                   "run's report.json (leaf by leaf).")
-    p.add_argument("source", type=Path, help="calibration.csv-style CSV, a run directory or its report.json")
+                       description="From a CSV of published runs (fit, then leave-one-source-out) or from one or "
+                                   "more measured run directories (each group of leaves its own number, fitted to "
+                                   "all the runs at once, from the published profile).")
+    p.add_argument("source", type=Path, nargs="+", metavar="SOURCE",
+                   help="calibration.csv-style CSV, or run directories (or their report.json)")
     p.add_argument("--out", type=Path, default=None, help="where to write the profile (default: ./hw.json)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_calibrate)
@@ -145,8 +151,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp8 (float8 linear layers) or fp32")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--hardware", type=Path, default=None, help="profile from `mfuscope calibrate`")
+    p.add_argument("--scaling", metavar="GPUS,...", default=None,
+                   help="also the predicted weak-scaling curve at these GPU counts (e.g. 8,64,512,4096,16384): the "
+                        "best layout at each, sequences per GPU held at --global-batch / --gpus")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("scaling", help="scaling efficiency of one job's runs at several sizes, and where it was lost",
+                       description="Runs of one job at several sizes (run directories; analyzed first if they have "
+                                   "no report.json), sorted by ranks, against the smallest: tokens/s per device, "
+                                   "MFU, efficiency, and the lost step time split over the breakdown's leaves. "
+                                   "Weak scaling (the same tokens per device per step) or strong (the same tokens "
+                                   "per step) is detected, or forced (docs/cost_model.md, 'Scaling').")
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--weak", dest="mode", action="store_const", const="weak",
+                      help="weak scaling: the ideal step is the smallest run's")
+    mode.add_argument("--strong", dest="mode", action="store_const", const="strong",
+                      help="strong scaling: the ideal step is the smallest run's x N0/N")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.set_defaults(func=cmd_scaling)
 
     p = sub.add_parser("optimize", help="propose fixes ranked by predicted gain; --apply runs and measures them",
                        description="Proposals from the fix catalogue, each with its predicted step (the cost model "
@@ -324,7 +348,12 @@ def _report_of(path: str) -> dict:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
-    return commands.predict_csv(args.runs, args.out, args.hardware)
+    csvs = [r for r in args.runs if r.suffix == ".csv"]
+    if csvs:
+        if len(args.runs) > 1:
+            raise UserInputError("give one CSV of runs, or run directories, not both or several CSVs", csvs[0])
+        return commands.predict_csv(args.runs[0], args.out, args.hardware)
+    return commands.predict_runs(args.runs, args.hardware, args.json)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -340,7 +369,15 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
     return commands.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.global_batch, args.seq_len,
-                         args.dtype, args.top, args.hardware, args.json, args.power_limit_w)
+                         args.dtype, args.top, args.hardware, args.json, args.power_limit_w, args.scaling)
+
+
+def cmd_scaling(args: argparse.Namespace) -> int:
+    from mfuscope.optimizers import scaling
+    result = scaling.measured([scaling.load(p, say=lambda m: print(m, file=sys.stderr, flush=True))
+                               for p in args.runs], args.mode)
+    print(json.dumps(result, indent=2) if args.json else scaling.text(result))
+    return 0
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -17,10 +17,11 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from .cost.comm import bus_factor, placements
 from .measured import MeasuredRun
 from .model import predict
 from .published import Case
-from .system import Profile
+from .system import Profile, default_profile
 
 
 def predicted_tps(case: Case, profile: Profile) -> float:
@@ -114,31 +115,25 @@ def run_error(run: MeasuredRun, profile: Profile, keys: set[str]) -> float:
 
 
 def fit_run(run: MeasuredRun, start: Profile | None = None) -> Profile:
-    """The profile that reproduces one measured run, group by group (see :func:`groups`).
+    """The profile that reproduces one measured run: an unpaced run group by group as
+    :func:`fit_runs` fits several; a paced run (its compute known) as below.
 
-    Compute is one number (``gemm``, with ``memory`` and ``attention``) fitted to the measured
-    compute; where compute time is known (paced runs) the host time per microbatch is fitted
-    instead, to what the run spent beyond its paced time.  Links are fitted where the run
-    exposes communication.  A first guess comes from the ratio of predicted to measured time, so
-    a CPU run, whose tiny GEMMs reach a ten-thousandth of the matmul peak, starts near its answer."""
+    A paced run's compute is known: the host time per microbatch is fitted to what the run spent
+    beyond its paced time, and the links where the run exposes communication, starting from their
+    ratio of predicted to measured time."""
+    if run.known_phases is None:
+        return fit_runs([run], start)
     profile = start or Profile()
     prediction = run.predict(profile)
     pred, meas = groups(prediction.leaves), groups(run.leaves)
     fields: list[str] = []
     keys: set[str] = set()
-    if run.known_phases is not None:
-        passes = 2 * run.layout.microbatches * run.layout.vpp
-        slots = 2 * (run.layout.microbatches * run.layout.vpp + run.layout.pp - 1)
-        gap = max(run.step_s - prediction.step_s, 0.0)
-        profile = replace(profile, microbatch_overhead_s=max(gap / max(slots, passes), 1e-6))
-        fields.append("microbatch_overhead_s")
-        keys |= {"step", "bubble"}
-    elif meas.get("compute") and pred.get("compute"):
-        ratio = pred["compute"] / meas["compute"]
-        profile = replace(profile, gemm=profile.gemm * ratio, memory=profile.memory * ratio,
-                          attention=profile.attention * ratio)
-        fields += ["gemm", "memory", "attention"]
-        keys.add("compute")
+    passes = 2 * run.layout.microbatches * run.layout.vpp
+    slots = 2 * (run.layout.microbatches * run.layout.vpp + run.layout.pp - 1)
+    gap = max(run.step_s - prediction.step_s, 0.0)
+    profile = replace(profile, microbatch_overhead_s=max(gap / max(slots, passes), 1e-6))
+    fields.append("microbatch_overhead_s")
+    keys |= {"step", "bubble"}
     comm_pred = sum(v for k, v in pred.items() if k.startswith("comm/"))
     comm_meas = sum(v for k, v in meas.items() if k.startswith("comm/"))
     if comm_pred > 0 and comm_meas > 0.01 * run.step_s:
@@ -159,3 +154,136 @@ def fit_run(run: MeasuredRun, start: Profile | None = None) -> Profile:
         span = math.sqrt(span)
     return replace(best, provenance={"source": str(run.path), "fields": fields, "degrees_of_freedom": len(fields),
                                      "mean_abs_log_error": best_err, "device": run.system.key})
+
+
+#: The compute leaves whose speed one profile number sets, each its own group.
+RATES = {"gemm": "compute/gemm", "attention": "compute/attention", "memory": "compute/norm_elementwise",
+         "optimizer": "compute/optimizer"}
+#: Where the host's own time shows on a run's timeline: what runs on the host between kernels (on a
+#: CPU every gap between operators), the device waiting on launches.  The model books its host time
+#: per pass (``microbatch_overhead_s``) as ``compute/other``.
+HOST = ("compute/other", "idle", "host_bound")
+#: Each dimension's collectives, the leaves ``comm/<dim>/...`` (the data dimensions share ``dp``).
+LINK_DIMS = ("tp", "cp", "dp", "ep", "pp")
+
+
+def _passes(run: MeasuredRun) -> float:
+    """Forward and backward passes of the busiest rank's chunks in one step: what the host's time
+    per pass (``microbatch_overhead_s``) is paid per."""
+    return 2.0 * run.layout.microbatches * run.layout.vpp
+
+
+def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: int = 12,
+             progress: Callable[[str], None] | None = None) -> Profile:
+    """The profile that reproduces several measured runs at once, group by group, starting from the
+    published profile (or ``start``).
+
+    Each group of leaves has its own number, fitted to what the runs measured there in all: GEMMs
+    (``gemm``), the attention core (``attention``), elementwise work (``memory``), the optimizer step
+    (``optimizer``), the host's time per layer and pass (``layer_overhead_s``, from the host
+    leaves :data:`HOST`) and each dimension's collectives (``link_<dim>``).  A rate scales by predicted /
+    measured time of its group summed over the runs (time is work over rate), the host time by the
+    unexplained host seconds per layer and pass; rounds repeat it until the groups' interplay (overlap,
+    pipeline bubbles) settles.  Before the rounds each link tier's latency and bandwidth are fitted
+    to every collective the runs timed (:func:`fit_link_tiers`); a dimension's own factor then
+    takes up what its exposed time says beyond that, and a dimension no run exposes runs at the
+    tier's fit.  Paced runs (compute known) inform only the host and link groups.  Measured leaves
+    are scaled to the median step
+    (:meth:`MeasuredRun.typical_leaves`)."""
+    runs = list(runs)
+    if not runs:
+        raise ValueError("no run to fit")
+    profile = start or default_profile()
+    measured = [r.typical_leaves() for r in runs]
+    floor = 0.01 * sum(r.typical_step_s for r in runs)
+    fitted: set[str] = set()
+
+    def total(leaves_list, prefix_or_names, which) -> float:
+        names = (prefix_or_names,) if isinstance(prefix_or_names, str) else prefix_or_names
+        return sum(v for i, leaves in enumerate(leaves_list) if which(runs[i])
+                   for k, v in leaves.items() if any(k == n or k.startswith(n + "/") for n in names))
+
+    profile, tiers = fit_link_tiers(runs, profile)
+    unpaced = lambda r: r.known_phases is None  # noqa: E731
+    every = lambda r: True  # noqa: E731
+    for r in range(rounds):
+        predicted = [run.predict(profile).leaves for run in runs]
+        changes: dict[str, float] = {}
+        for name, leaf in RATES.items():
+            meas, pred = total(measured, leaf, unpaced), total(predicted, leaf, unpaced)
+            if meas > floor and pred > 0:
+                changes[name] = getattr(profile, name) * pred / meas
+        meas_host, pred_host = total(measured, HOST, every), total(predicted, HOST, every)
+        layer_passes = sum(_passes(run) * run.layout.stage_layers(run.model) / run.layout.vpp for run in runs)
+        if meas_host > floor or profile.layer_overhead_s > 0:
+            changes["layer_overhead_s"] = max(0.0, profile.layer_overhead_s + (meas_host - pred_host) / layer_passes)
+        links = {}
+        for dim in LINK_DIMS:
+            meas, pred = total(measured, f"comm/{dim}", every), total(predicted, f"comm/{dim}", every)
+            if meas > floor and pred > 0:
+                links[f"link_{dim}"] = getattr(profile, f"link_{dim}") * pred / meas
+        changes.update(links)
+        fitted |= set(changes) | tiers
+        profile = replace(profile, **changes)
+        if progress:
+            progress(f"round {r + 1}/{rounds}: " + ", ".join(f"{k}={v:.4g}" for k, v in changes.items()))
+    errors = [abs(math.log(run.predict(profile).step_s / run.typical_step_s)) for run in runs]
+    fields = [f for f in Profile.FIELDS if f in fitted]
+    return replace(profile, provenance={
+        "source": ", ".join(str(run.path) for run in runs), "runs": [str(run.path) for run in runs],
+        "fields": fields, "degrees_of_freedom": len(fields),
+        "start": (start or default_profile()).provenance.get("source"),
+        "mean_abs_log_error": sum(errors) / len(errors), "device": runs[0].system.key})
+
+
+#: A collective's op as the model's alpha-beta knows it (the report's names for a pipeline's
+#: point-to-point calls vary with how they were issued).
+_OPS = {"send": "send_recv", "recv": "send_recv", "send_recv": "send_recv", "all_reduce": "all_reduce",
+        "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all"}
+
+
+def fit_link_tiers(runs: list[MeasuredRun], profile: Profile) -> tuple[Profile, set[str]]:
+    """Each link tier's latency (``latency_scale``) and achieved bandwidth (``scale_up`` /
+    ``scale_out``) fitted to the collectives the runs timed (their reports' ``comm`` tables): every
+    call's mean duration is ``a x latency steps x the tier's latency + size x bus factor / (the
+    tier's bandwidth x efficiency)``, linear in ``a`` and ``1 / efficiency``; weighted least squares
+    over the calls (a group of identical calls weighs its count).  Latency-bound small calls (a
+    tensor-parallel norm's gradient) and bandwidth-bound large ones (FSDP's gathers) pin down one
+    number each, which a ratio of exposed time cannot separate.  Returns the profile and the names
+    it fitted; a tier with calls of only one size keeps its latency and fits its bandwidth."""
+    rows: dict[str, list[tuple[float, float, float, float]]] = {}
+    for run in runs:
+        place = placements(run.layout, run.system.gpus_per_node)
+        for c in run.collectives:
+            op = _OPS.get(c.op)
+            if op is None or c.group_size < 2:
+                continue
+            dim = "dp" if c.dim.startswith("dp") or c.dim not in place else c.dim
+            tier_name = place[dim].tier
+            tier = getattr(run.system, tier_name)
+            steps = 1 if op == "send_recv" else math.ceil(math.log2(c.group_size)) * (2 if op == "all_reduce" else 1)
+            rows.setdefault(tier_name, []).append((c.calls, steps * tier.latency_s,
+                                                   c.bytes * bus_factor(op, c.group_size) / tier.bandwidth_Bps,
+                                                   c.seconds))
+    changes: dict[str, float] = {}
+    for tier_name, data in rows.items():
+        w = [r[0] for r in data]
+        x1, x2, y = [r[1] for r in data], [r[2] for r in data], [r[3] for r in data]
+        s11 = sum(wi * a * a for wi, a in zip(w, x1))
+        s22 = sum(wi * b * b for wi, b in zip(w, x2))
+        s12 = sum(wi * a * b for wi, a, b in zip(w, x1, x2))
+        s1y = sum(wi * a * t for wi, a, t in zip(w, x1, y))
+        s2y = sum(wi * b * t for wi, b, t in zip(w, x2, y))
+        det = s11 * s22 - s12 * s12
+        lat, inv_eff = (None, None)
+        if det > 1e-12 * s11 * s22:
+            lat, inv_eff = (s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det
+        if lat is None or lat <= 0 or inv_eff <= 0:
+            # sizes too alike to separate the two, or noise pushed one below zero: bandwidth only,
+            # the latency the profile has
+            lat = profile.latency_scale
+            inv_eff = max(s2y - lat * s12, 1e-30) / s22 if s22 > 0 else None
+        if inv_eff:
+            changes["latency_scale"] = lat
+            changes[tier_name] = 1.0 / inv_eff
+    return replace(profile, **changes), set(changes)

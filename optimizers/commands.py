@@ -91,17 +91,25 @@ def _mape_table(errors: dict[str, list[float]]) -> str:
 
 # ----------------------------------------------------------------------------- calibrate
 
-def calibrate(source: Path, out: Path | None, as_json: bool) -> int:
+def calibrate(sources: list[Path] | Path, out: Path | None, as_json: bool) -> int:
+    """A CSV of published runs (one), or run directories fitted at once (:func:`calib.fit_runs`)."""
+    sources = [sources] if isinstance(sources, Path) else list(sources)
     out = out or Path("hw.json")
-    fitted = None
-    if source.suffix == ".csv":
-        result = _calibrate_published(source)
+    if any(s.suffix == ".csv" for s in sources):
+        if len(sources) > 1:
+            raise UserInputError("give one CSV of published runs, or run directories, not both", sources[0])
+        result = _calibrate_published(sources[0])
         profile = result.pop("profile")
+        fitted = []
     else:
-        run = measured.load(source)
-        profile = calib.fit_run(run)
-        fitted = run_prediction.comparison(run, profile, "the profile fitted to this run")
-        result = {"run": str(run.path), "device": run.system.key, "leaves": fitted.rows}
+        runs = [measured.load(s) for s in sources]
+        devices = {r.system.key for r in runs}
+        if len(devices) > 1:
+            raise UserInputError(f"the runs ran on different devices ({', '.join(sorted(devices))}): calibrate each "
+                                 "device's runs on their own", sources[0])
+        profile = calib.fit_runs(runs)
+        fitted = [run_prediction.comparison(r, profile, "the profile fitted to these runs") for r in runs]
+        result = {"runs": [_run_json(c) for c in fitted], "device": runs[0].system.key}
     profile.save(out)
     result.update(profile=profile.values(), provenance=profile.provenance, written=str(out))
     if as_json:
@@ -115,11 +123,45 @@ def calibrate(source: Path, out: Path | None, as_json: bool) -> int:
             print(f"{s:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
         print("held out: fitted on the other sources only (leave-one-source-out), then predicted")
     else:
-        print(f"fitted to {result['run']} ({result['device']}), mean |log error| "
-              f"{profile.provenance['mean_abs_log_error']:.3f} over the groups it measures\n")
-        print(run_prediction.text(fitted))
+        print(f"fitted to {len(fitted)} run(s) on {result['device']}, mean |log error| of the step "
+              f"{profile.provenance['mean_abs_log_error']:.3f}")
+        for c in fitted:
+            print(f"\n{c.run.path}:")
+            print(run_prediction.text(c))
     print(f"\nprofile written to {out}; use it with --hardware {out}")
     return 0
+
+
+def predict_runs(paths: list[Path], hardware: Path | None, as_json: bool) -> int:
+    """Each measured run's step predicted (the profile given, else the published one for a GPU run; a
+    CPU run needs ``--hardware``: no published profile describes a host core) beside its median step."""
+    runs = [measured.load(p) for p in paths]
+    if hardware is None and any(r.system.key == "CPU" for r in runs):
+        cpu = next(r for r in runs if r.system.key == "CPU")
+        raise UserInputError("a CPU run needs a profile fitted to CPU runs: `mfuscope calibrate RUN_DIR... --out "
+                             "hw.json`, then --hardware hw.json", cpu.path)
+    profile = _profile(hardware, runs[0].system.key)
+    note = f"profile {hardware}" if hardware else f"profile fitted on {profile.provenance.get('source', 'defaults')}"
+    compared = [run_prediction.comparison(r, profile, note) for r in runs]
+    if as_json:
+        print(json.dumps([_run_json(c) for c in compared], indent=2))
+        return 0
+    print(f"{'run':<40} {'layout':<44} {'measured s':>10} {'predicted s':>11} {'error':>7}")
+    for c in compared:
+        m, p = c.run.typical_step_s, c.prediction.step_s
+        print(f"{str(c.run.path):<40} {planner.describe(c.run.layout):<44} {m:>10.4g} {p:>11.4g} {p / m - 1:>+7.1%}")
+    print(f"({note}; measured: the median step)")
+    return 0
+
+
+def _run_json(c: run_prediction.Comparison) -> dict[str, Any]:
+    """One run's prediction as ``predict --json`` and ``calibrate --json`` write it."""
+    leaves = c.run.typical_leaves()
+    names = sorted(set(leaves) | {k for k, v in c.prediction.leaves.items() if v > 0})
+    return {"run": str(c.run.path), "layout": planner.describe(c.run.layout), "measured_step_s": c.run.typical_step_s,
+            "predicted_step_s": c.prediction.step_s,
+            "leaves": {k: {"measured_s": leaves.get(k), "predicted_s": c.prediction.leaves.get(k) or None}
+                       for k in names}}
 
 
 def _calibrate_published(path: Path) -> dict[str, Any]:
@@ -146,7 +188,10 @@ def predict_run_text(run_path: Path, hardware: Path | None) -> str:
 # ----------------------------------------------------------------------------- plan
 
 def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global_batch: int, seq_len: int,
-         dtype: str, top: int, hardware: Path | None, as_json: bool, power_limit_w: float | None = None) -> int:
+         dtype: str, top: int, hardware: Path | None, as_json: bool, power_limit_w: float | None = None,
+         scaling: str | None = None) -> int:
+    from . import scaling as scaling_curve
+    sizes = scaling_curve.parse_sizes(scaling) if scaling is not None else None
     if gpus < 1 or global_batch < 1 or seq_len < 1 or top < 1 or (gpus_per_node is not None and gpus_per_node < 1):
         raise UserInputError("--gpus, --gpus-per-node, --global-batch, --seq-len and --top must be positive")
     model = presets.load(model_name)
@@ -157,13 +202,16 @@ def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global
     training = Training(seq_len=seq_len, dtype=dtype, compiled=True)
     profile = _profile(hardware, sys_.key)
     result = planner.plan(model, gpus, sys_, global_batch, training, profile, top)
+    curve = (scaling_curve.predicted(model, gpus, sys_, global_batch, training, profile, sizes)
+             if sizes else None)
     if as_json:
         print(json.dumps({"model": model_name, "gpus": gpus, "gpu": sys_.key, "gpus_per_node": sys_.gpus_per_node,
                           "considered": result.considered, "tp_across_nodes": result.tp_across_nodes,
                           "ranked": [{"layout": planner.describe(lay), **_layout_dict(lay), **pred.summary()}
                                      for lay, pred in result.ranked],
                           "rejected": {k: {"count": v, "example": result.examples[k]}
-                                       for k, v in result.rejected.items()}}, indent=2))
+                                       for k, v in result.rejected.items()},
+                          **({"scaling": curve} if curve is not None else {})}, indent=2))
         return 0 if result.ranked else 1
     print(f"{model_name} on {gpus} x {sys_.key} ({sys_.gpus_per_node} per node), global batch {global_batch} "
           f"x {seq_len} tokens, {dtype}; profile: {profile.provenance.get('source', 'defaults')}")
@@ -181,6 +229,8 @@ def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global
     print("\nnot chosen:")
     for family, count in result.rejected.most_common():
         print(f"  {count:>6}  {family}, e.g. {result.examples[family]}")
+    if curve is not None:
+        print(scaling_curve.predicted_text(curve))
     return 0 if result.ranked else 1
 
 

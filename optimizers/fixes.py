@@ -129,7 +129,7 @@ def overlap_dp_grads(run: MeasuredRun) -> list[Change]:
     exposed.  DDP: gradients in one or two buckets are reduced after the backward; a bucket a
     layer starts reducing the last layers' gradients while the first layers' are computed."""
     lay = run.layout
-    if lay.dp_shard == 1:
+    if lay.shard_ranks == 1:
         return _smaller_buckets(run)
     if run.training.overlap_param_gather or not _applies(run, "overlap_dp_grads", "comm/dp/all_gather"):
         return []
@@ -221,7 +221,7 @@ def keep_weights_gathered(run: MeasuredRun) -> list[Change]:
     block gathered (its backward comes next; torchtitan's default), or every block, memory
     permitting (the memory check decides)."""
     lay, training = run.layout, run.training
-    if lay.dp_shard == 1 or lay.pp > 1 or training.reshard_after_forward is False:
+    if lay.shard_ranks == 1 or lay.pp > 1 or training.reshard_after_forward is False:
         return []
     if not _applies(run, "keep_weights_gathered", "comm/dp/all_gather"):
         return []

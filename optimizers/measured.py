@@ -34,6 +34,30 @@ GLOO = LinkTier("gloo-loopback", 50e-6, 1 * GB, "nominal: gloo over loopback TCP
 
 
 @dataclass(frozen=True)
+class Collectives:
+    """One row of the report's communication table (``comm``): ``calls`` collectives of one kind
+    over a group of ``group_size`` ranks, ``bytes`` each on average, ``seconds`` each from issue to
+    completion on average -- what a link calibration fits latency and bandwidth to."""
+
+    dim: str
+    op: str
+    group_size: int
+    calls: int
+    bytes: float
+    seconds: float
+
+
+def collectives_of(rows: list[dict[str, Any]]) -> tuple[Collectives, ...]:
+    out = []
+    for row in rows or []:
+        calls, size = int(row.get("count") or 0), row.get("group_size")
+        if calls and size and row.get("total_s"):
+            out.append(Collectives(str(row["dim"]), str(row["op"]), int(size), calls, float(row["bytes"]) / calls,
+                                   float(row["total_s"]) / calls))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class MeasuredRun:
     path: Path
     model: ModelSpec
@@ -52,6 +76,21 @@ class MeasuredRun:
     measured_memory_bytes: float | None = None        # --profile-memory: the highest rank's peak (reserved
                                                       # where the device reserves, else allocated)
     checkpoint: str | None = None                     # --checkpoint as the run was given it
+    median_step_s: float | None = None                # the median of every step the collectors timed
+    collectives: tuple[Collectives, ...] = ()         # the report's communication table, per call
+
+    @property
+    def typical_step_s(self) -> float:
+        """The step a prediction is held against: the median step where the collectors timed every
+        step (a loaded host's outliers move the mean, not the median), else the mean."""
+        return self.median_step_s or self.step_s
+
+    def typical_leaves(self) -> dict[str, float]:
+        """The leaves scaled to :attr:`typical_step_s`: the traced steps split the median step as
+        they split their own (their sum is the traced steps' mean, the profiler's overhead in it)."""
+        total = sum(self.leaves.values())
+        scale = self.typical_step_s / total if total > 0 else 1.0
+        return {k: v * scale for k, v in self.leaves.items()}
 
     def predict(self, profile: Profile | None, layout: Layout | None = None,
                 training: Training | None = None) -> Prediction:
@@ -125,6 +164,8 @@ def cpu_system(peak_flops: float, ranks: int) -> System:
 def load(path: str | Path) -> MeasuredRun:
     """``path``: a run directory or its ``report.json`` (with ``manifest.json`` beside it)."""
     p = Path(path)
+    if p.exists() and not p.is_dir() and p.suffix != ".json":
+        raise UserInputError("not a run directory or its report.json", p)
     report_path = p / "report.json" if p.is_dir() else p
     manifest_path = report_path.parent / "manifest.json"
     return from_documents(_read(report_path), _read(manifest_path), report_path.parent)
@@ -166,7 +207,8 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
     return MeasuredRun(where, model, layout, training, sys, paced_phases(pacing, layout, model), pacing, leaves,
                        float(summary.get("step_time_s") or report["breakdown"]["seconds"]),
                        tps / ranks if tps else None, max(fractions) if fractions else None, stage_compute,
-                       summary.get("mfu"), opts.dp_mode, _measured_memory(report), opts.checkpoint)
+                       summary.get("mfu"), opts.dp_mode, _measured_memory(report), opts.checkpoint,
+                       summary.get("step_time_p50_s"), collectives_of(report.get("comm") or []))
 
 
 #: Pipeline ranks whose compute differs by more than this ratio are uneven stages (the threshold

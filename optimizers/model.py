@@ -126,9 +126,11 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     else:
         stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
 
-    # Host time per pass of each of the rank's chunks; CUDA graphs launch a block's kernels at once
-    # (all of it removed: an upper bound, since the embedding, head and loss stay eager).
-    host = 0.0 if training.cuda_graphs else v * profile.microbatch_overhead_s
+    # Host time per pass of each of the rank's chunks and of each of its layers; CUDA graphs launch a
+    # block's kernels at once (all of it removed: an upper bound, since the embedding, head and loss
+    # stay eager).
+    host = 0.0 if training.cuda_graphs else (v * profile.microbatch_overhead_s
+                                              + layers * profile.layer_overhead_s)
     if host:
         stage.fwd["other"] = stage.fwd.get("other", 0.0) + host
         stage.bwd["other"] = stage.bwd.get("other", 0.0) + host
@@ -164,7 +166,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     params = memory_model.params_per_gpu(model, layout)
     _data_parallel(layout, training, links, ledger, params, stage, m, _first_gathers(model, layout, layers),
                    units=layers)
-    shard = layout.dp_shard if layout.dp_shard > 1 else (layout.data_ranks if layout.zero >= 1 else 1)
+    shard = layout.shard_ranks if layout.shard_ranks > 1 else (layout.grad_ranks if layout.zero >= 1 else 1)
     ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
     ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
     if training.checkpoint_s:
@@ -245,7 +247,7 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         root = first[0] - first[1]
         weights = params * ((1 - root) + root * training.activation_bytes)
     bwd_window = stage.total("bwd") if training.overlap_grad_reduce else 0.0
-    if layout.dp_shard > 1:
+    if layout.shard_ranks > 1:
         calls = units * training.shard_calls_per_layer + 1
         gather = links.seconds("dp_shard", "all_gather", weights, calls=calls)
         scatter = links.seconds("dp_shard", "reduce_scatter", grads, calls=calls)
@@ -272,7 +274,7 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
             # launches the compute: host time, never hidden.  The forward gather and the
             # reduce-scatter, and backward's gathers, per microbatch.
             passes = 2 + ((2 if regather else 1) if reshard else 0)
-            ledger.add("host_bound", passes * m * calls * layout.dp_shard * KERNEL_LAUNCH_S)
+            ledger.add("host_bound", passes * m * calls * layout.shard_ranks * KERNEL_LAUNCH_S)
         bwd_gather_w = min(bwd_w, bwd_gather if keep_last else bwd_gather * (1 - first[1])) if reshard else bwd_w
         hide_scatter = prefetch if training.overlap_reduce_scatter is None else training.overlap_reduce_scatter
         if layout.pp == 1:
@@ -289,9 +291,9 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
                 ledger.expose("dp", {"all_gather": bwd_gather}, bwd_gather_w, m)
             ledger.expose("dp", {"reduce_scatter": scatter}, stage.total("bwd") if hide_scatter else 0.0, 1)
         if layout.dp_replicate > 1:
-            reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.dp_shard)
+            reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.shard_ranks)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)
-    elif layout.data_ranks > 1:
+    elif layout.grad_ranks > 1:
         # Buckets are reduced as their gradients are ready: all but the last can hide behind the
         # rest of the backward; the last (the first layers' gradients) is reduced after it.
         last = min(training.grad_bucket_bytes or DDP_BUCKET_BYTES, grads) / grads if grads else 1.0

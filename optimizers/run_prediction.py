@@ -46,10 +46,11 @@ def compare_run(run: measured.MeasuredRun, hardware: str | Path | None = None,
 
 def comparison(run: measured.MeasuredRun, profile: Profile, note: str) -> Comparison:
     p = run.predict(profile)
-    names = sorted(set(run.leaves) | {k for k, v in p.leaves.items() if v > 0},
-                   key=lambda k: -max(run.leaves.get(k, 0.0), p.leaves.get(k, 0.0)))
-    rows = [{"leaf": k, "measured_s": run.leaves.get(k), "predicted_s": p.leaves.get(k) or None} for k in names]
-    rows.append({"leaf": "step", "measured_s": run.step_s, "predicted_s": p.step_s})
+    leaves = run.typical_leaves()  # the median step, split as the traced steps split theirs
+    names = sorted(set(leaves) | {k for k, v in p.leaves.items() if v > 0},
+                   key=lambda k: -max(leaves.get(k, 0.0), p.leaves.get(k, 0.0)))
+    rows = [{"leaf": k, "measured_s": leaves.get(k), "predicted_s": p.leaves.get(k) or None} for k in names]
+    rows.append({"leaf": "step", "measured_s": run.typical_step_s, "predicted_s": p.step_s})
     return Comparison(run, p, rows, note)
 
 

@@ -101,6 +101,23 @@ class Layout:
         split the same rows' tokens: :attr:`mfuscope.layout.Degrees.data_ranks`)."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP shards the parameters over, 1 without FSDP: ``dp_shard`` x ``cp``.  Context
+        ranks hold the same parameters and compute gradients of other tokens, so the shard group
+        spans them too (torchtitan's and the reference trainer's ``dp_shard_cp`` mesh); FSDP runs
+        on them alone when the layout has context ranks and nothing else replicates."""
+        if self.dp_shard > 1 or (self.cp > 1 and self.dp_replicate == 1 and self.zero == 0):
+            return self.dp_shard * self.cp
+        return 1
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients are reduced together: the data ranks x the context ranks (each
+        context rank's gradient covers its share of the tokens: Megatron's data-parallel group
+        with context parallelism, torchtitan's ``dp_cp``)."""
+        return self.data_ranks * self.cp
+
     def stage_layers(self, model: ModelSpec) -> int:
         """Layers on the busiest pipeline rank: with an explicit ``split`` the most any rank holds;
         else chunks of ceil(L / (pp x vpp)) layers, vpp of them (an even cut that does not divide,

@@ -196,6 +196,18 @@ class Profile:
     latency_scale    multiplies the link tiers' latencies: 1 for the published runs (not fitted
                      there); a measured run with many small collectives fits it (gloo on a loaded
                      host waits milliseconds, not microseconds)
+    layer_overhead_s host time per layer and pass (module calls, hooks, a tensor-parallel layer's
+                     DTensor dispatch) that the device does not hide: zero for the published GPU
+                     runs; on a CPU, where every operator is dispatched by the one thread that
+                     computes, it grows with the layers a rank runs, not with its microbatches
+    optimizer        fraction of HBM bandwidth the optimizer step reaches: the memory-bound kernels'
+                     (``memory``) until a measured run says otherwise -- a fused multi-tensor AdamW
+                     and a per-parameter loop over sharded tensors differ by several times
+    link_tp .. link_pp
+                     each dimension's own factor on its collectives' speed (time / factor), 1 for the
+                     tier as the two link fractions above state it; a measured run that exposes a
+                     dimension's collectives fits that dimension's (its group's kind of collectives,
+                     message sizes and process-group implementation are its own)
 
     The two link fractions are nccl-tests facts, not fitted to published throughput: across the
     published runs a faster link and a slower GEMM predict the same steps (Megatron's exposed TP
@@ -212,13 +224,23 @@ class Profile:
     overlap_slowdown: float = 0.1
     microbatch_overhead_s: float = 0.0
     latency_scale: float = 1.0
+    layer_overhead_s: float = 0.0
+    optimizer: float = 0.7
+    link_tp: float = 1.0
+    link_cp: float = 1.0
+    link_dp: float = 1.0
+    link_ep: float = 1.0
+    link_pp: float = 1.0
     provenance: dict = field(default_factory=lambda: {"source": "defaults (not calibrated)"})
 
     FITTED = ("gemm", "gemm_knee", "attention", "memory", "overlap_slowdown")
-    FIELDS = FITTED + ("scale_up", "scale_out", "microbatch_overhead_s", "latency_scale")
+    LINKS = ("link_tp", "link_cp", "link_dp", "link_ep", "link_pp")
+    FIELDS = FITTED + ("scale_up", "scale_out", "microbatch_overhead_s", "latency_scale", "layer_overhead_s",
+                       "optimizer") + LINKS
     BOUNDS = {"gemm": (0.2, 1.0), "gemm_knee": (8.0, 4096.0), "attention": (0.1, 1.5),
               "memory": (0.2, 1.0), "scale_up": (0.2, 1.0), "scale_out": (0.2, 1.0),
-              "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0), "latency_scale": (1e-3, 1e4)}
+              "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0), "latency_scale": (1e-3, 1e4),
+              "optimizer": (1e-4, 1.0), "layer_overhead_s": (0.0, 1.0), **{k: (1e-3, 1e3) for k in LINKS}}
 
     def values(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.FIELDS}
@@ -235,6 +257,8 @@ class Profile:
             unknown = set(values) - set(cls.FIELDS)
             if unknown:
                 raise KeyError(", ".join(sorted(unknown)))
+            # A profile written before the optimizer had its own rate: the memory-bound kernels'.
+            values.setdefault("optimizer", values.get("memory", cls.optimizer))
             return cls(**{k: float(v) for k, v in values.items()}, provenance=data.get("provenance", {}))
         except FileNotFoundError:
             raise UserInputError(f"{p}: no such hardware profile") from None

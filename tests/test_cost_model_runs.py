@@ -10,8 +10,10 @@ layout alone (``predict``, no measurement), then held against one measured run.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,9 @@ from mfuscope.analyzers import overview, trace_set
 from mfuscope.optimizers import calibrate, measured
 from mfuscope.optimizers.model import predict
 from mfuscope.optimizers.spec import Layout, ModelSpec
+from mfuscope.optimizers.system import Profile
 
+from . import real_compute
 from .helpers import WAKE_S, micro_config
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
@@ -83,38 +87,63 @@ def test_pipeline_predictions_match_paced_runs(tmp_path):
         assert abs(pred.bubble_fraction - bubble) <= 0.15 * bubble + slack, (schedule, m, pred.bubble_fraction, bubble)
 
 
-def test_a_cpu_run_calibrates_and_predicts_itself(tmp_path):
-    """A CPU run of the reference trainer calibrates (the CPU's measured matmul peak is the device
-    peak) and its calibrated profile predicts the run's compute within 10% -- the fit's own
-    residual, which is small because one number scales compute."""
-    config = tmp_path / "micro.toml"
-    config.write_text(micro_config(n_layers=2, global_batch=8, grad_accum=2, microbatches=1))
-    out = tmp_path / "dp2"
-    fork_ranks(run_rank, 2, TrainerOptions(config=str(config), layout="dp_shard=2", steps=3, window="1:", out=str(out)))
-    events = trace_set.load(out, use_cache=False).events
-    report = overview.build_report(events, source=str(out), files=[], run=out)
-    (out / "report.json").write_text(json.dumps(report))
-    run = measured.load(out)
-    assert run.system.key == "CPU"
-    assert run.system.peak_flops("bf16") == pytest.approx(report["summary"]["peak_flops"])
-    profile = calibrate.fit_run(run)
-    assert profile.provenance["degrees_of_freedom"] >= 1
-    pred = predict(run.model, run.layout, run.training, run.system, profile)
-    measured_compute = sum(v for k, v in run.leaves.items() if k.startswith("compute/"))
-    predicted_compute = sum(v for k, v in pred.leaves.items() if k.startswith("compute/"))
-    print(f"compute predicted {predicted_compute:.4f} s, measured {measured_compute:.4f} s")
-    assert predicted_compute == pytest.approx(measured_compute, rel=0.10)
-    # The same through the CLI: a profile file, and the run's prediction beside its measurement.
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """The seven unpaced layouts of tests/real_compute.py, trained and analyzed."""
+    return real_compute.train_all(tmp_path_factory.mktemp("real"), say=lambda _: None)
+
+
+def test_link_tiers_fit_is_the_weighted_least_squares_of_the_calls(real_runs):
+    """The links' latency and bandwidth fitted to every collective two real runs timed equal an
+    independent weighted least-squares solve (numpy's) of per-call time on latency steps and bus bytes."""
+    np = pytest.importorskip("numpy")
+    runs = [measured.load(real_runs[n]) for n in ("tp=2", "dp_shard=2")]
+    profile, fitted = calibrate.fit_link_tiers(runs, Profile())
+    assert fitted == {"latency_scale", "scale_up"}
+    a, y, w = [], [], []
+    for run in runs:
+        for c in run.collectives:
+            op = {"send": "send_recv", "recv": "send_recv"}.get(c.op, c.op)
+            n = c.group_size
+            steps = 1 if op == "send_recv" else math.ceil(math.log2(n)) * (2 if op == "all_reduce" else 1)
+            bus = {"all_reduce": 2 * (n - 1) / n}.get(op, (n - 1) / n if op != "send_recv" else 1.0)
+            a.append([steps * run.system.scale_up.latency_s, c.bytes * bus / run.system.scale_up.bandwidth_Bps])
+            y.append(c.seconds)
+            w.append(math.sqrt(c.calls))
+    a, y, w = np.array(a), np.array(y), np.array(w)
+    lat, inv_eff = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
+    assert profile.latency_scale == pytest.approx(lat, rel=1e-6)
+    assert profile.scale_up == pytest.approx(1 / inv_eff, rel=1e-6)
+
+
+def test_unpaced_cpu_runs_are_predicted_from_two_of_them(real_runs, tmp_path):
+    """Real compute: the profile calibrated (``mfuscope calibrate``) on two unpaced runs predicts
+    the median step of the other five (``mfuscope predict --json``), each within its target."""
     hw = tmp_path / "hw.json"
-    done = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate", str(out), "--out", str(hw)],
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate",
+                           *[str(real_runs[n]) for n in real_compute.CALIBRATE_ON], "--out", str(hw), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    saved = json.loads(hw.read_text())
-    assert saved["provenance"]["device"] == "CPU" and saved["profile"]["gemm"] == pytest.approx(profile.gemm)
-    done = subprocess.run([sys.executable, "-m", "mfuscope", "analyze", str(out), "--predict", "--hardware", str(hw)],
-                          capture_output=True, text=True, timeout=300)
+    fit = json.loads(done.stdout)
+    assert {"gemm", "attention", "memory", "optimizer", "layer_overhead_s", "latency_scale", "scale_up"} <= set(
+        fit["provenance"]["fields"])
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "predict", *[str(p) for p in real_runs.values()],
+                           "--hardware", str(hw), "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "predicted vs measured per step" in done.stdout and "compute/gemm" in done.stdout
+    rows = {Path(r["run"]): r for r in json.loads(done.stdout)}
+    misses = {}
+    for name, path in real_runs.items():
+        row = rows[path]
+        assert set(row) == {"run", "layout", "measured_step_s", "predicted_step_s", "leaves"}
+        error = row["predicted_step_s"] / row["measured_step_s"] - 1
+        print(f"{name:<12} measured {row['measured_step_s'] * 1e3:6.1f} ms, predicted "
+              f"{row['predicted_step_s'] * 1e3:6.1f} ms ({error:+.0%})")
+        if abs(error) > real_compute.TARGET.get(name, 0.20):
+            misses[name] = f"{error:+.0%}"
+    assert not misses, misses
     bad = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate", str(tmp_path / "nothing")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no such file" in bad.stderr and "Traceback" not in bad.stderr
+    cpu = subprocess.run([sys.executable, "-m", "mfuscope", "predict", str(real_runs["1 rank"])],
+                         capture_output=True, text=True)
+    assert cpu.returncode == 2 and "--hardware" in cpu.stderr and "Traceback" not in cpu.stderr

@@ -96,7 +96,11 @@ def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
         out[dim] = place(stride, size)
         stride *= size
     out["ep"] = place(layout.tp, layout.ep)
-    out["dp"] = place(layout.tp * layout.cp, layout.data_ranks)
+    # The gradient and FSDP groups take the context ranks in (Layout.grad_ranks, shard_ranks): they
+    # start right after tp.
+    out["dp"] = place(layout.tp, layout.grad_ranks)
+    if layout.shard_ranks > 1:
+        out["dp_shard"] = place(layout.tp, layout.shard_ranks)
     return out
 
 
@@ -117,7 +121,11 @@ class Links:
         return {dim: p.tier for dim, p in self.placement.items()}
 
     def size(self, dim: str) -> int:
-        return self.layout.data_ranks if dim == "dp" else getattr(self.layout, dim)
+        if dim == "dp":
+            return self.layout.grad_ranks
+        if dim == "dp_shard":
+            return self.layout.shard_ranks
+        return getattr(self.layout, dim)
 
     def seconds(self, dim: str, op: str, size_bytes: float, n: int | None = None, calls: float = 1) -> float:
         """``size_bytes`` moved by ``op`` over ``dim``'s group (or ``n`` of its ranks), split into
@@ -125,6 +133,15 @@ class Links:
         n = self.size(dim) if n is None else n
         if n <= 1 or size_bytes <= 0:
             return 0.0
+        return self._tier_seconds(dim, op, size_bytes, n, calls) / self.dim_factor(dim)
+
+    def dim_factor(self, dim: str) -> float:
+        """The profile's own factor for ``dim``'s collectives (``Profile.link_*``); the data
+        dimensions share ``link_dp``."""
+        key = "dp" if dim.startswith("dp") else dim
+        return getattr(self.profile, f"link_{key}", 1.0)
+
+    def _tier_seconds(self, dim: str, op: str, size_bytes: float, n: int, calls: float) -> float:
         s, prof, place = self.system, self.profile, self.placement[dim]
         if place.tier == "scale_up":
             one = collective_seconds(op, size_bytes / calls, n, s.scale_up, prof.scale_up, prof.latency_scale)

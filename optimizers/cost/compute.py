@@ -193,5 +193,6 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
 
 def optimizer_seconds(params_on_gpu: float, system: System, profile: Profile) -> float:
     """AdamW over this GPU's (sharded) parameters: reads fp32 weight, gradient and two moments,
-    writes weight and moments and the 16-bit copy -- 30 bytes a parameter, memory-bound."""
-    return 30.0 * params_on_gpu / (system.hbm_Bps * profile.memory)
+    writes weight and moments and the 16-bit copy -- 30 bytes a parameter, memory-bound, at the
+    profile's optimizer fraction of HBM bandwidth."""
+    return 30.0 * params_on_gpu / (system.hbm_Bps * profile.optimizer)

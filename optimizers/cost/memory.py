@@ -205,17 +205,18 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
                    "and NCCL buffers"]
     gathered = 0.0
     layers = layout.rank_layers(model)[stage] if stage is not None and layout.pp > 1 else layout.stage_layers(model)
-    if layout.dp_shard > 1:
+    if layout.shard_ranks > 1:
         # FSDP: the sharded fp32 weight is the master, with its fp32 gradient and the optimizer's
         # states; compute uses 16-bit copies of the layers it gathers.
-        weights, grads = 4 * n / layout.dp_shard, 4 * n / layout.dp_shard
-        optimizer = 4 * optimizer_states * n / layout.dp_shard
+        shard = layout.shard_ranks
+        weights, grads = 4 * n / shard, 4 * n / shard
+        optimizer = 4 * optimizer_states * n / shard
         keep_all = (layout.pp > 1) if reshard_after_forward is None else not reshard_after_forward
         gathered = (2 if mixed else 4) * n / max(layers, 1) * (layers if keep_all else min(2, layers))
         assumptions.append("FSDP keeps " + ("every layer of the stage gathered (no resharding after forward)"
                                             if keep_all else "two layers gathered (one computing, one prefetched)"))
     else:
-        dp = layout.data_ranks
+        dp = layout.grad_ranks
         weights = weight_b * n
         grads = grad_b * n / (dp if layout.zero >= 2 else 1)
         optimizer = opt_b * n / (dp if layout.zero >= 1 else 1)

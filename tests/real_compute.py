@@ -1,0 +1,84 @@
+"""Unpaced reference-trainer runs on this CPU: real matmuls, real gloo collectives, one rank per core.
+
+The cost model's proof on real compute (docs/cost_model.md, "Proof on real compute"): the same small
+Llama-style model trained under seven layouts -- one rank, FSDP (dp_shard=2), tensor parallel,
+pipeline (1F1B), context parallel, DDP, and expert parallel on its mixture-of-experts twin -- at most
+two ranks, so each has a core of its own; 20 steps each, four of them traced.  The profile is
+calibrated on two of them (:data:`CALIBRATE_ON`) and the others are predicted.
+
+``benchmarks/real_compute.py`` prints the table; ``tests/test_cost_model_runs.py`` holds the targets.
+Nothing here is paced: what a step costs is whatever this machine's cores, caches and gloo make of it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Dimensions a 2-core host trains in ~100 ms a step on one rank, so that GEMMs, elementwise work,
+#: the optimizer, host time and gloo's collectives all show: d=192 with grouped-query attention
+#: and SwiGLU, 128-token sequences, 8 sequences a step.
+MODEL = """
+[model]
+vocab_size = 1024
+dim = 192
+n_layers = 4
+n_heads = 6
+n_kv_heads = 2
+ffn_dim = 512
+max_seq_len = 128
+{moe}
+[train]
+seq_len = 128
+global_batch = 8
+microbatches = 2
+lr = 1e-3
+dtype = "fp32"
+"""
+MOE = "n_experts = 4\ntop_k = 2"
+
+STEPS, WINDOW = 20, "14:4"
+
+#: name -> (ranks, config, trainer options)
+LAYOUTS: dict[str, tuple[int, str, dict]] = {
+    "1 rank": (1, "dense", {}),
+    "dp_shard=2": (2, "dense", {"layout": "dp_shard=2"}),
+    "tp=2": (2, "dense", {"layout": "tp=2"}),
+    "pp=2": (2, "dense", {"layout": "pp=2", "microbatches": 2}),
+    "cp=2": (2, "dense", {"layout": "cp=2"}),
+    "ddp=2": (2, "dense", {"layout": "dp_shard=2", "dp_mode": "ddp"}),
+    "ep=2 (moe)": (2, "moe", {"layout": "dp_shard=2,ep=2"}),
+}
+#: The two runs the profile is fitted on: one rank (compute, host) and tensor parallel (links).
+CALIBRATE_ON = ("1 rank", "tp=2")
+
+
+def config(root: Path, kind: str) -> Path:
+    path = root / f"real-{kind}.toml"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        path.write_text(MODEL.format(moe=MOE if kind == "moe" else ""))
+    return path
+
+
+def train(root: Path, name: str) -> Path:
+    """Layout ``name`` trained into ``root/<slug>`` on forked gloo ranks, then analyzed."""
+    from mfuscope.optimizers.predicted_memory import analyze
+    from mfuscope.run_dir import VIEWS
+
+    from .shared_runs import train_forked
+
+    ranks, kind, options = LAYOUTS[name]
+    out = root / name.split(" ")[0].replace("=", "")
+    train_forked(out, ranks, config=str(config(root, kind)), steps=STEPS, window=WINDOW, **options)
+    analyze(out, out / "report.json", out / VIEWS, use_cache=False)
+    return out
+
+
+def train_all(root: Path, names=None, say=print) -> dict[str, Path]:
+    out = {}
+    for name in names or LAYOUTS:
+        say(f"training {name} ...")
+        out[name] = train(root, name)
+    return out
+
+#: The issue's target for every layout: the predicted step within 20% of the median measured step.
+TARGET: dict[str, float] = {}
