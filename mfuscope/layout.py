@@ -38,10 +38,16 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 ZERO_BUBBLE = ("zero_bubble", "zbv")
 
 
-def virtual_stages(schedule: str) -> int:
-    """Model chunks per pipeline rank: 1 for GPipe and 1F1B, 2 for the interleaved and
-    zero-bubble schedules (as the reference trainer builds them)."""
-    return 1 if schedule in ("gpipe", "1f1b") else 2
+#: Schedules whose number of model chunks per pipeline rank is a choice (ZB-V's V has two).
+INTERLEAVED = ("interleaved_1f1b", "zero_bubble")
+
+
+def virtual_stages(schedule: str, chosen: int | None = None) -> int:
+    """Model chunks per pipeline rank: 1 for GPipe and 1F1B, 2 for ZB-V, ``chosen`` (default 2)
+    for the interleaved and zero-bubble schedules (the reference trainer's ``--virtual-stages``)."""
+    if schedule in ("gpipe", "1f1b"):
+        return 1
+    return (chosen or 2) if schedule in INTERLEAVED else 2
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mfuscope.errors import UserInputError
-from mfuscope.layout import SCHEDULES, Degrees
+from mfuscope.layout import INTERLEAVED, SCHEDULES, Degrees
 
 
 def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
@@ -119,6 +119,9 @@ class TrainerOptions:
                         "bundled config name (tiny_dense, tiny_moe, gpu_dense_1b, gpu_moe) or a TOML file")
     layout: str = _flag("", "e.g. dp_shard=2,tp=2,pp=2 (dp_shard fills what is left)")
     schedule: str = _flag("1f1b", "pipeline schedule: " + ", ".join(SCHEDULES), record=True, choices=SCHEDULES)
+    virtual_stages: int | None = _flag(None, "model chunks per pipeline rank under interleaved_1f1b and zero_bubble "
+                                             "(default 2; zbv runs 2, gpipe and 1f1b 1)", record=True,
+                                       requires="interleaved", metavar="V")
     microbatches: int | None = _flag(None, "pipeline microbatches per step (default: the config's)")
     steps: int | None = _flag(None, "training steps (default: the config's)")
     dp_mode: str = _flag("fsdp", "how data ranks share the model", record=True, choices=("fsdp", "ddp"))
@@ -221,11 +224,13 @@ class TrainerOptions:
 
     def carried_over(self, base: TrainerOptions) -> TrainerOptions:
         """These options, made from ``base`` by a change, less each switch whose ``requires`` the new
-        layout lacks (the trainer would refuse it): a stage split made for other stages, FSDP's
+        layout lacks (the trainer would refuse it): a stage split made for other stages (or chunk count), a chunk
+        count under a schedule that has none to choose, FSDP's
         switches without FSDP, DDP's without DDP, async TP without tp."""
         degrees = Degrees.parse(self.layout)
         have = {"fsdp": degrees.dp_shard > 1 and self.dp_mode == "fsdp", "ddp": self.dp_mode == "ddp",
-                "tp": degrees.tp > 1, "same_stages": (self.layout, self.schedule) == (base.layout, base.schedule)}
+                "tp": degrees.tp > 1, "same_stages": (self.layout, self.schedule) == (base.layout, base.schedule)
+                and self.virtual_stages == base.virtual_stages, "interleaved": self.schedule in INTERLEAVED}
         return dataclasses.replace(self, **{f.name: f.default for f in fields(self)
                                             if f.metadata["requires"] and not have[f.metadata["requires"]]})
 

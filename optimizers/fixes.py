@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mfuscope.analyzers.findings import host_wait_s
 from mfuscope.fix_registry import FIXES
-from mfuscope.layout import Degrees
+from mfuscope.layout import INTERLEAVED, Degrees
 from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 
 from . import planner
@@ -179,17 +179,20 @@ def overlap_tp_comm(run: MeasuredRun) -> list[Change]:
 
 def fuse_elementwise(run: MeasuredRun) -> list[Change]:
     """Norms, activations and residual adds run as separate memory-bound kernels: torch.compile
-    fuses each chain into one read and one write (the fused Triton kernels of ``kernels/`` are
-    the other route)."""
+    fuses each chain into one read and one write; the fused Triton kernels of ``kernels/`` are the
+    other route, on a GPU (a CPU runs their PyTorch references: nothing to gain there)."""
     if run.training.compiled or not _applies(run, "fuse_elementwise", "compute/norm_elementwise"):
         return []
+    out = []
+    if run.system.key != "CPU" and not run.training.fused_kernels:  # on a CPU they run their PyTorch path
+        out.append(Change("fuse_elementwise", "mfuscope's fused RMSNorm, SwiGLU, RoPE and LM-head loss kernels",
+                          run.layout, replace(run.training, fused_kernels=True), TrainerOptions.change(kernels="fused"),
+                          {"torchtitan": "(Liger-style kernels: swap the norms and MLPs with "
+                                         "mfuscope.kernels.apply(model))",
+                           "megatron": "--normalization RMSNorm with Transformer Engine, --bias-swiglu-fusion",
+                           "pytorch": "mfuscope.kernels.apply(model)"}))
     fused = replace(run.training, compiled=True)
-    return [Change("fuse_elementwise", "mfuscope's fused RMSNorm and SwiGLU kernels", run.layout, fused,
-                   TrainerOptions.change(kernels="fused"),
-                   {"torchtitan": "(Liger-style kernels: swap the norms and MLPs with mfuscope.kernels.apply(model))",
-                    "megatron": "--normalization RMSNorm with Transformer Engine, --bias-swiglu-fusion",
-                    "pytorch": "mfuscope.kernels.apply(model)"}),
-            Change("fuse_elementwise", "torch.compile each transformer block (elementwise chains fused)",
+    return out + [Change("fuse_elementwise", "torch.compile each transformer block (elementwise chains fused)",
                    run.layout, fused, TrainerOptions.change(overrides={"compile": True}),
                    {"torchtitan": "--compile.enable", "megatron": "keep the fusions on (drop --no-bias-swiglu-fusion, "
                     "--no-masked-softmax-fusion); --apply-rope-fusion", "pytorch": "torch.compile(block) per block"})]
@@ -252,13 +255,31 @@ def better_layout(run: MeasuredRun, profile=None) -> list[Change]:
         if new.zero or _same(new, lay):
             continue
         out.append(Change("better_layout", f"layout {planner.describe(lay)} -> {planner.describe(new)}",
-                          new, run.training, TrainerOptions.change(layout=trainer_layout(new), schedule=new.schedule,
-                                                                   microbatches=new.microbatches),
+                          new, run.training, trainer_change(new, lay),
                           {"torchtitan": _titan_flags(new), "megatron": _megatron_flags(new),
                            "pytorch": "init_device_mesh with " + trainer_layout(new)}))
         if len(out) == 3:
             break
     return out
+
+
+def trainer_change(new: Layout, old: Layout) -> dict[str, str]:
+    """The reference trainer's options that run ``new`` exactly as the model predicts it: the mesh,
+    the schedule and its chunks per rank, the microbatches (the pipeline's, or gradient
+    accumulation steps without one), and the recompute policy."""
+    values: dict = {"layout": trainer_layout(new), "schedule": new.schedule}
+    if new.schedule in INTERLEAVED:
+        values["virtual_stages"] = new.vpp
+    overrides: dict = {}
+    if new.pp > 1:
+        values["microbatches"] = new.microbatches
+        if old.pp == 1 and old.microbatches > 1:
+            overrides["grad_accum"] = 1
+    else:
+        overrides["grad_accum"] = new.microbatches
+    if new.recompute != old.recompute:
+        overrides["recompute"] = new.recompute
+    return TrainerOptions.change(overrides=overrides or None, **values)
 
 
 def _same(a: Layout, b: Layout) -> bool:

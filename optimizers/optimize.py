@@ -13,8 +13,10 @@ dashboard lists it) with the same steps, profiling window, pacing and
 injected faults, analyzed like any run.  The biggest measured win becomes the
 new base and the search repeats from it (Aceso's iterative bottleneck
 alleviation) while a change is predicted to gain more than ``MIN_GAIN``.
-A prediction that misses its measurement by more than 25% is flagged; a
-change that made the run slower is reported and dropped.
+A run whose manifest shows another configuration than the change predicted is flagged
+(``ran_otherwise``); a predicted gain that misses the measured one by more than 25% of it (and
+by more than 5% of the step, :func:`gain_held`) is flagged; a change that made the run slower is
+reported and dropped.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,19 @@ from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 from . import calibrate, fixes, measured
 from .cost import memory as memory_model
 from .model import Prediction
+from .spec import Layout, Training
 from .system import Profile, System
 
 MIN_GAIN = 0.02
+#: A predicted gain holds when it is within this share of the measured gain, or within
+#: :data:`MISS_FLOOR` of the step (a small gain's share is mostly the measurement's noise).
 MISS = 0.25
+MISS_FLOOR = 0.05
+
+
+def gain_held(predicted: float, measured: float) -> bool:
+    """Whether a change's predicted gain (a fraction of the step) held against its measured one."""
+    return abs(predicted - measured) <= max(MISS * abs(measured), MISS_FLOOR)
 
 
 @dataclass
@@ -51,6 +62,7 @@ class Proposal:
     predicted_leaves: dict[str, float]  # seconds a step, busiest GPU
     predicted_mfu: float | None = None
     measured_step_s: float | None = None
+    measured_gain: float | None = None      # fraction of the step of the run it was applied to
     measured_mfu: float | None = None
     measured_leaves: dict[str, float] | None = None
     moved: str | None = None             # the leaf the change moved most, measured
@@ -62,12 +74,13 @@ class Proposal:
                 "flags": self.change.flags, "predicted_step_s": self.predicted_step_s,
                 "predicted_gain": self.predicted_gain, "fits": self.fits, "memory_gib": self.memory_gib,
                 "predicted_leaves": self.predicted_leaves, "predicted_mfu": self.predicted_mfu,
-                "measured_step_s": self.measured_step_s, "measured_mfu": self.measured_mfu,
+                "measured_step_s": self.measured_step_s, "measured_gain": self.measured_gain,
+                "measured_mfu": self.measured_mfu,
                 "measured_leaves": self.measured_leaves, "moved": self.moved, "run": self.run, "note": self.note}
 
     def measured_against(self, new: measured.MeasuredRun, before: measured.MeasuredRun) -> None:
         """Record the run this change made, against the run it was applied to."""
-        self.measured_step_s, self.run, self.measured_leaves = new.step_s, str(new.path), new.leaves
+        self.measured_step_s, self.run, self.measured_leaves = new.typical_step_s, str(new.path), new.typical_leaves()
         self.measured_mfu = new.mfu
         names = set(new.leaves) | set(before.leaves)
         delta = {k: new.leaves.get(k, 0.0) - before.leaves.get(k, 0.0) for k in names}
@@ -132,13 +145,39 @@ def trainer_command(manifest: Manifest | dict[str, Any], config: Path, out: Path
     without the switches the changed layout cannot take.  A run that saved checkpoints saves the
     rerun's into a folder of its own under them (never over the run's own saves)."""
     m = Manifest.of(manifest)
-    base = TrainerOptions.from_manifest(m, config=str(config))
+    opts = changed_options(m, config, out, change)
+    return [sys.executable, "-m", "mfuscope", "train", "--nproc", str(m.world_size), *opts.to_argv()]
+
+
+def changed_options(manifest: Manifest, config: Path, out: Path, change: dict[str, str]) -> TrainerOptions:
+    """The trainer options :func:`trainer_command` launches (see there)."""
+    base = TrainerOptions.from_manifest(manifest, config=str(config))
     opts = base.changed(change).carried_over(base)
     opts = replace(opts, window=opts.window or "1:", out=str(out), force=True)
     if opts.checkpoint and "checkpoint" not in change:
         spec = parse_checkpoint(opts.checkpoint)
         opts = replace(opts, checkpoint=f"every={spec.every},mode={spec.mode},dir={Path(spec.dir) / Path(out).name}")
-    return [sys.executable, "-m", "mfuscope", "train", "--nproc", str(m.world_size), *opts.to_argv()]
+    return opts
+
+
+#: What a change's run must have as the change predicted it (the cost model's Layout fields; the
+#: stage split is compared where the change sets one).
+LAYOUT_KEYS = ("tp", "pp", "vpp", "dp_replicate", "dp_shard", "cp", "ep", "micro_batch", "microbatches", "schedule",
+               "recompute", "sequence_parallel")
+
+
+def ran_otherwise(change: fixes.Change, layout: Layout, training: Training) -> list[str]:
+    """Where the layout and training a run ran (its manifest, read as ``measured.load`` reads it)
+    differ from what ``change`` predicted: the prediction was of another configuration.  The
+    blocking time of checkpoint saves is a measurement, not a setting: not compared."""
+    out = [f"{k}={getattr(layout, k)} (predicted {getattr(change.layout, k)})" for k in LAYOUT_KEYS
+           if getattr(layout, k) != getattr(change.layout, k)]
+    if change.layout.split and tuple(layout.split) != tuple(change.layout.split):
+        out.append(f"split={layout.split} (predicted {change.layout.split})")
+    ran, predicted = asdict(training), asdict(change.training)
+    out += [f"{k}={ran[k]} (predicted {predicted[k]})" for k in predicted
+            if k != "checkpoint_s" and ran[k] != predicted[k]]
+    return out
 
 
 def write_config(manifest: Manifest | dict[str, Any], path: Path) -> Path:
@@ -181,7 +220,7 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.TemporaryDirectory(prefix="mfuscope-optimize-")
     config = write_config(manifest, Path(scratch.name) / "config.toml")
-    base_step = base_run.step_s
+    base_step = base_run.typical_step_s
     current, current_manifest, applied_changes = base_run, manifest, {}
     tried: list[Proposal] = []
     applied: list[str] = []
@@ -214,15 +253,18 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
                 say(f"round {r + 1}: {p.change.summary}: {p.note}")
                 continue
             p.measured_against(new, current)
-            measured_gain = 1 - new.step_s / current.step_s
+            if otherwise := ran_otherwise(p.change, new.layout, new.training):
+                p.note = "ran otherwise than predicted: " + ", ".join(otherwise)
+            measured_gain = p.measured_gain = 1 - new.typical_step_s / current.typical_step_s
             if measured_gain < 0:
-                p.note = f"slower: {new.step_s:.3f} s against {current.step_s:.3f} s; dropped"
-            miss = abs(p.predicted_step_s / new.step_s - 1)
-            if miss > MISS:
-                p.note = (p.note + "; " if p.note else "") + f"prediction missed by {miss:.0%}"
+                p.note = (p.note + "; " if p.note else "") + (
+                    f"slower: {new.typical_step_s:.3f} s against {current.typical_step_s:.3f} s; dropped")
+            if not gain_held(p.predicted_gain, measured_gain):
+                p.note = (p.note + "; " if p.note else "") + (
+                    f"prediction missed: gain {p.predicted_gain:+.1%} predicted, {measured_gain:+.1%} measured")
             tried.append(p)
-            if measured_gain > 0 and (best is None or new.step_s < best[0]):
-                best = (new.step_s, p, new, change)
+            if measured_gain > 0 and (best is None or new.typical_step_s < best[0]):
+                best = (new.typical_step_s, p, new, change)
         if best is None:
             say(f"round {r + 1}: no change made the run faster")
             break
@@ -231,13 +273,14 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
         applied_changes = change
         current = new
         current_manifest = Manifest.read(new.path)
-        say(f"round {r + 1}: kept {p.change.summary}: step {new.step_s:.3f} s")
+        say(f"round {r + 1}: kept {p.change.summary}: step {new.typical_step_s:.3f} s")
     summary = {"base_run": str(base_run.path), "base_step_s": base_step, "base_mfu": base_run.mfu,
                "fixes": [p.as_dict() for p in tried],
-               "final": {"fixes": applied, "change": applied_changes, "measured_step_s": current.step_s,
+               "final": {"fixes": applied, "change": applied_changes,
+                         "measured_step_s": current.typical_step_s,
                          "predicted_step_s": None if current is base_run else
                          next(p.predicted_step_s for p in tried if p.run == str(current.path)),
-                         "gain": 1 - current.step_s / base_step, "measured_mfu": current.mfu,
+                         "gain": 1 - current.typical_step_s / base_step, "measured_mfu": current.mfu,
                          "run": str(current.path)}}
     scratch.cleanup()
     return summary

@@ -189,14 +189,17 @@ class Training:
     """What a step runs besides the layout: the sequence, the number formats, the switches.
 
     ``dtype`` is the GEMMs' format (``fp8``: the linear layers in float8, the rest in bf16).
-    ``compiled``: torch.compile (or hand-fused kernels) fuses each elementwise chain into one
-    read and one write.  The overlap switches say what communication may hide behind compute:
-    the data-parallel gradient reduction behind backward, FSDP's parameter gathers behind the
-    previous layer (prefetch), tensor-parallel collectives behind their GEMMs (async TP), and
-    pipeline sends behind the next microbatch.  ``scatter_gather_sends``: each tensor-parallel rank
-    sends only its 1/tp slice of a pipeline activation over its own NIC and the receiver
-    all-gathers it over NVLink (Megatron-LM's scatter/gather, Narayanan et al. 2021 sec. 4.1; on by
-    default there); sequence parallelism slices the activation anyway.  ``grad_reduce_bytes``: 4 for fp32 gradient
+    ``compiled``: torch.compile fuses each elementwise chain into one read and one write.
+    ``fused_kernels``: hand-fused kernels (mfuscope's, Liger's) replace the norms, SwiGLU, RoPE
+    and the LM head with its loss: each of those one read and one write, the rest eager, and the
+    head's logits never stored -- recomputed in backward, 8 N V H FLOPs instead of 6.  The overlap
+    switches say what communication may hide behind compute: the data-parallel gradient
+    reduction behind backward, FSDP's parameter gathers behind the previous layer (prefetch),
+    tensor-parallel collectives behind their GEMMs (async TP), and pipeline sends behind the next
+    microbatch.  ``scatter_gather_sends``: each tensor-parallel rank sends only its 1/tp slice of
+    a pipeline activation over its own NIC and the receiver all-gathers it over NVLink
+    (Megatron-LM's scatter/gather, Narayanan et al. 2021 sec. 4.1; on by default there); sequence
+    parallelism slices the activation anyway.  ``grad_reduce_bytes``: 4 for fp32 gradient
     reductions (Megatron's and torchtitan's default), 2 for bf16.  ``selective_gemm_fraction``:
     what "selective" recomputation re-runs besides the attention core -- 0 in Megatron-LM
     (Korthikanti et al.: the attention core only); torchtitan's op-level policy saves every other
@@ -230,6 +233,7 @@ class Training:
     flash_attention: bool = True
     causal: bool = True
     compiled: bool = False
+    fused_kernels: bool = False
     async_tp: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
@@ -251,7 +255,8 @@ class Training:
 
     @classmethod
     def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> Training:
-        """What a reference-trainer run ran: its options and resolved train settings.
+        """What a reference-trainer run ran: its options and resolved train settings.  ``--kernels
+        fused`` fuses on a GPU; on a CPU the kernels run their PyTorch reference (nothing fused).
 
         The reference trainer's pipeline (torch.distributed.pipelining) waits for each receive
         before the microbatch's compute: every hop is on the critical path.  On a CPU, gloo's
@@ -261,12 +266,14 @@ class Training:
         last bucket can overlap the backward)."""
         ddp = opts.dp_mode == "ddp"
         return cls(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
-                   compiled=bool(train.get("compile")) or opts.kernels == "fused", overlap_p2p=False,
+                   compiled=bool(train.get("compile")), fused_kernels=opts.kernels == "fused" and on_gpu,
+                   overlap_p2p=False,
                    overlap_grad_reduce=on_gpu or ddp, overlap_param_gather=on_gpu or opts.prefetch,
                    overlap_reduce_scatter=None if on_gpu else False,
                    reshard_after_forward=opts.reshard_after_forward,
                    grad_bucket_bytes=opts.ddp_bucket_mb * 2**20 if opts.ddp_bucket_mb else None,
-                   keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")))
+                   keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")),
+                   async_tp=opts.async_tp)
 
     @property
     def activation_bytes(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mfuscope.errors import UserInputError
-from mfuscope.layout import SCHEDULES, ZERO_BUBBLE, Degrees, virtual_stages
+from mfuscope.layout import INTERLEAVED, SCHEDULES, ZERO_BUBBLE, Degrees, virtual_stages
 from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 
 from .checkpoint_files import latest
@@ -97,8 +97,15 @@ def check_run(cfg: TrainConfig, dims: Degrees, opts: TrainerOptions) -> None:
         raise UserInputError("--async-tp runs on CUDA symmetric memory; this machine has no CUDA GPU")
     if stage_layers is not None and dims.pp == 1:
         raise UserInputError("--stage-layers splits the layers over pipeline stages; the layout has no pp")
+    if opts.virtual_stages is not None:
+        if schedule not in INTERLEAVED or dims.pp == 1:
+            raise UserInputError(f"--virtual-stages sets the model chunks per rank of {' and '.join(INTERLEAVED)} "
+                                 f"pipelines; {'the layout has no pp' if dims.pp == 1 else f'{schedule} has none'}")
+        if opts.virtual_stages < 2:
+            raise UserInputError(f"--virtual-stages {opts.virtual_stages}: an interleaved schedule runs at least 2 "
+                                 "chunks per rank")
     if dims.pp > 1:
-        stages = dims.pp * virtual_stages(schedule)
+        stages = dims.pp * virtual_stages(schedule, opts.virtual_stages)
         if m.n_layers < stages:
             raise UserInputError(f"layout pp={dims.pp} with {schedule}: {stages} pipeline stages need at least "
                                  f"{stages} layers; the model has {m.n_layers}")

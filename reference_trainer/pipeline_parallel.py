@@ -36,10 +36,11 @@ from .model import Transformer
 from .parallel_dims import ParallelDims
 
 
-def stage_ids(schedule: str, pp: int, pp_rank: int) -> list[int]:
+def stage_ids(schedule: str, pp: int, pp_rank: int, virtual: int | None = None) -> list[int]:
+    """The global stage numbers ``pp_rank`` holds: every pp-th (looping), or ZB-V's V shape."""
     if schedule == "zbv":
         return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(virtual_stages(schedule))]
+    return [pp_rank + v * pp for v in range(virtual_stages(schedule, virtual))]
 
 
 def layer_ranges(n_layers: int, n_stages: int, split: tuple[int, ...] | None = None) -> list[range]:

@@ -83,7 +83,7 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
     # --- this rank's pipeline stages (the whole model without pp), built on meta; sharded there by
     # tensor and expert parallelism, then materialized: a rank allocates only its part
     if dims.pp > 1:
-        ids = pipeline_parallel.stage_ids(opts.schedule, dims.pp, coords["pp"])
+        ids = pipeline_parallel.stage_ids(opts.schedule, dims.pp, coords["pp"], opts.virtual_stages)
         n_stages = dims.pp * len(ids)
     else:
         ids, n_stages = [0], 1
@@ -271,15 +271,21 @@ def _session(opts: TrainerOptions, cfg: TrainConfig, dims: ParallelDims, model, 
     """The collectors' session for a run with ``--out``; otherwise a stand-in that does nothing."""
     if not opts.out:
         return _NoSession()
-    train = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
-    schedule = ({"name": opts.schedule, "microbatches": cfg.microbatches,
-                 "virtual_stages": virtual_stages(opts.schedule)} if dims.pp > 1 else None)
     return ProfileSession(opts.out, model=model, mesh=dims, window=opts.window, profile_memory=opts.profile_memory,
                           tokens_per_step=tokens_per_step,
                           extra_groups=extra_groups, dtype=cfg.dtype, force=opts.force,
-                          manifest={"model": cfg.model.spec(), "schedule": schedule, "train": train,
-                                    "trainer": opts.to_manifest(),
-                                    "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}})
+                          manifest=manifest_sections(opts, cfg, dims))
+
+
+def manifest_sections(opts: TrainerOptions, cfg: TrainConfig, dims: ParallelDims) -> dict[str, Any]:
+    """What the run manifest records of the trainer's run beside what the collectors record: the
+    model spec, the schedule as built, the resolved train settings, the launch options and each
+    rank's coordinates -- what ``mfuscope optimize`` reads back to know what a run ran."""
+    train = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
+    schedule = ({"name": opts.schedule, "microbatches": cfg.microbatches,
+                 "virtual_stages": virtual_stages(opts.schedule, opts.virtual_stages)} if dims.pp > 1 else None)
+    return {"model": cfg.model.spec(), "schedule": schedule, "train": train, "trainer": opts.to_manifest(),
+            "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}}
 
 
 def _set_collective_timeout(seconds: float) -> None:

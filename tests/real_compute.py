@@ -59,6 +59,11 @@ def config(root: Path, kind: str) -> Path:
     return path
 
 
+def run_path(root: Path, name: str) -> Path:
+    """Where layout ``name``'s run lies under ``root`` (``1``, ``dp_shard2``, ``ep2``, ...)."""
+    return root / name.split(" ")[0].replace("=", "")
+
+
 def train(root: Path, name: str) -> Path:
     """Layout ``name`` trained into ``root/<slug>`` on forked gloo ranks, then analyzed."""
     from mfuscope.optimizers.predicted_memory import analyze
@@ -67,7 +72,7 @@ def train(root: Path, name: str) -> Path:
     from .shared_runs import train_forked
 
     ranks, kind, options = LAYOUTS[name]
-    out = root / name.split(" ")[0].replace("=", "")
+    out = run_path(root, name)
     train_forked(out, ranks, config=str(config(root, kind)), steps=STEPS, window=WINDOW, **options)
     analyze(out, out / "report.json", out / VIEWS, use_cache=False)
     return out

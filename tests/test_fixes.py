@@ -2,16 +2,18 @@
 changes, and how a change becomes trainer options (``optimize.trainer_command``)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
-from mfuscope.optimizers import fixes
+from mfuscope.manifest import Manifest
+from mfuscope.optimizers import fixes, measured
 from mfuscope.optimizers.measured import MeasuredRun, cpu_system
-from mfuscope.optimizers.optimize import trainer_command
+from mfuscope.optimizers.optimize import changed_options, ran_otherwise, trainer_command
 from mfuscope.optimizers.spec import Layout, ModelSpec, Training
 from mfuscope.optimizers.system import system
+from mfuscope.trainer_options import TrainerOptions
 
 MODEL = ModelSpec(n_layers=8, dim=64, n_heads=4, ffn_dim=128, vocab_size=256)
 
@@ -61,9 +63,14 @@ def test_async_tp_is_a_gpu_change_and_turns_compile_on():
 def test_fuse_elementwise_applies_past_a_tenth_of_the_step():
     lay = Layout(dp_shard=2, micro_batch=4)
     assert fixes.fuse_elementwise(_run(lay, {"compute/norm_elementwise": 0.09, "compute/gemm": 0.91})) == []
-    kernels, compiled = fixes.fuse_elementwise(_run(lay, {"compute/norm_elementwise": 0.2, "compute/gemm": 0.8}))
+    leaves = {"compute/norm_elementwise": 0.2, "compute/gemm": 0.8}
+    kernels, compiled = fixes.fuse_elementwise(_run(lay, leaves, on_gpu=True))
     assert kernels.trainer == {"kernels": "fused"} and compiled.trainer == {"set.compile": "true"}
-    assert kernels.training.compiled and compiled.training.compiled
+    # each its own term: the kernels fuse the norms, SwiGLU, RoPE and the loss; compile every chain
+    assert kernels.training.fused_kernels and not kernels.training.compiled and compiled.training.compiled
+    # A CPU runs the kernels' PyTorch references: only torch.compile is proposed there.
+    (only,) = fixes.fuse_elementwise(_run(lay, leaves))
+    assert only.trainer == {"set.compile": "true"}
 
 
 def test_cuda_graphs_are_proposed_for_a_host_bound_gpu_run_without_fsdp():
@@ -164,3 +171,78 @@ def test_every_fix_names_the_flags_of_three_frameworks(fix):
     for c in changes:
         assert set(c.flags) == {"torchtitan", "megatron", "pytorch"} and all(c.flags.values()), c
         assert c.trainer, c
+
+
+# ----------------------------------------------------------------------------- what each fix runs
+
+#: A base run for every fix, as the reference trainer would launch and record it: (config, ranks,
+#: the base's trainer options, its train-setting overrides, the measured leaves, on a GPU).  Each
+#: base is one the fix applies to (its leaves over the fix's threshold).
+EIGHT_LAYERS = "[model]\nvocab_size = 256\ndim = 64\nn_layers = 8\nn_heads = 4\nn_kv_heads = 2\nffn_dim = 128\n" \
+               "max_seq_len = 64\n[train]\nseq_len = 32\nglobal_batch = 8\nmicrobatches = 2\ndtype = \"fp32\"\n"
+BASES = {
+    "more_microbatches": (2, {"layout": "pp=2", "schedule": "gpipe"}, {}, {"bubble": 0.4, "compute/gemm": 0.6}, False),
+    "interleaved_schedule": (2, {"layout": "pp=2"}, {}, {"bubble": 0.4, "compute/gemm": 0.6}, False),
+    "rebalance_stages": (2, {"layout": "pp=2", "schedule": "gpipe", "stage_layers": (7, 1)}, {},
+                         {"compute/gemm": 0.8, "bubble": 0.2}, False),
+    "less_recompute": (2, {"layout": "dp_shard=2"}, {"recompute": "full"}, {"compute/gemm": 1.0}, False),
+    "overlap_dp_grads": (2, {"layout": "dp_shard=2"}, {}, {"compute/gemm": 0.7, "comm/dp_shard/all_gather": 0.3},
+                         False),
+    "overlap_tp_comm": (2, {"layout": "tp=2"}, {}, {"compute/gemm": 0.7, "comm/tp/all_gather": 0.3}, True),
+    "fuse_elementwise": (1, {}, {}, {"compute/gemm": 0.6, "compute/norm_elementwise": 0.4}, True),
+    "cuda_graphs": (2, {"layout": "dp_shard=2", "dp_mode": "ddp"}, {}, {"compute/gemm": 0.7, "host_bound": 0.3}, True),
+    "keep_weights_gathered": (2, {"layout": "dp_shard=2"}, {}, {"compute/gemm": 0.6, "comm/dp_shard/all_gather": 0.4},
+                              False),
+    "better_layout": (2, {"layout": "tp=2"}, {"recompute": "full"},
+                      {"compute/gemm": 0.5, "comm/tp/all_gather": 0.5}, False),
+    "async_checkpoint": (2, {"layout": "dp_shard=2", "checkpoint": "every=2,mode=sync,dir=/ckpt"}, {},
+                         {"compute/gemm": 0.7, "checkpoint": 0.3}, False),
+}
+
+
+def _trainer_manifest(config: Path, world: int, options: dict, overrides: dict, on_gpu: bool) -> dict:
+    """The manifest a run of the reference trainer with these options records, made by the trainer's
+    own code (its config resolution, its checks, the sections it writes) short of training."""
+    from mfuscope.errors import UserInputError
+    from mfuscope.reference_trainer.checks import check_run
+    from mfuscope.reference_trainer.config import load_config
+    from mfuscope.reference_trainer.parallel_dims import ParallelDims
+    from mfuscope.reference_trainer.train import manifest_sections
+
+    opts = TrainerOptions(config=str(config), **options, overrides={**options.get("overrides", {}), **overrides})
+    cfg = load_config(opts.config, steps=opts.steps, microbatches=opts.microbatches, **opts.overrides)
+    dims = ParallelDims.parse(opts.layout, world)
+    try:
+        check_run(cfg, dims, opts)
+    except UserInputError as e:  # what only a GPU can run, the trainer refuses here: the rest must pass
+        assert on_gpu and ("CUDA" in str(e) or "GPU" in str(e)), e
+    return {"world_size": world, "layout": dims.sizes(), "hardware": {"device_name": "H100" if on_gpu else "x86_64"},
+            **manifest_sections(opts, cfg, dims)}
+
+
+@pytest.mark.parametrize("fix", list(fixes.CATALOGUE))
+def test_every_fix_runs_what_it_predicted(fix, tmp_path):
+    """For every fix: each change it proposes, launched as ``optimize --apply`` launches it
+    (``changed_options``), resolved and recorded by the trainer's own code, reads back (as
+    ``measured.load`` reads a manifest) as exactly the layout and training the cost model
+    predicted -- the interleaving degree, the recompute policy, the microbatches included."""
+    pytest.importorskip("torch", reason="the trainer's config and checks need torch ([dev] extra)")
+    world, options, overrides, leaves, on_gpu = BASES[fix]
+    config = tmp_path / "eight.toml"
+    config.write_text(EIGHT_LAYERS)
+    manifest = _trainer_manifest(config, world, options, overrides, on_gpu)
+    tree = {"name": "step", "seconds": 1.0, "children": [{"name": k, "seconds": v} for k, v in leaves.items()]}
+    rows = [{"rank": r, "leaf": "compute/gemm", "seconds": 0.7 if r == 0 else 0.1} for r in range(world)]
+    report = {"summary": {"step_time_s": 1.0, "peak_flops": 1e11}, "breakdown": tree, "breakdown_by_rank": rows}
+    base = measured.from_documents(report, manifest, tmp_path / "base")
+    changes = fixes.CATALOGUE[fix](base, None) if fix == "better_layout" else fixes.CATALOGUE[fix](base)
+    assert changes, f"{fix} does not apply to its base"
+    for change in changes:
+        opts = changed_options(Manifest.of(manifest), config, tmp_path / "new", change.trainer)
+        launched = {f.name: getattr(opts, f.name) for f in fields(opts)
+                    if f.name not in ("config", "overrides", "out", "force", "result")}
+        new = Manifest.of(_trainer_manifest(config, world, launched, opts.overrides, on_gpu))
+        recorded = TrainerOptions.from_manifest(new, config=str(config))
+        layout = measured.run_layout(new, recorded, tmp_path / "new" / "manifest.json")
+        training = replace(Training.of_run(recorded, new.train, on_gpu), checkpoint_s=change.training.checkpoint_s)
+        assert ran_otherwise(change, layout, training) == [], (change.summary, change.trainer)

@@ -40,13 +40,14 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
     assert summary["final"]["measured_step_s"] < 0.75 * summary["base_step_s"], summary["final"]
     assert summary["final"]["fixes"][0] == "rebalance_stages" and "more_microbatches" in summary["final"]["fixes"]
     ran = [f for f in summary["fixes"] if f["measured_step_s"] is not None]
-    for f in ran:  # every change the optimizer ran: its prediction within 25% of its own measurement
-        assert f["predicted_step_s"] == pytest.approx(f["measured_step_s"], rel=0.25), f
+    for f in ran:  # every change ran as predicted, its predicted gain within 25% of the measured (or 5% of the step)
+        assert "ran otherwise" not in f["note"], f
+        assert abs(f["predicted_gain"] - f["measured_gain"]) <= max(0.25 * abs(f["measured_gain"]), 0.05), f
         assert Path(f["run"]).is_dir() and Path(f["run"]).parent == base.parent  # beside the base: listed
     kept = Path(summary["final"]["run"])
     assert json.loads((kept / "manifest.json").read_text())["trainer"]["stage_layers"] == [4, 4]
     report = json.loads((kept / "report.json").read_text())
-    assert report["summary"]["step_time_s"] == pytest.approx(summary["final"]["measured_step_s"])
+    assert report["summary"]["step_time_p50_s"] == pytest.approx(summary["final"]["measured_step_s"])  # the median
 
 
 def _dp_leaves(report: dict, op: str) -> float:
@@ -156,14 +157,13 @@ def test_optimize_refuses_to_apply_to_a_trace_directory(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
-def test_fuse_elementwise_runs_the_fused_kernels_and_torch_compile_for_real(tmp_path):
+def test_fuse_elementwise_compiles_for_real_and_its_predicted_gain_holds(tmp_path):
     """One eager rank of tiny_dense: norm and elementwise work is a large part of its step, so
-    ``fuse_elementwise`` proposes mfuscope's kernels and torch.compile.  Applied, each runs as a
-    new run whose own trace shows the change (the kernels' custom ops; inductor's compiled
-    regions), and whichever way its measurement falls, the output says so: a slower change is
-    reported as slower and dropped, a faster one is kept.  The runs take the kernels' PyTorch path
-    on CPU, as a user's would (this suite's TRITON_INTERPRET, which runs them through Triton's
-    interpreter, is dropped)."""
+    ``fuse_elementwise`` proposes torch.compile (not mfuscope's kernels: a CPU runs their PyTorch
+    references, nothing fused).  Applied, it runs as a new run whose own trace shows inductor's
+    compiled regions, whose manifest shows what was predicted, and whose measured gain is the
+    predicted one within 25% (or 5% of the step): the elementwise leaf's predicted drop comes from
+    the run's own measured elementwise time (group-by-group calibration)."""
     import gzip
     import os
 
@@ -179,8 +179,8 @@ def test_fuse_elementwise_runs_the_fused_kernels_and_torch_compile_for_real(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     rows = {json.dumps(f["change"], sort_keys=True): f for f in summary["fixes"]}
-    evidence = {'{"kernels": "fused"}': '"name": "mfuscope::rms_norm_forward"',
-                '{"set.compile": "true"}': '"name": "Torch-Compiled Region'}
+    # a CPU runs the kernels' PyTorch references: only torch.compile is proposed (test_fixes)
+    evidence = {'{"set.compile": "true"}': '"name": "Torch-Compiled Region'}
     assert set(rows) == set(evidence), rows.keys()
     for change, marker in evidence.items():
         row = rows[change]
@@ -192,7 +192,7 @@ def test_fuse_elementwise_runs_the_fused_kernels_and_torch_compile_for_real(tmp_
         assert marker not in base_trace  # the base ran eager
         if row["measured_step_s"] > summary["base_step_s"]:  # reported, and its run not the one kept
             assert "slower" in row["note"] and summary["final"]["run"] != row["run"], row
-        missed = abs(row["predicted_step_s"] / row["measured_step_s"] - 1) > 0.25
-        assert ("missed" in row["note"]) == missed, row
+        assert "ran otherwise" not in row["note"], row
+        assert abs(row["predicted_gain"] - row["measured_gain"]) <= max(0.25 * abs(row["measured_gain"]), 0.05), row
     fastest = min([summary["base_step_s"]] + [f["measured_step_s"] for f in rows.values()])
     assert summary["final"]["measured_step_s"] == pytest.approx(fastest)  # the best run is kept

@@ -32,6 +32,8 @@ from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
 from mfuscope.reference_trainer.train import run_rank  # noqa: E402
 from mfuscope.trainer_options import TrainerOptions  # noqa: E402
 
+from .helpers import micro_config  # noqa: E402
+
 STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 1.0}
 
@@ -179,6 +181,16 @@ def test_moe_layout_matches_single_process(tmp_path, tmp_path_factory, name, wor
     _assert_equivalent(ref, _run(tmp_path, world, name, config="tiny_moe", layout=layout, **opts), "tiny_moe")
 
 
+def test_four_chunks_per_rank_train_like_one_process(tmp_path, tmp_path_factory):
+    """``--virtual-stages 4``: an interleaved 1F1B pipeline of 2 ranks x 4 chunks (8 stages of one
+    layer) over an 8-layer model, against one process accumulating the same 4 microbatches."""
+    config = tmp_path / "eight.toml"
+    config.write_text(micro_config(n_layers=8, global_batch=8, grad_accum=1, microbatches=4))
+    ref = _reference(tmp_path_factory, str(config), grad_accum=4)
+    got = _run(tmp_path, 2, "v4", config=str(config), layout="pp=2", schedule="interleaved_1f1b", virtual_stages=4)
+    _assert_equivalent(ref, got, str(config))
+
+
 def test_16_rank_5d_moe(tmp_path, tmp_path_factory):
     """pp=2 x dp_shard=2 x cp=2 x tp=2 with MoE over ep=2: the gradients of one process
     accumulating the same 2 microbatches."""
@@ -322,6 +334,9 @@ REFUSED = [
     ("split_not_the_stages", "tiny_dense", 2, "pp=2", {"schedule": "interleaved_1f1b", "stage_layers": (2, 2)},
      "has 4 stages"),
     ("split_without_pp", "tiny_dense", 2, "dp_shard=2", {"stage_layers": (2, 2)}, "no pp"),
+    ("chunks_without_interleaving", "tiny_dense", 2, "pp=2", {"virtual_stages": 2}, "1f1b has none"),
+    ("one_chunk_interleaved", "tiny_dense", 2, "pp=2", {"schedule": "interleaved_1f1b", "virtual_stages": 1},
+     "at least 2"),
     ("prefetch_without_fsdp", "tiny_dense", 2, "dp_shard=2", {"dp_mode": "ddp", "prefetch": True}, "no FSDP"),
     ("buckets_without_ddp", "tiny_dense", 2, "dp_shard=2", {"ddp_buckets": True}, "no DDP"),
     ("moe_tp_without_sp", "tiny_moe", 2, "tp=2", {"overrides": {"sequence_parallel": False}}, "sequence shard"),
@@ -342,7 +357,7 @@ def test_a_combination_that_cannot_work_is_refused(name, config, world, layout, 
             schedule=opts.get("schedule", "1f1b"), dp_mode=opts.get("dp_mode", "fsdp"),
             reshard_after_forward=opts.get("reshard"), stage_layers=opts.get("stage_layers"),
             prefetch=opts.get("prefetch", False), grad_as_bucket_view=opts.get("ddp_buckets", False),
-            async_tp=opts.get("async_tp", False)))
+            async_tp=opts.get("async_tp", False), virtual_stages=opts.get("virtual_stages")))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")

@@ -95,6 +95,11 @@ def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -
     if training.compiled:
         norms = 2 * 3 * h * per_norm_token
         rest = 2 * qk + (2 if model.mlp == "gelu" else 3) * ffn
+    elif training.fused_kernels:
+        # the norm kernel reads and writes once (the residual adds stay eager); RoPE's kernel 2
+        # passes; SDPA's layout copies stay; the SwiGLU kernel reads two and writes one
+        norms = (2 * 2 * h + 2 * 3 * h) * per_norm_token
+        rest = 2 * qk + 2 * qkv + (2 if model.mlp == "gelu" else 3) * ffn
     else:
         norms = (2 * 7 * h + 2 * 3 * h) * per_norm_token
         rest = 6 * qk + 2 * qkv + (2 if model.mlp == "gelu" else 5) * ffn
@@ -181,8 +186,11 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     if with_head:
         head = [Gemm("lm_head", tokens, model.dim, model.vocab_size / t)]
         head_s = gemm_seconds(head, system, profile, "bf16")  # the head stays in bf16 under float8
-        # Cross-entropy over the vocabulary: fp32 logits written, read for softmax, gradient written.
-        ce = 3 * tokens * model.vocab_size / t * 4 / hbm
+        # Cross-entropy over the vocabulary: fp32 logits written, read for softmax, gradient written;
+        # a fused linear cross-entropy stores none (chunked), and recomputes the logits in backward.
+        ce = 0.0 if training.fused_kernels else 3 * tokens * model.vocab_size / t * 4 / hbm
+        if training.fused_kernels:
+            out.bwd["gemm"] += head_s
         out.fwd["gemm"] += head_s
         out.fwd["norm_elementwise"] += ce / 3
         out.bwd["gemm"] += 2 * head_s
