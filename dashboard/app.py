@@ -2,7 +2,7 @@
 
 URLs are the state, so every view can be linked and reloaded:
 ``/`` runs, ``/run/<id>`` overview, ``/run/<id>/<page>?step=&rank=``,
-``/compare?a=<id>&b=<id>[&fix=<change>]``, ``/plan?model=&gpus=&gpu=&batch=&seq=&dtype=``.
+``/compare?a=<id>&b=<id>[&fix=<change>]``, ``/plan?model=&gpus=&gpu=&batch=&seq=&dtype=&scaling=``.
 One callback renders a page from the URL; a run
 not analyzed yet shows a progress bar (an interval ticks until its analysis is
 on disk).  A failure inside a page becomes an error panel, never a dead app.
@@ -89,7 +89,7 @@ def _routes(app: dash.Dash, store: Store, history: Path | None) -> None:
                 b = query.get("b") or (next((i for i in ids if i != a), None))
                 return _topbar(None, "compare"), pages.compare_page(store, analyzed, a, b, query.get("fix")), True
             if parts[0] == "plan":
-                return _topbar(None, "plan"), pages.planner_page(query), True
+                return _topbar(None, "plan"), pages.planner_page(query, store), True
             if parts == ["trend"]:
                 return _topbar(None, "trend"), trend_page.page(history, query), True
             if parts == ["trend", "record"]:
@@ -259,12 +259,12 @@ def _interactions(app: dash.Dash, store: Store) -> None:
     @app.callback(Output("url", "href", allow_duplicate=True), Input("plan-go", "n_clicks"),
                   State("plan-model", "value"), State("plan-gpus", "value"), State("plan-gpu", "value"),
                   State("plan-batch", "value"), State("plan-seq", "value"), State("plan-dtype", "value"),
-                  prevent_initial_call=True)
-    def run_plan(clicks, model, gpus, gpu, batch, seq, dtype):
+                  State("plan-scaling", "value"), prevent_initial_call=True)
+    def run_plan(clicks, model, gpus, gpu, batch, seq, dtype, sizes):
         if not clicks:
             return no_update
         return "/plan?" + urlencode({"model": model, "gpus": gpus or 0, "gpu": gpu, "batch": batch or 0,
-                                     "seq": seq or 0, "dtype": dtype})
+                                     "seq": seq or 0, "dtype": dtype, "scaling": sizes or ""})
 
     @app.callback(Output("plan-breakdown", "figure"), Input("plan-grid", "selectedRows"), prevent_initial_call=True)
     @_safe(figures.empty)

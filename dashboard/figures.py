@@ -333,3 +333,26 @@ def predicted_vs_measured_fixes(fixes: list[dict[str, Any]]) -> go.Figure:
     fig.update_xaxes(title_text="step time (s)", gridcolor="#eee")
     return _layout(fig, 140 + 44 * len(fixes), barmode="group",
                    legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0))
+
+
+def scaling_curves(curves: list[dict[str, Any]]) -> go.Figure:
+    """Scaling efficiency against the device count, one line per curve (``{"name", "x", "y",
+    "hover", "dash"}``): the cost model's predicted curve, and measured runs of one model at several
+    sizes.  The x axis is logarithmic (sizes grow by factors)."""
+    curves = [c for c in curves if any(y is not None for y in c["y"])]
+    if not curves:
+        return empty("no size has a layout that fits: no curve")
+    colors = ["#3b6ea8", "#e39b3b", "#4f9a5b", "#a34f8f", "#7b8794"]
+    fig = go.Figure([go.Scatter(x=c["x"], y=c["y"], name=c["name"], mode="lines+markers", connectgaps=False,
+                                line=dict(color=colors[i % len(colors)], dash=c.get("dash", "solid")),
+                                customdata=c["hover"],
+                                hovertemplate="%{x} devices: %{y:.1%}<br>%{customdata}<extra>" + c["name"][:40]
+                                              + "</extra>")
+                     for i, c in enumerate(curves)])
+    ticks = sorted({x for c in curves for x in c["x"]})
+    fig.update_xaxes(type="log", title_text="GPUs (ranks)", gridcolor="#eee", tickvals=ticks,
+                     ticktext=[f"{x:,}" for x in ticks])
+    fig.update_yaxes(title_text="efficiency (tokens/s per device vs the smallest)", tickformat=".0%",
+                     gridcolor="#eee", rangemode="tozero")
+    return _layout(fig, 340, title=dict(text="Scaling efficiency", font=dict(size=14)),
+                   legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1))

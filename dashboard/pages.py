@@ -22,7 +22,7 @@ from mfuscope.analyzers import health, memory, run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
-from mfuscope.optimizers import planner, presets, run_prediction
+from mfuscope.optimizers import planner, presets, run_prediction, scaling
 from mfuscope.optimizers.spec import Training
 from mfuscope.optimizers.system import SYSTEMS, default_profile, system
 
@@ -249,11 +249,13 @@ def _prediction_section(store: Store, run: Run) -> html.Div | None:
 
 # ----------------------------------------------------------------------------- planner
 PLAN_DEFAULTS = {"model": "llama3-70b", "gpus": "1024", "gpu": "H100", "batch": "2048", "seq": "8192",
-                 "dtype": "bf16"}
+                 "dtype": "bf16", "scaling": "8,64,512,4096,16384"}
 
 
-def planner_page(query: dict[str, str]) -> html.Div:
-    """Model, GPUs and device in; the ranked layouts and each one's predicted breakdown out."""
+def planner_page(query: dict[str, str], store: Store | None = None) -> html.Div:
+    """Model, GPUs and device in; the ranked layouts and each one's predicted breakdown out, with the
+    predicted scaling curve (and the measured one of the dashboard's runs of one model at several
+    sizes, where there are such)."""
     q = {**PLAN_DEFAULTS, **{k: v for k, v in query.items() if k in PLAN_DEFAULTS}}
     form = html.Div([
         html.Label(["model", dcc.Dropdown(presets.names(), q["model"], id="plan-model", clearable=False)]),
@@ -263,20 +265,22 @@ def planner_page(query: dict[str, str]) -> html.Div:
                                                           value=int(q["batch"]))]),
         html.Label(["sequence length", dcc.Input(id="plan-seq", type="number", min=1, value=int(q["seq"]))]),
         html.Label(["dtype", dcc.Dropdown(["bf16", "fp8"], q["dtype"], id="plan-dtype", clearable=False)]),
+        html.Label(["scaling curve at GPUs", dcc.Input(id="plan-scaling", type="text", value=q["scaling"])]),
         html.Button("Plan", id="plan-go", n_clicks=0),
     ], className="plan-form")
     head = [html.H2("Planner"), html.P("The cost model searched over tp, cp, pp (with its schedule), data "
                                        "sharding, ep, micro-batch size and recompute; layouts that do not fit in "
                                        "memory are pruned first.", className="note"), form]
+    measured_section = _measured_scaling(store) if store is not None else None
     if "model" not in query:
-        return html.Div(head + [info_panel("Choose a model, GPUs and device, then Plan.")])
+        return html.Div(head + [info_panel("Choose a model, GPUs and device, then Plan."), measured_section])
     try:
         model = presets.load(q["model"])
         gpus, batch, seq = int(q["gpus"]), int(q["batch"]), int(q["seq"])
         if min(gpus, batch, seq) < 1:
             raise UserInputError("GPUs, global batch and sequence length must be positive")
-        result = planner.plan(model, gpus, system(q["gpu"]), batch, Training(seq_len=seq, dtype=q["dtype"],
-                                                                            compiled=True), default_profile(), 10)
+        sys_, training = system(q["gpu"]), Training(seq_len=seq, dtype=q["dtype"], compiled=True)
+        result = planner.plan(model, gpus, sys_, batch, training, default_profile(), 10)
     except (UserInputError, ValueError) as e:
         return html.Div(head + [error_panel(str(e))])
     rows = [{"rank": i, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "mfu": p.mfu,
@@ -305,7 +309,101 @@ def planner_page(query: dict[str, str]) -> html.Div:
         html.H3("Not chosen, and why"),
         grid("plan-rejected", rejected, [{"field": "reason", "minWidth": 260}, {"field": "layouts", "maxWidth": 110},
                                          {"field": "example", "minWidth": 420, **WRAP}]),
+        _predicted_scaling(model, gpus, sys_, batch, training, q["scaling"]),
+        measured_section,
     ])
+
+
+def _lost_text(lost: dict[str, float] | None, k: int = 3) -> str:
+    return ", ".join(f"{leaf} +{style.seconds(v)}" for leaf, v in list((lost or {}).items())[:k] if v > 0)
+
+
+def _predicted_scaling(model, gpus: int, sys_, batch: int, training: Training,
+                       sizes_text: str) -> html.Div | None:
+    """The cost model's weak-scaling curve (``mfuscope plan --scaling``): the best layout at each
+    GPU count, sequences per GPU held; nothing where no GPU count is asked for."""
+    if not sizes_text.strip():
+        return None
+    head = [html.H3("Predicted scaling"),
+            html.P(f"Weak scaling: {batch / gpus:.4g} sequences per GPU at every size (the global batch grows with "
+                   "the GPUs); efficiency is the best layout's tokens/s per GPU over the first size's, and the lost "
+                   "time is each leaf's growth over that size's step (docs/cost_model.md, Scaling).",
+                   className="note")]
+    try:
+        rows = scaling.predicted(model, gpus, sys_, batch, training, default_profile(),
+                                 scaling.parse_sizes(sizes_text))
+    except (UserInputError, ValueError) as e:
+        return html.Div(head + [error_panel(str(e))], id="plan-scaling-section")
+    curve = {"name": "predicted (best layout at each size)", "x": [r["gpus"] for r in rows],
+             "y": [r["efficiency"] for r in rows], "hover": [r["layout"] or r.get("note", "") for r in rows]}
+    table = [{"gpus": r["gpus"], "global_batch": r["global_batch"], "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
+              "mfu": r["mfu"], "efficiency": r["efficiency"], "layout": r["layout"] or r.get("note", ""),
+              "lost": _lost_text(r["loss_by_leaf"])} for r in rows]
+    return html.Div(head + [
+        dcc.Graph(id="plan-scaling", figure=figures.scaling_curves([curve]), config={"displaylogo": False}),
+        grid("plan-scaling-grid", table, [
+            {"field": "gpus", "headerName": "GPUs", "minWidth": 90, "maxWidth": 110},
+            {"field": "global_batch", "headerName": "global batch", "minWidth": 120, "maxWidth": 140},
+            {"field": "tokens_per_s_per_gpu", "headerName": "tokens/s per GPU", "valueFormatter": NUM,
+             "minWidth": 150, "maxWidth": 170},
+            {"field": "mfu", "headerName": "MFU", "valueFormatter": PCT, "minWidth": 90, "maxWidth": 100},
+            {"field": "efficiency", "valueFormatter": PCT, "minWidth": 110, "maxWidth": 120},
+            {"field": "layout", "minWidth": 300, **WRAP},
+            {"field": "lost", "headerName": "lost time, largest leaves", "minWidth": 300, **WRAP}]),
+    ], id="plan-scaling-section")
+
+
+def _measured_scaling(store: Store) -> html.Div | None:
+    """The dashboard's analyzed runs of one model (spec, sequence length, device) at two sizes or
+    more, each group's scaling against its smallest run (``mfuscope scaling``); None where there
+    are none.  Runs not analyzed yet are left out (they are analyzed when opened)."""
+    groups: dict[str, list[scaling.Point]] = {}
+    for run in store.runs():
+        m = Manifest.of(run.manifest)
+        if run.error or run.kind != "run" or not m.has_model_spec or not store.analyzed(run):
+            continue
+        spec = m.model or {}
+        key = (f"{spec.get('family', 'model')} dim={spec.get('dim')} layers={spec.get('n_layers')}, "
+               f"seq {m.train.get('seq_len')}, {m.device_name}")
+        try:
+            groups.setdefault(key, []).append(scaling.point(store.report(run), run.manifest, run.id))
+        except (UserInputError, KeyError, TypeError, ValueError):  # a report it cannot read: not on the curve
+            continue
+    curves, rows, notes = [], [], []
+    for key, points in sorted(groups.items()):
+        if len({p.ranks for p in points}) < 2:
+            continue
+        try:
+            result = scaling.measured(points)
+        except UserInputError as e:
+            notes.append(html.Li(f"{key}: {e}"))
+            continue
+        name = f"measured, {result['mode']}: {key}"
+        curves.append({"name": name, "x": [r["ranks"] for r in result["rows"]],
+                       "y": [r["efficiency"] for r in result["rows"]], "hover": [r["run"] for r in result["rows"]],
+                       "dash": "dot" if result["mode"] == "strong" else "solid"})
+        rows += [{"model": key, "mode": result["mode"], "run": r["run"], "ranks": r["ranks"],
+                  "tokens_per_s_per_device": r["tokens_per_s_per_device"], "efficiency": r["efficiency"],
+                  "lost": _lost_text(r["loss_by_leaf"])} for r in result["rows"]]
+    if not curves and not notes:
+        return None
+    return html.Div([
+        html.H3("Measured scaling of these runs"),
+        html.P("Analyzed runs of one model at several sizes, against the smallest: weak scaling where every run "
+               "has the same tokens per device per step, strong where the same tokens per step "
+               "(`mfuscope scaling RUN_DIR...` prints the same, with every leaf).", className="note"),
+        dcc.Graph(id="measured-scaling", figure=figures.scaling_curves(curves),
+                  config={"displaylogo": False}) if curves else None,
+        grid("measured-scaling-grid", rows, [
+            {"field": "model", "minWidth": 220, **WRAP}, {"field": "mode", "minWidth": 90, "maxWidth": 100},
+            {"field": "run", "minWidth": 140}, {"field": "ranks", "minWidth": 80, "maxWidth": 90},
+            {"field": "tokens_per_s_per_device", "headerName": "tokens/s per device", "valueFormatter": NUM,
+             "minWidth": 160, "maxWidth": 180},
+            {"field": "efficiency", "valueFormatter": PCT, "minWidth": 110, "maxWidth": 120},
+            {"field": "lost", "headerName": "lost time, largest leaves", "minWidth": 300, **WRAP}])
+        if curves else None,
+        html.Ul(notes, className="note") if notes else None,
+    ], id="measured-scaling-section")
 
 
 # ----------------------------------------------------------------------------- optimize

@@ -521,15 +521,35 @@ def test_overview_shows_the_cost_models_prediction_beside_the_measurement(tab, r
     tab.shot("pp8-overview-prediction")
 
 
-def test_planner_page_ranks_layouts_and_shows_each_ones_breakdown(tab):
+def test_planner_page_ranks_layouts_and_shows_each_ones_breakdown(tab, runs):
     """The planner page: the ranked layouts of the CLI's `mfuscope plan` for the same inputs, a
-    clicked row's predicted breakdown, and a new plan from the form."""
-    query = "model=llama3-8b&gpus=64&gpu=H100&batch=128&seq=8192&dtype=bf16"
+    clicked row's predicted breakdown, the predicted scaling curve of `plan --scaling`, the measured
+    scaling of the runs of one model at two sizes (``memory``: 1 rank, ``pp8``: 8, the same 8
+    sequences a step: strong scaling), and a new plan from the form."""
+    for run in ("memory", "pp8"):  # analyzed (the measured scaling reads analyzed runs only)
+        _first_visit(tab, run)
+    query = "model=llama3-8b&gpus=64&gpu=H100&batch=128&seq=8192&dtype=bf16&scaling=8,64,512,4096,16384"
     tab.open(f"/plan?{query}", "#plan-grid .ag-row")
     cli = subprocess.run([sys.executable, "-m", "mfuscope", "plan", "--model", "llama3-8b", "--gpus", "64",
-                          "--gpu", "H100", "--global-batch", "128", "--seq-len", "8192", "--json"],
-                         capture_output=True, text=True, timeout=120)
-    best = json.loads(cli.stdout)["ranked"][0]["layout"]
+                          "--gpu", "H100", "--global-batch", "128", "--seq-len", "8192", "--json",
+                          "--scaling", "8,64,512,4096,16384"], capture_output=True, text=True, timeout=120)
+    planned = json.loads(cli.stdout)
+    best = planned["ranked"][0]["layout"]
+    tab.page.wait_for_selector("#plan-scaling .js-plotly-plot")
+    curve = tab.page.evaluate("() => document.querySelector('#plan-scaling .js-plotly-plot').data[0]")
+    assert curve["x"] == [8, 64, 512, 4096, 16384]
+    assert curve["y"] == pytest.approx([r["efficiency"] for r in planned["scaling"]])
+    layouts = tab.page.locator('#plan-scaling-grid .ag-center-cols-container [col-id="layout"]').all_inner_texts()
+    assert layouts == [r["layout"] for r in planned["scaling"]]
+    # measured: tokens/s per device of pp8 over the 1-rank run's, from their reports
+    tps = {r: json.loads((runs / r / "report.json").read_text())["summary"]["tokens_per_s"] for r in ("memory", "pp8")}
+    grid_rows = '#measured-scaling-grid .ag-center-cols-container .ag-row'
+    tab.page.wait_for_selector(grid_rows)
+    cells = {tab.page.locator(f'{grid_rows}[row-index="{i}"] [col-id="run"]').inner_text():
+             tab.page.locator(f'{grid_rows}[row-index="{i}"] [col-id="efficiency"]').inner_text()
+             for i in range(tab.page.locator(grid_rows).count())}
+    assert float(cells["pp8"].rstrip("%")) == pytest.approx(tps["pp8"] / 8 / tps["memory"] * 100, abs=0.051)
+    assert cells["memory"] == "100.0%" and "strong" in tab.text("#measured-scaling-grid")
     first = '#plan-grid .ag-center-cols-container .ag-row[row-index="0"]'
     expect(tab.page.locator(first)).to_contain_text(best)
     assert f"#1: {best}" in tab.text("#plan-breakdown")
