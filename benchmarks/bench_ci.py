@@ -12,7 +12,10 @@ Rules compared on the same histories (each fails a check when it says "regressio
   fixed ratio 2x    github-action-benchmark's default alert: twice as slow as the previous record
   asv-like          ratio over 1.1 against the previous record and Mann-Whitney p < 0.05 on the samples
 
-    python benchmarks/bench_ci.py [--run RUN_DIR] [--records 10000] [--runs 3] [--trials 300]
+A pull request's gate (``ci check --confirm-runs N``: its run and every in-job rerun must violate)
+is measured the same way, for N = 1 and 2 (``--pull-requests`` prints only that table).
+
+    python benchmarks/bench_ci.py [--run RUN_DIR] [--records 10000] [--runs 3] [--trials 300] [--pull-requests]
 """
 from __future__ import annotations
 
@@ -114,16 +117,37 @@ def rates(report, manifest, cv: float, drop: float, trials: int, seed: int, run_
     return {k: v / trials for k, v in hits.items()}
 
 
+def pull_request_tables(report, manifest, trials: int) -> None:
+    """A pull request's gate with --confirm-runs 1 and 2: false positives (1,000 fresh noise-only
+    windows per cell) and the power to fail a sustained drop at once (``trials`` per cell)."""
+    print("\na pull request's gate (--confirm-runs N): false-positive rate, 1,000 noise-only checks")
+    cells = [(cv, 0.0) for cv in NOISE] + [(0.03, r) for r in (0.02, 0.05)]
+    print(f"  {'':<16}" + "".join(f" {f'CV {cv:.0%}' + (f' run {r:.0%}' if r else ''):>14}" for cv, r in cells))
+    for n in (1, 2):
+        rates_ = [simulate.pull_request_fail_rate(report, manifest, cv, 1000, n, run_cv=r, seed=5) for cv, r in cells]
+        print(f"  {f'--confirm-runs {n}':<16}" + "".join(f" {x:>14.2%}" for x in rates_))
+    print(f"\na pull request's gate: power, share of {trials} trials failing a sustained MFU drop in the job")
+    for cv in (0.03, 0.08):
+        print(f"  CV {cv:.0%}          " + "".join(f" {f'-{d:.0%}':>7}" for d in DROPS))
+        for n in (1, 2):
+            hits = [simulate.pull_request_fail_rate(report, manifest, cv, trials, n, drop=d, seed=6) for d in DROPS]
+            print(f"  {f'--confirm-runs {n}':<19}" + "".join(f" {x:>7.1%}" for x in hits))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, default=None, help="a run directory with report.json (default: train one)")
     parser.add_argument("--records", type=int, default=10_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--trials", type=int, default=300, help="power trials per cell (1,000 checks for the FPR)")
+    parser.add_argument("--pull-requests", action="store_true", help="only the pull-request gate's tables")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         run = real_run(args.run, Path(scratch))
         report, manifest = (json.loads((run / f).read_text()) for f in ("report.json", "manifest.json"))
+        if args.pull_requests:
+            pull_request_tables(report, manifest, args.trials)
+            return 0
         history = Path(scratch) / "history"
         rng = np.random.default_rng(0)
         for i in range(args.records):
@@ -153,6 +177,7 @@ def main() -> int:
             cells = {d: rates(report, manifest, cv, d, args.trials, seed=2) for d in DROPS}
             for name in RULES:
                 print(f"  {name:<16}" + "".join(f" {cells[d][name]:>7.1%}" for d in DROPS))
+        pull_request_tables(report, manifest, args.trials)
     return 0
 
 

@@ -49,7 +49,10 @@ def check(history: History, current: dict[str, Any], *, branch: str | None, floo
         "baseline_commit": last.get("commit") if last else None,
         "rows": deterministic.check(last, current, floor) if last else [],
     }
-    rows = [statistical.gate(base, current, metric, floor) for metric in statistical.METRICS]
+    # With in-job reruns (a pull request's check) the reruns confirm a violation, not the last record.
+    in_job = rerun is not None and confirm_runs > 0
+    rows = [statistical.gate(base, current, metric, floor, previous_confirms=not in_job)
+            for metric in statistical.METRICS]
     # In-job reruns of a suspicious run, until one passes or all have been run.
     pending = [r for r in rows if r["verdict"] == "suspicious"]
     done = 0

@@ -11,12 +11,14 @@ as they are (they do not depend on timing).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import check as check_mod
 from . import statistical
-from .history import make_record
+from .history import History, make_record
 from .statistical import WINDOW
 
 
@@ -74,3 +76,23 @@ def detection_power(report: dict[str, Any], manifest: dict[str, Any] | None, cv:
 def _statistical_fail(records: list[dict[str, Any]], current: dict[str, Any], floor: float) -> bool:
     """The statistical gate's verdict (the deterministic one cannot fail here: counters are equal)."""
     return any(statistical.gate(records, current, m, floor)["verdict"] == "regression" for m in statistical.METRICS)
+
+
+def pull_request_fail_rate(report: dict[str, Any], manifest: dict[str, Any] | None, cv: float, trials: int,
+                           confirm_runs: int, drop: float = 0.0, run_cv: float = 0.0, floor: float = 0.02,
+                           seed: int = 4) -> float:
+    """A pull request's gate (``ci check --confirm-runs N``): the share of ``trials`` that fail.  Each
+    trial is a fresh window of main's noise-only records, then the pull request's run and its
+    in-job reruns, all ``drop`` slower: with ``drop`` 0 the false-positive rate, else the power
+    (the run and every rerun must violate)."""
+    rng = np.random.default_rng(seed)
+    fails = 0
+    for _ in range(trials):
+        records = [noisy_record(report, manifest, rng, cv, index=i, run_cv=run_cv) for i in range(WINDOW)]
+        current = noisy_record(report, manifest, rng, cv, drop, index=WINDOW, run_cv=run_cv)
+        result = check_mod.check(History(Path("simulated"), records, []), current, branch="main", floor=floor,
+                                 confirm_runs=confirm_runs,
+                                 rerun=lambda j: noisy_record(report, manifest, rng, cv, drop, index=WINDOW + 1 + j,
+                                                              run_cv=run_cv))
+        fails += result["exit_code"] == 1
+    return fails / trials

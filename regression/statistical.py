@@ -14,8 +14,11 @@ For each metric, a run *violates* when both hold:
 One violation is ``suspicious`` and passes with a warning: on a shared
 runner a single slow run is common (a co-tenant, a thermal throttle).  A
 ``regression`` -- the gate fails -- is two consecutive violating records (the
-previous matching record also violated its own window), or a violation that
-every in-job rerun (``--confirm-runs N``) repeats.  With fewer than
+previous matching record also violated its own window), or, with in-job
+reruns (``--confirm-runs N``, a pull request's check), a violation that every
+rerun repeats: there the job's own runs confirm, not main's last record (whose
+violation, if real, the reruns repeat anyway; if noise, it would only add
+false alarms).  With fewer than
 ``MIN_RECORDS`` matching records, the verdict is ``insufficient data`` and
 the gate passes.
 
@@ -107,8 +110,11 @@ def _by_step_position(cur: np.ndarray, base: list[np.ndarray]) -> tuple[np.ndarr
     return cur / shape, [s / shape for s in same]
 
 
-def gate(history: list[dict[str, Any]], current: dict[str, Any], metric: str, floor: float) -> dict[str, Any]:
-    """The verdict on one metric: ``ok``, ``suspicious``, ``regression`` or ``insufficient data``."""
+def gate(history: list[dict[str, Any]], current: dict[str, Any], metric: str, floor: float,
+         previous_confirms: bool = True) -> dict[str, Any]:
+    """The verdict on one metric: ``ok``, ``suspicious``, ``regression`` or ``insufficient data``.
+    ``previous_confirms``: a violation after a violating last record is a regression (main's
+    rule); off, a violation stays suspicious for in-job reruns to settle."""
     now = assess(history[-WINDOW:], current, metric, floor)
     row = {"metric": metric, "baseline": now.baseline, "current": now.current, "drop": now.drop,
            "limit": now.limit, "p_value": now.p_value, "violated": now.violated, "note": now.note}
@@ -118,7 +124,7 @@ def gate(history: list[dict[str, Any]], current: dict[str, Any], metric: str, fl
     if not now.violated:
         row["verdict"] = "ok"
         return row
-    prev = assess(history[-WINDOW - 1:-1], history[-1], metric, floor) if history else None
+    prev = assess(history[-WINDOW - 1:-1], history[-1], metric, floor) if history and previous_confirms else None
     if prev is not None and prev.violated:
         row.update(verdict="regression", confirmed_by="the previous record violated too")
     else:

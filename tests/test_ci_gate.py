@@ -2,9 +2,12 @@
 
 Real runs: the workflow's own `run:` steps train the tiny config (2 gloo ranks, tp=2) for two
 pushes to main (the second a docs-only commit), against a local origin with the perf-history
-branch; a sequence-parallel-off run is then checked against that history.  The statistical
-gate's false-positive rate and power are measured on histories simulated from the first run's
-real report (regression/simulate.py: log-normal step noise of a known CV, a known MFU drop).
+branch; a sequence-parallel-off run is then checked against that history; then two pull
+requests run the workflow's steps with their in-job rerun: a deliberately slowed commit (fails)
+and the unchanged one (passes).  The statistical gate's false-positive rate and power are
+measured on histories simulated from the first run's real report (regression/simulate.py:
+log-normal step noise of a known CV, a known MFU drop), and on a recorded history of 60 real
+runs of this machine, replayed (regression/replay.py, tests/fixtures/ci_history/).
 Expected values come from the arithmetic: the tensor-parallel calls and bytes a step makes by
 hand count, nccl-tests' bus factors, a permutation test for Mann-Whitney's p-value.
 """
@@ -16,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -24,7 +28,7 @@ import pytest
 import yaml
 
 from mfuscope.regression import check as check_mod
-from mfuscope.regression import deterministic, simulate, statistical
+from mfuscope.regression import deterministic, replay, simulate, statistical
 from mfuscope.regression import statistics as st
 from mfuscope.regression.history import History, append, read
 
@@ -86,19 +90,22 @@ def test_trimmed_mean_and_robust_sigma_ignore_an_outlier():
 # ----------------------------------------------------------------------------- the workflow, run here
 
 
-def _steps():
-    doc = yaml.safe_load(WORKFLOW.read_text())
+def _steps(workflow: Path = WORKFLOW):
+    doc = yaml.safe_load(workflow.read_text())
     job = doc["jobs"]["mfu"]
-    return job["env"], job["steps"]
+    return {k: str(v) for k, v in job["env"].items()}, job["steps"]
 
 
-def _run_workflow(work: Path, event: str, sha: str, summary: Path) -> dict[str, int]:
+def _run_workflow(work: Path, event: str, sha: str, summary: Path, *, workflow: Path = WORKFLOW,
+                  env_over: dict[str, str] | None = None, skip: tuple[str, ...] = ()) -> dict[str, int]:
     """The workflow's `run:` steps in order, as GitHub runs them (bash -e, the job's env).
     `uses:` steps are GitHub's own actions (checkout, setup-python, upload-artifact) and the
     install step is what this test's environment already did; the `if:` of the record step is
-    evaluated for ``event``."""
-    env_vars, steps = _steps()
-    env = {**os.environ, **env_vars, "GITHUB_STEP_SUMMARY": str(summary), "GITHUB_SHA": sha,
+    evaluated for ``event``.  ``workflow``: the workflow file as of the commit under test (GitHub
+    runs a pull request's own); ``env_over``: job env values replaced; ``skip``: steps (by the
+    start of their name) whose outputs the caller put in place."""
+    env_vars, steps = _steps(workflow)
+    env = {**os.environ, **env_vars, **(env_over or {}), "GITHUB_STEP_SUMMARY": str(summary), "GITHUB_SHA": sha,
            "GITHUB_EVENT_NAME": event, "GITHUB_REF_NAME": "main" if event == "push" else "7/merge",
            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("GITHUB_HEAD_REF", None)
@@ -106,13 +113,15 @@ def _run_workflow(work: Path, event: str, sha: str, summary: Path) -> dict[str, 
         env["GITHUB_HEAD_REF"] = "feature"
     codes = {}
     for step in steps:
-        if "run" not in step or step["name"].startswith("Install"):
+        if "run" not in step or step["name"].startswith(("Install", *skip)):
             continue
         cond = step.get("if", "")
         if "github.event_name == 'push'" in cond and event != "push":
             continue
+        start = time.perf_counter()
         proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step["run"]], cwd=work, env=env,
                               capture_output=True, text=True, timeout=600)
+        print(f"{event} step {step['name']!r}: exit {proc.returncode} in {time.perf_counter() - start:.1f} s")
         codes[step["name"]] = proc.returncode
         if proc.returncode != 0 and not step["name"].startswith("Check"):
             raise AssertionError(f"step {step['name']!r} failed: {proc.stderr[-3000:]}")
@@ -252,6 +261,98 @@ def test_sequence_parallel_off_fails_the_deterministic_gate(pushed, no_sp, tmp_p
     assert "comm/tp/bus_bytes_per_step" in failures
 
 
+# ----------------------------------------------------------------------------- pull requests, blocked in the job
+
+#: The slowed commit changes the trainer's command (in the workflow it runs: GitHub runs a pull
+#: request's own) so that rank 0 sleeps 100 ms in every forward -- rank 1 waits for it in the next
+#: tensor-parallel collective: the same work and counters, every step about twice as long,
+#: deterministically.  The run's manifest records it, so the in-job rerun (the run's command, read
+#: back from the manifest) is as slow.
+SLOW = "compute:rank=0:ms=100"
+#: Steps a pull request's run trains here (the job's STEPS, substituted): 5 step samples instead of
+#: 20 keep the slowed job's two trainings (its run and the in-job rerun) within the suite's budget.
+PR_STEPS = "6"
+REAL_HISTORY = REPO / "tests" / "fixtures" / "ci_history" / "tiny-tp2-real.jsonl"
+
+
+@pytest.fixture(scope="module")
+def pr(pushed):
+    """main's history for pull requests, in a copy of the pushes' origin: 18 records simulated from
+    push A's run (5% step-to-step and 5% run-to-run noise: a limit near 17%, far below the slowed
+    commit's +100% and far above two quiet runs apart), then the two pushes' own records; and a
+    clone to work in.  (The gate's calibration is measured elsewhere: simulated, and on the real
+    history; this history is only main's, for the workflow's steps.)"""
+    root = pushed["root"] / "pr"
+    origin, seed, work = root / "origin.git", root / "seed", root / "work"
+    shutil.copytree(pushed["origin"], origin)
+    _git(pushed["work"], "push", "--quiet", str(origin), "main")  # main's head: push B
+    real = _history_lines(pushed["origin"])
+    run0 = pushed["root"] / "run0"
+    report, manifest = (json.loads((run0 / f).read_text()) for f in ("report.json", "manifest.json"))
+    rng = np.random.default_rng(15)
+    lines = [{**simulate.noisy_record(report, manifest, rng, 0.05, index=i, run_cv=0.05), "workload": "tiny-tp2"}
+             for i in range(statistical.WINDOW - len(real))] + real
+    subprocess.run(["git", "clone", "--quiet", "--branch", "perf-history", str(origin), str(seed)], check=True)
+    (seed / "tiny-tp2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    _git(seed, "-c", "user.name=dev", "-c", "user.email=dev@example.com", "commit", "--quiet", "-am", "history")
+    _git(seed, "push", "--quiet", "origin", "perf-history")
+    subprocess.run(["git", "clone", "--quiet", str(origin), str(work)], check=True)
+    _git(work, "config", "user.email", "dev@example.com")
+    _git(work, "config", "user.name", "dev")
+    return {"root": root, "origin": origin, "work": work, "records": len(lines)}
+
+
+def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
+    """The slowed commit's pull request: the workflow's steps (its own workflow), the check with
+    --confirm-runs: the run violates, the in-job rerun -- the same command, as slow -- violates too,
+    and the check step exits 1; the counters are unchanged (a timing regression only the
+    statistical gate sees), and nothing is recorded."""
+    work = pr["work"]
+    _git(work, "switch", "--quiet", "-c", "slow", "origin/main")
+    workflow = work / ".github" / "workflows" / "mfu-regression.yml"
+    workflow.parent.mkdir(parents=True)
+    train = '--out "$RUN" --force'
+    assert WORKFLOW.read_text().count(train) == 1
+    workflow.write_text(WORKFLOW.read_text().replace(train, f"{train} --inject {SLOW}"))
+    _git(work, "add", ".github")
+    _git(work, "commit", "--quiet", "-m", "trainer: rank 0 sleeps in every forward")
+    _fresh_checkout(work)
+    summary = pr["root"] / "summary-slow.md"
+    codes = _run_workflow(work, "pull_request", _git(work, "rev-parse", "HEAD"), summary, workflow=workflow,
+                          env_over={"STEPS": PR_STEPS})
+    text = summary.read_text()
+    print(text)
+    assert codes["Check against main's history"] == 1, text
+    assert "Record the run (pushes to main)" not in codes
+    suite = ET.parse(work / "mfu-junit.xml").getroot()
+    failed = {c.get("name"): c.find("failure").get("message") for c in suite.iter("testcase")
+              if c.find("failure") is not None}
+    assert set(failed) == {"mfu", "step_time_s"} and all("in-job rerun" in m for m in failed.values())
+    assert "REGRESSION (mfu, step_time_s)" in text
+    # the rerun trained the slowed command again, from the run's manifest
+    rerun = work / "runs" / "ci-tiny-tp2.rerun1"
+    manifest = json.loads((rerun / "manifest.json").read_text())
+    assert manifest["trainer"]["inject"] == SLOW
+    assert not (work / "runs" / "ci-tiny-tp2.rerun2").exists()
+    assert len(_history_lines(pr["origin"])) == pr["records"]  # a pull request reads the history only
+
+
+def test_a_pull_request_of_the_unchanged_commit_passes(pushed, pr):
+    """The control: the workflow's pull-request steps on main's head (push B, the docs-only commit)
+    pass.  Its run is push B's own (the same command; training it again would cost the suite
+    another run), checked before it was recorded (a run is never its own baseline)."""
+    work = pr["work"]
+    _git(work, "switch", "--quiet", "--detach", pushed["shas"][1])
+    _fresh_checkout(work)
+    shutil.copytree(pushed["root"] / "run1", work / "runs" / "ci-tiny-tp2")
+    summary = pr["root"] / "summary-control.md"
+    codes = _run_workflow(work, "pull_request", pushed["shas"][1], summary, skip=("Train",))
+    text = summary.read_text()
+    print(text)
+    assert codes["Check against main's history"] == 0, text
+    assert "❌" not in text and "insufficient data" not in text
+
+
 # ----------------------------------------------------------------------------- false positives and power
 
 
@@ -274,6 +375,52 @@ def test_a_sustained_drop_is_confirmed_within_two_records(real, cv, drop):
     print(f"a {drop:.0%} MFU drop at CV {cv:.0%}: confirmed within 2 records in {power:.1%} of 400 trials")
     # 95% required; 400 trials estimate it to +-1.1% (one standard error)
     assert power >= 0.95
+
+
+@pytest.fixture(scope="module")
+def real_replay():
+    """The recorded real history (:data:`REAL_HISTORY`: 60 runs of the workflow's tiny run, one
+    unchanged commit, on the shared 2-core machine under `chrt --idle 0`, its co-tenants' load
+    included) replayed through the gate: every failure is a false positive."""
+    records = replay.load(REAL_HISTORY)
+    return records, replay.replay(records, confirm_runs=(1, 2))
+
+
+def test_the_real_history_replays_to_the_documented_figures(real_replay):
+    """docs/ci.md's figures on the real history (`python benchmarks/bench_ci_real.py replay`):
+    the fixture is fixed, so the replay is exact.  Its failures are co-tenant episodes -- the run
+    checked and the one after it (the rerun, or main's next record) both far slower than the
+    window's median -- not the noise the gate is sized for."""
+    records, r = real_replay
+    print(f"real history: {r['checks']} checks, {r['violations']} violations, main fails {r['main_fails']}, "
+          f"--confirm-runs 1 fails {r['pr_fails'][1]} of {r['pr_checks'][1]}, "
+          f"--confirm-runs 2 fails {r['pr_fails'][2]} of {r['pr_checks'][2]}")
+    assert len(records) == 60 and len({rec["fingerprint_id"] for rec in records}) == 1
+    assert (r["checks"], r["violations"], r["main_fails"]) == (55, 20, 12)
+    assert (r["pr_checks"][1], r["pr_fails"][1], r["pr_checks"][2], r["pr_fails"][2]) == (54, 13, 53, 10)
+    for i in r["pr_failed_at"][1]:
+        median = float(np.median([replay.level(x) for x in records[:i][-statistical.WINDOW:]]))
+        assert replay.level(records[i]) > 1.15 * median and replay.level(records[i + 1]) > 1.15 * median
+
+
+@pytest.mark.xfail(strict=True, reason="this machine's co-tenant episodes (+50% to +500% for a minute) slow a run "
+                   "and its in-job rerun alike: the real history fails 13 of 54 pull-request checks, the bound "
+                   "allows 2 (docs/ci.md, 'Measured on real runs')")
+def test_false_positives_on_the_real_history_stay_under_the_bound(real_replay):
+    """The bound: at the gate's nominal per-check rate (:data:`replay.NOMINAL_RATE`, 0.5%), the
+    most failures n checks show with probability 99% (binomial).  Strict: when a change to the
+    gate (or the reruns) brings the real history under it, this passes and must be unmarked."""
+    _, r = real_replay
+    for n in (1, 2):
+        assert r["pr_fails"][n] <= replay.binomial_limit(r["pr_checks"][n], replay.NOMINAL_RATE)
+    assert r["main_fails"] <= replay.binomial_limit(r["checks"], replay.NOMINAL_RATE)
+
+
+def test_the_binomial_bound():
+    # 54 checks at 0.5%: P(X > 2) = 0.26%, P(X > 1) = 3.0%; 1,000: P(X > 11) = 0.53%, P(X > 10) = 1.3%
+    assert replay.binomial_limit(54, 0.005) == 2
+    assert replay.binomial_limit(1000, 0.005) == 11
+    assert replay.binomial_limit(10, 0.0) == 0
 
 
 def test_one_violation_is_suspicious_and_a_second_confirms(real):
@@ -304,6 +451,24 @@ def test_an_in_job_rerun_confirms_or_clears(real):
                             rerun=lambda i: simulate.noisy_record(*real, rng, 0.01, index=30 + i))
     assert fluke["status"] == "suspicious" and fluke["exit_code"] == 0
     assert all(len(r["reruns"]) == 1 for r in fluke["statistical"])  # the first clean rerun settles it
+
+
+def test_with_reruns_the_previous_record_does_not_confirm(real):
+    """A pull request's check (in-job reruns): main's last record violating too does not make its
+    violation a regression -- its reruns decide (a clean one clears it, a slow one confirms)."""
+    rng = np.random.default_rng(7)
+    records = [simulate.noisy_record(*real, rng, 0.01, index=i) for i in range(10)]
+    records.append(simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=10))  # main's last: violated
+    h = History(Path("h"), records, [])
+    slow = simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=11)
+    assert check_mod.check(h, slow, branch="main", floor=0.02)["status"] == "regression"  # main's rule
+    cleared = check_mod.check(h, slow, branch="main", floor=0.02, confirm_runs=1,
+                              rerun=lambda i: simulate.noisy_record(*real, rng, 0.01, index=40 + i))
+    assert cleared["status"] == "suspicious" and cleared["exit_code"] == 0
+    confirmed = check_mod.check(h, slow, branch="main", floor=0.02, confirm_runs=1,
+                                rerun=lambda i: simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=50 + i))
+    assert confirmed["status"] == "regression"
+    assert all("in-job rerun" in r["confirmed_by"] for r in confirmed["statistical"])
 
 
 def test_accept_starts_a_new_baseline(real):
