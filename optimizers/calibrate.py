@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from .cost.comm import bus_factor, placements
 from .measured import MeasuredRun
-from .model import predict
+from .model import dtensor_params, predict
 from .published import Case
 from .system import Profile, default_profile
 
@@ -49,6 +49,7 @@ def fit(cases: list[Case], start: Profile | None = None, rounds: int = 6, grid: 
     tied = "attention" in fields and not any(c.training.flash_attention for c in cases)
     fields = tuple(f for f in fields if not (tied and f == "attention"))
     best = start or Profile()
+    best = replace(best, optimizer=best.memory)
     best_err = log_error(cases, best)
     span = 4.0  # the first grid spans value / 4 .. value x 4
     for r in range(rounds):
@@ -60,7 +61,9 @@ def fit(cases: list[Case], start: Profile | None = None, rounds: int = 6, grid: 
             else:
                 values = [min(hi, max(lo, now * span ** (2 * k / (grid - 1) - 1))) for k in range(grid)]
             for value in values:
-                trial = replace(best, **{name: value})
+                # published throughput cannot separate the optimizer step from the other
+                # memory-bound kernels: it moves with them
+                trial = replace(best, **{name: value}, **({"optimizer": value} if name == "memory" else {}))
                 err = log_error(cases, trial)
                 if err < best_err - 1e-12:
                     best, best_err = trial, err
@@ -69,9 +72,10 @@ def fit(cases: list[Case], start: Profile | None = None, rounds: int = 6, grid: 
         span = math.sqrt(span)
     provenance = {"source": "fit", "cases": len(cases), "mean_abs_log_error": best_err,
                   "degrees_of_freedom": len(fields), "fields": list(fields)}
+    provenance["tied"] = {"optimizer": "memory (published throughput cannot tell them apart)"}
     if tied:
         best = replace(best, attention=best.gemm)
-        provenance["tied"] = {"attention": "gemm (no case runs flash attention)"}
+        provenance["tied"]["attention"] = "gemm (no case runs flash attention)"
     return replace(best, provenance=provenance)
 
 
@@ -173,6 +177,16 @@ def _passes(run: MeasuredRun) -> float:
     return 2.0 * run.layout.microbatches * run.layout.vpp
 
 
+def run_tensors(run: MeasuredRun) -> float:
+    """Parameter tensors the busiest rank's optimizer updates (``ModelSpec.parameter_tensors``)."""
+    return run.model.parameter_tensors(run.layout.stage_layers(run.model), first=run.layout.pp == 1)
+
+
+def _layer_passes(run: MeasuredRun) -> float:
+    """Layers times passes of the busiest rank in one step: what host time per layer is paid per."""
+    return _passes(run) * run.layout.stage_layers(run.model) / run.layout.vpp
+
+
 def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: int = 12,
              progress: Callable[[str], None] | None = None) -> Profile:
     """The profile that reproduces several measured runs at once, group by group, starting from the
@@ -204,8 +218,14 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
                    for k, v in leaves.items() if any(k == n or k.startswith(n + "/") for n in names))
 
     profile, tiers = fit_link_tiers(runs, profile)
-    unpaced = lambda r: r.known_phases is None  # noqa: E731
-    every = lambda r: True  # noqa: E731
+    # A tensor-parallel run's operators carry DTensor's dispatch inside their time: the rates and the
+    # host time are fitted on the runs without tp where there are any, and what a tp run spends
+    # beyond them is tp's own host term (tp_overhead_s).
+    has_plain = any(r.known_phases is None and r.layout.tp == 1 for r in runs)
+    unpaced = lambda r: r.known_phases is None and (r.layout.tp == 1 or not has_plain)  # noqa: E731
+    unpaced_any = lambda r: r.known_phases is None  # noqa: E731
+    every = lambda r: r.layout.tp == 1 or not has_plain  # noqa: E731
+    tp_runs = [i for i, r in enumerate(runs) if r.layout.tp > 1] if has_plain else []
     for r in range(rounds):
         predicted = [run.predict(profile).leaves for run in runs]
         changes: dict[str, float] = {}
@@ -214,12 +234,24 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
             if meas > floor and pred > 0:
                 changes[name] = getattr(profile, name) * pred / meas
         meas_host, pred_host = total(measured, HOST, every), total(predicted, HOST, every)
-        layer_passes = sum(_passes(run) * run.layout.stage_layers(run.model) / run.layout.vpp for run in runs)
+        layer_passes = sum(_layer_passes(run) for run in runs if every(run))
         if meas_host > floor or profile.layer_overhead_s > 0:
             changes["layer_overhead_s"] = max(0.0, profile.layer_overhead_s + (meas_host - pred_host) / layer_passes)
+        sharded = [i for i, run in enumerate(runs) if dtensor_params(run.layout) and unpaced_any(run)] \
+            if has_plain else []
+        if sharded:
+            meas = sum(measured[i].get("compute/optimizer", 0.0) for i in sharded)
+            pred = sum(predicted[i].get("compute/optimizer", 0.0) for i in sharded)
+            tensors = sum(run_tensors(runs[i]) for i in sharded)
+            changes["dtensor_param_s"] = max(0.0, profile.dtensor_param_s + (meas - pred) / tensors)
+        if tp_runs:
+            gap = sum(runs[i].typical_step_s - sum(predicted[i].values()) for i in tp_runs)
+            changes["tp_overhead_s"] = max(0.0, profile.tp_overhead_s + gap / sum(_layer_passes(runs[i])
+                                                                                 for i in tp_runs))
         links = {}
         for dim in LINK_DIMS:
-            meas, pred = total(measured, f"comm/{dim}", every), total(predicted, f"comm/{dim}", every)
+            meas = total(measured, f"comm/{dim}", lambda r: True)
+            pred = total(predicted, f"comm/{dim}", lambda r: True)
             if meas > floor and pred > 0:
                 links[f"link_{dim}"] = getattr(profile, f"link_{dim}") * pred / meas
         changes.update(links)

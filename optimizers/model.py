@@ -129,8 +129,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     # Host time per pass of each of the rank's chunks and of each of its layers; CUDA graphs launch a
     # block's kernels at once (all of it removed: an upper bound, since the embedding, head and loss
     # stay eager).
-    host = 0.0 if training.cuda_graphs else (v * profile.microbatch_overhead_s
-                                              + layers * profile.layer_overhead_s)
+    per_layer = profile.layer_overhead_s + (profile.tp_overhead_s if layout.tp > 1 else 0.0)
+    host = 0.0 if training.cuda_graphs else v * profile.microbatch_overhead_s + layers * per_layer
     if host:
         stage.fwd["other"] = stage.fwd.get("other", 0.0) + host
         stage.bwd["other"] = stage.bwd.get("other", 0.0) + host
@@ -168,6 +168,9 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
                    units=layers)
     shard = layout.shard_ranks if layout.shard_ranks > 1 else (layout.grad_ranks if layout.zero >= 1 else 1)
     ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
+    if dtensor_params(layout):
+        tensors = model.parameter_tensors(layout.stage_layers(model), first=layout.pp == 1, last=True)
+        ledger.add("compute/optimizer", tensors * profile.dtensor_param_s)
     ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
     if training.checkpoint_s:
         ledger.add("checkpoint", training.checkpoint_s)
@@ -184,6 +187,13 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     return Prediction(step_s=step, tokens_per_s_per_gpu=tps, mfu=model_flops * tps / peak if peak else None,
                       memory=mem, leaves=ledger.leaves, assumptions=assumptions,
                       bubble_fraction=bubble / (pipeline_s + bubble) if p > 1 else 0.0)
+
+
+def dtensor_params(layout: Layout) -> bool:
+    """The parameters the optimizer updates are sharded tensors (DTensors in PyTorch): tensor
+    parallelism's, or FSDP's (a DDP or ZeRO replica holds plain ones).  ``Profile.dtensor_param_s``
+    prices each; it is zero unless a measured run fitted it."""
+    return layout.tp > 1 or layout.shard_ranks > 1
 
 
 def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, links: Links,
@@ -258,6 +268,12 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         # run it) only the last microbatch's backward syncs and reshards: one gather, one
         # reduce-scatter a step.
         reshard = layout.pp == 1 if training.reshard_after_forward is None else training.reshard_after_forward
+        # FSDP2 copies each gathered block out of the gather's buffer into its parameters, and each
+        # block's gradients into the reduce-scatter's buffer: a read and a write of the bytes moved.
+        gathers = (m * (2 if reshard else 1)) if layout.pp == 1 else (2 * m if reshard else 1)
+        scatters = m if layout.pp == 1 else 1
+        copies = 2 * (gathers * weights + scatters * grads)
+        ledger.add("compute/norm_elementwise", copies / (links.system.hbm_Bps * links.profile.memory))
         # Prefetch hides a pass's gathers behind its compute, all but the first unit's.
         fwd_w = min(stage.total("fwd"), gather * (1 - first[0])) if prefetch else 0.0
         bwd_w = stage.total("bwd") if prefetch else 0.0

@@ -62,6 +62,14 @@ class ModelSpec:
             return self.attention_params() + norms + self.dim * self.n_experts, self.n_experts * self.mlp_params()
         return self.attention_params() + self.mlp_params() + norms, 0
 
+    def parameter_tensors(self, layers: float, first: bool = True, last: bool = True) -> float:
+        """Parameter tensors of ``layers`` layers (attention's 4 projections, the MLP's 2 or 3, two
+        norms; a MoE layer's router and its experts' stacked up and down projections) and of the
+        embedding (``first``) or the head and final norm (``last``): what an optimizer loops over."""
+        per_layer = 4 + 2 + ((1 + (2 if self.mlp == "gelu" else 3)) if self.n_experts else
+                             (2 if self.mlp == "gelu" else 3))
+        return layers * per_layer + (1 if first else 0) + ((1 if self.tied_embeddings else 2) if last else 0)
+
     def embedding_params(self) -> int:
         """Token embedding, plus the LM head unless tied; the final norm."""
         return self.vocab_size * self.dim * (1 if self.tied_embeddings else 2) + self.dim

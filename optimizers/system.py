@@ -200,6 +200,12 @@ class Profile:
                      DTensor dispatch) that the device does not hide: zero for the published GPU
                      runs; on a CPU, where every operator is dispatched by the one thread that
                      computes, it grows with the layers a rank runs, not with its microbatches
+    tp_overhead_s    host time per layer and pass that tensor parallelism adds: DTensor propagates
+                     the sharding of every operator of a tensor-parallel layer (and redistributes)
+                     on the thread that launches it; on a CPU it shows inside every operator's time
+    dtensor_param_s  seconds per parameter tensor and optimizer step when the parameters are
+                     DTensors (tensor parallelism, FSDP2's shards): each tensor's update dispatches
+                     through DTensor, not as one fused multi-tensor kernel over plain tensors
     optimizer        fraction of HBM bandwidth the optimizer step reaches: the memory-bound kernels'
                      (``memory``) until a measured run says otherwise -- a fused multi-tensor AdamW
                      and a per-parameter loop over sharded tensors differ by several times
@@ -225,6 +231,8 @@ class Profile:
     microbatch_overhead_s: float = 0.0
     latency_scale: float = 1.0
     layer_overhead_s: float = 0.0
+    tp_overhead_s: float = 0.0
+    dtensor_param_s: float = 0.0
     optimizer: float = 0.7
     link_tp: float = 1.0
     link_cp: float = 1.0
@@ -236,11 +244,12 @@ class Profile:
     FITTED = ("gemm", "gemm_knee", "attention", "memory", "overlap_slowdown")
     LINKS = ("link_tp", "link_cp", "link_dp", "link_ep", "link_pp")
     FIELDS = FITTED + ("scale_up", "scale_out", "microbatch_overhead_s", "latency_scale", "layer_overhead_s",
-                       "optimizer") + LINKS
+                       "tp_overhead_s", "dtensor_param_s", "optimizer") + LINKS
     BOUNDS = {"gemm": (0.2, 1.0), "gemm_knee": (8.0, 4096.0), "attention": (0.1, 1.5),
               "memory": (0.2, 1.0), "scale_up": (0.2, 1.0), "scale_out": (0.2, 1.0),
               "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0), "latency_scale": (1e-3, 1e4),
-              "optimizer": (1e-4, 1.0), "layer_overhead_s": (0.0, 1.0), **{k: (1e-3, 1e3) for k in LINKS}}
+              "optimizer": (1e-4, 1.0), "layer_overhead_s": (0.0, 1.0), "tp_overhead_s": (0.0, 1.0),
+              "dtensor_param_s": (0.0, 1.0), **{k: (1e-3, 1e3) for k in LINKS}}
 
     def values(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.FIELDS}
