@@ -293,6 +293,7 @@ def fit_link_tiers(runs: list[MeasuredRun], profile: Profile) -> tuple[Profile, 
             dim = "dp" if c.dim.startswith("dp") or c.dim not in place else c.dim
             tier_name = place[dim].tier
             tier = getattr(run.system, tier_name)
+            op = tier.runs_as(op)
             steps = 1 if op == "send_recv" else math.ceil(math.log2(c.group_size)) * (2 if op == "all_reduce" else 1)
             rows.setdefault(tier_name, []).append((c.calls, steps * tier.latency_s,
                                                    c.bytes * bus_factor(op, c.group_size) / tier.bandwidth_Bps,

@@ -30,7 +30,8 @@ from .spec import Layout, ModelSpec, Training
 from .system import GB, LinkTier, Profile, System, system
 
 CPU_MEMORY_BPS = 10 * GB
-GLOO = LinkTier("gloo-loopback", 50e-6, 1 * GB, "nominal: gloo over loopback TCP on one host")
+GLOO = LinkTier("gloo-loopback", 50e-6, 1 * GB, "nominal: gloo over loopback TCP on one host",
+                reduce_scatter_as_all_reduce=True)
 
 
 @dataclass(frozen=True)

@@ -214,9 +214,15 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         f_total += layers * ledger.expose("tp", f_ops, window, layers * m)
         b_total += layers * ledger.expose("tp", b_ops, 2 * window, layers * m)
     if layout.cp > 1:
-        kv = tokens * 2 * model.kv_heads * model.head_dim * act * layout.cp  # gathered K and V
-        f_ops = {"all_gather": links.seconds("cp", "all_gather", kv)}
-        b_ops = {"all_gather": f_ops["all_gather"], "reduce_scatter": links.seconds("cp", "reduce_scatter", kv)}
+        # K and V gathered (one collective each) forward; their gradients reduce-scattered
+        # backward (``cp_grad_collective``); gathered again backward by a ring, or by any
+        # implementation that recomputes the forward.
+        half = tokens * model.kv_heads * model.head_dim * act * layout.cp  # K (or V) gathered
+        gather = links.seconds("cp", "all_gather", half, calls=2)
+        f_ops = {"all_gather": gather}
+        b_ops = {training.cp_grad_collective: links.seconds("cp", training.cp_grad_collective, half, calls=2)}
+        if training.cp_regather or layout.recompute != "none":
+            b_ops["all_gather"] = gather
         f_total += layers * ledger.expose("cp", f_ops, stage.attention_fwd_s, layers * m)
         b_total += layers * ledger.expose("cp", b_ops, 2.5 * stage.attention_fwd_s, layers * m)
     if layout.ep > 1:
@@ -293,19 +299,23 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
             ledger.add("host_bound", passes * m * calls * layout.shard_ranks * KERNEL_LAUNCH_S)
         bwd_gather_w = min(bwd_w, bwd_gather if keep_last else bwd_gather * (1 - first[1])) if reshard else bwd_w
         hide_scatter = prefetch if training.overlap_reduce_scatter is None else training.overlap_reduce_scatter
+        # Each unit's gradients are reduce-scattered once its backward is done, behind the units
+        # still to compute; the last unit's (the first block's, with the root's) has nothing after
+        # it: at most the others' share of the reduce-scatter hides.
+        scatter_w = min(stage.total("bwd"), scatter * (1 - 1 / calls)) if hide_scatter else 0.0
         if layout.pp == 1:
             ledger.expose("dp", {"all_gather": gather}, fwd_w, m)
             if hide_scatter == prefetch:
                 ledger.expose("dp", {"all_gather": bwd_gather if reshard else 0.0, "reduce_scatter": scatter},
-                              min(bwd_w, scatter + bwd_gather_w) if reshard else bwd_w, m)
+                              min(bwd_w, scatter_w + (bwd_gather_w if reshard else 0.0)), m)
             else:
                 ledger.expose("dp", {"all_gather": bwd_gather if reshard else 0.0}, bwd_gather_w, m)
-                ledger.expose("dp", {"reduce_scatter": scatter}, stage.total("bwd") if hide_scatter else 0.0, m)
+                ledger.expose("dp", {"reduce_scatter": scatter}, scatter_w, m)
         else:
             ledger.expose("dp", {"all_gather": gather}, fwd_w, m if reshard else 1)
             if reshard:
                 ledger.expose("dp", {"all_gather": bwd_gather}, bwd_gather_w, m)
-            ledger.expose("dp", {"reduce_scatter": scatter}, stage.total("bwd") if hide_scatter else 0.0, 1)
+            ledger.expose("dp", {"reduce_scatter": scatter}, scatter_w, 1)
         if layout.dp_replicate > 1:
             reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.shard_ranks)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)

@@ -231,7 +231,10 @@ class Training:
     the recomputed forward and once more for its backward (per-module hooks, DeepSpeed's ZeRO-3);
     FSDP2 gathers a block once for both.  ``fp8_gather``: under float8 training FSDP gathers the
     linear weights already cast to float8, 1 byte each (torchao's float8 all-gather).
-    ``fp8_recipe``: torchao's float8 scaling, ``tensorwise`` or ``rowwise``.  ``checkpoint_s``:
+    ``fp8_recipe``: torchao's float8 scaling, ``tensorwise`` or ``rowwise``.  ``cp_regather``:
+    context parallelism sends K and V again in backward (a ring does; an all-gather that keeps
+    them does not, unless the forward is recomputed); ``cp_grad_collective``: what carries their
+    gradients back (the reference trainer's all-gather is undone by an all-to-all).  ``checkpoint_s``:
     seconds a step the training thread is blocked saving checkpoints -- a measured run's
     ``checkpoint`` leaf, carried as measured (the model has no storage term); the async-save fix
     replaces it by the staging an async save keeps."""
@@ -258,6 +261,8 @@ class Training:
     recompute_regathers: bool = False
     fp8_gather: bool = False
     fp8_recipe: str = "tensorwise"
+    cp_regather: bool = True
+    cp_grad_collective: str = "reduce_scatter"
     scatter_gather_sends: bool = False
     checkpoint_s: float = 0.0
 
@@ -281,7 +286,7 @@ class Training:
                    reshard_after_forward=opts.reshard_after_forward,
                    grad_bucket_bytes=opts.ddp_bucket_mb * 2**20 if opts.ddp_bucket_mb else None,
                    keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")),
-                   async_tp=opts.async_tp)
+                   async_tp=opts.async_tp, cp_regather=False, cp_grad_collective="all_to_all")
 
     @property
     def activation_bytes(self) -> int:

@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import pytest
 
-from mfuscope.analyzers.bubbles import theory
 from mfuscope.optimizers import calibrate, planner, presets, published
 from mfuscope.optimizers.cost import comm
 from mfuscope.optimizers.cost.compute import Gemm, layer_gemms, shape_efficiency, stage_compute
@@ -255,21 +254,27 @@ def test_a_power_cap_slows_compute_by_the_cube_root():
 
 # ----------------------------------------------------------------------------- pipeline
 
-@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)])
-def test_the_bubble_is_the_schedules_theory(schedule, v):
-    """With compute known and ideal links, the predicted bubble is the schedule's theory and the
-    step is the pipeline's time over (1 - bubble).  (Links of unbounded bandwidth: the sends of
-    the fill and drain would add their bytes / bandwidth.)"""
+#: p=4 stages, m=8 microbatches, F=10, B=12, W=8 ms a microbatch on a rank: the bubble's idle
+#: seconds a step by each schedule's closed form, worked by hand -- GPipe and 1F1B (Huang et al.
+#: 2019; Narayanan et al. 2021): (p-1) T with T = F+B+W = 30 ms; interleaved with v chunks
+#: (Narayanan et al. 2021, sec. 2.2): (p-1) T / v; zero bubble ZB-H1 per chunk (Qi et al. 2023):
+#: (p-1)(F+B-W) / v.  The step is m T plus that idle time.
+BUBBLES_BY_HAND = [("gpipe", 1, 3 * 30e-3), ("1f1b", 1, 3 * 30e-3), ("interleaved_1f1b", 2, 3 * 30e-3 / 2),
+                   ("zero_bubble", 2, 3 * (10e-3 + 12e-3 - 8e-3) / 2)]
+
+
+@pytest.mark.parametrize("schedule, v, idle", BUBBLES_BY_HAND, ids=[b[0] for b in BUBBLES_BY_HAND])
+def test_the_bubble_is_the_schedules_closed_form(schedule, v, idle):
+    """With compute known and ideal links, the predicted bubble and step are the schedule's
+    (:data:`BUBBLES_BY_HAND`).  (Links of unbounded bandwidth: the sends of the fill and drain
+    would add their bytes / bandwidth.)"""
     s = ideal_system()
     s = replace(s, scale_up=replace(s.scale_up, bandwidth_Bps=math.inf))
-    f, b, w = 0.010, 0.012, 0.008
     layout = Layout(pp=4, vpp=v, micro_batch=1, microbatches=8, schedule=schedule)
-    p = predict(replace(TOY, n_layers=8), layout, Training(seq_len=1024), s, IDEAL, known_phases=(f, b, w))
-    zb = schedule == "zero_bubble"
-    expected = theory(4, 8, v, schedule, (f, b, w) if zb else (f, b + w, 0.0))
-    assert p.bubble_fraction == pytest.approx(expected, rel=1e-3)
-    work = 8 * (f + b + w)
-    assert p.step_s - p.leaves["compute/optimizer"] == pytest.approx(work / (1 - expected), rel=1e-3)
+    p = predict(replace(TOY, n_layers=8), layout, Training(seq_len=1024), s, IDEAL,
+                known_phases=(10e-3, 12e-3, 8e-3))
+    assert p.step_s - p.leaves["compute/optimizer"] == pytest.approx(8 * 30e-3 + idle, rel=1e-6)
+    assert p.bubble_fraction == pytest.approx(idle / (8 * 30e-3 + idle), rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- published runs

@@ -90,18 +90,19 @@ def test_cuda_graphs_are_proposed_for_a_host_bound_gpu_run_without_fsdp():
     assert fixes.cuda_graphs(moe) == []  # per-expert split sizes go to the host
 
 
-def test_cuda_graphs_take_the_host_time_out_of_the_predicted_step():
-    """The host's time per microbatch pass (calibrated on a run) is booked once per forward and
-    once per backward of each microbatch: 2 m x overhead a step, which graphs remove."""
-    from mfuscope.optimizers.model import predict
-    from mfuscope.optimizers.system import Profile
+def test_cuda_graphs_take_the_measured_host_time_out_of_the_predicted_step():
+    """A GPU run whose device waits 0.2 s of its 1 s step on the host's launches: calibrated on
+    that run, the cost model predicts the CUDA-graphs change (which replays each block without
+    launches) to gain exactly the measured host time."""
+    from mfuscope.optimizers.calibrate import fit_runs
 
-    lay, overhead = Layout(micro_batch=2, microbatches=4), 0.003
-    training = Training(seq_len=512, dtype="bf16")
-    profile = Profile(microbatch_overhead_s=overhead)
-    eager = predict(MODEL, lay, training, system("H100"), profile)
-    graphs = predict(MODEL, lay, replace(training, cuda_graphs=True), system("H100"), profile)
-    assert eager.step_s - graphs.step_s == pytest.approx(2 * lay.microbatches * overhead, rel=1e-9)
+    lay = Layout(dp_replicate=2, micro_batch=2, microbatches=4)
+    run = _run(lay, {"compute/gemm": 0.8, "host_bound": 0.2}, on_gpu=True, dp_mode="ddp")
+    profile = fit_runs([run])
+    (change,) = fixes.cuda_graphs(run)
+    eager = run.predict(profile)
+    graphs = run.predict(profile, change.layout, replace(change.training, compiled=False))
+    assert eager.step_s - graphs.step_s == pytest.approx(0.2, rel=1e-3)
 
 
 def test_the_trainer_refuses_cuda_graphs_it_cannot_capture():

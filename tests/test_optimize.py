@@ -157,13 +157,13 @@ def test_optimize_refuses_to_apply_to_a_trace_directory(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
-def test_fuse_elementwise_compiles_for_real_and_its_predicted_gain_holds(tmp_path):
+def test_fuse_elementwise_compiles_for_real_and_runs_what_it_predicted(tmp_path):
     """One eager rank of tiny_dense: norm and elementwise work is a large part of its step, so
     ``fuse_elementwise`` proposes torch.compile (not mfuscope's kernels: a CPU runs their PyTorch
     references, nothing fused).  Applied, it runs as a new run whose own trace shows inductor's
-    compiled regions, whose manifest shows what was predicted, and whose measured gain is the
-    predicted one within 25% (or 5% of the step): the elementwise leaf's predicted drop comes from
-    the run's own measured elementwise time (group-by-group calibration)."""
+    compiled regions and whose manifest reads back as the configuration predicted; the best run
+    is kept.  (Not in the paced lane, so no duration is asserted here: the predicted-gain check on
+    real reruns is test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds.)"""
     import gzip
     import os
 
@@ -193,6 +193,5 @@ def test_fuse_elementwise_compiles_for_real_and_its_predicted_gain_holds(tmp_pat
         if row["measured_step_s"] > summary["base_step_s"]:  # reported, and its run not the one kept
             assert "slower" in row["note"] and summary["final"]["run"] != row["run"], row
         assert "ran otherwise" not in row["note"], row
-        assert abs(row["predicted_gain"] - row["measured_gain"]) <= max(0.25 * abs(row["measured_gain"]), 0.05), row
     fastest = min([summary["base_step_s"]] + [f["measured_step_s"] for f in rows.values()])
     assert summary["final"]["measured_step_s"] == pytest.approx(fastest)  # the best run is kept

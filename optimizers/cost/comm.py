@@ -70,6 +70,7 @@ def collective_seconds(op: str, size_bytes: float, n: int, tier: LinkTier, effic
     send/recv) and the tier's bandwidth."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
+    op = tier.runs_as(op)
     steps = 1 if op == "send_recv" else math.ceil(math.log2(n)) * (2 if op == "all_reduce" else 1)
     return (steps * tier.latency_s * latency_scale
             + size_bytes * bus_factor(op, n) / (tier.bandwidth_Bps * efficiency))
