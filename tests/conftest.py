@@ -37,7 +37,7 @@ def _isolated_cache(tmp_path_factory):
 
 # --------------------------------------------------------------------------- runs several modules read
 # Made once per session, the first time a test asks (tests/shared_runs.py says what each is).
-SHARED = {"run_3d", "torchrun_run", "optimized_gpipe", "health_run"}
+SHARED = {"run_3d", "torchrun_run", "optimized_gpipe", "health_run", "paced_pipelines"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -74,6 +74,13 @@ def optimized_gpipe(shared_runs_dir):
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.tests import shared_runs
     return shared_runs.optimized_gpipe(shared_runs_dir / "optimize")
+
+
+@pytest.fixture(scope="session")
+def paced_pipelines(shared_runs_dir):
+    pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+    from mfuscope.tests import shared_runs
+    return shared_runs.paced_pipelines(shared_runs_dir / "pipelines")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,9 @@ that changes a run copies it first).
   traces.  Read by test_trainer_runs, test_dashboard.
 - ``optimized_gpipe``: a poor paced pipeline start and ``mfuscope optimize --apply`` on it (3
   rounds).  Read by test_optimize, test_dashboard.
+- ``paced_pipelines``: 4 pipeline stages paced per sample (40/80 ms forward/backward), 8 layers,
+  3 steps traced: 1F1B at 4 microbatches, GPipe at 8, interleaved 1F1B at 4 and 8.  Read by
+  test_cost_model_runs (the model's mechanism check) and test_analyzers (the measured bubble).
 - ``health_run``: 8 forked ranks, 100 paced steps, no traces, two fail-slow faults (a compute delay
   on rank 5 from step 60, rank 6's data-parallel links slow from step 30).  Read by test_health,
   test_dashboard.
@@ -86,6 +89,34 @@ def health_run(root: Path) -> Path:
     config = root / "micro1.toml"
     config.write_text(micro_config(n_layers=1, global_batch=8, grad_accum=1))
     return train_forked(root / "health8", HEALTH_WORLD, config=str(config), **HEALTH_RUN)
+
+
+#: :func:`paced_pipelines`: stages, forward and backward ms per sample a layer chunk, sequences a
+#: step; (schedule, v, microbatches) of each run.  1F1B and GPipe share their bubble's theory: one
+#: of each, at 4 and 8 microbatches; interleaving at both.
+PIPE_STAGES, PIPE_FWD_MS, PIPE_BWD_MS, PIPE_BATCH = 4, 40.0, 80.0, 8
+PIPELINES = [("1f1b", 1, 4), ("gpipe", 1, 8), ("interleaved_1f1b", 2, 4), ("interleaved_1f1b", 2, 8)]
+
+
+def paced_pipelines(root: Path) -> dict[tuple[str, int], tuple[Path, dict]]:
+    """Each of :data:`PIPELINES` on 4 forked ranks, paced per sample (``per=sample``: the step's
+    work stays constant as the microbatch count changes, as on a device), traced from step 1,
+    analyzed (``report.json`` written): {(schedule, microbatches): (run, report)}."""
+    from mfuscope.analyzers import overview, trace_set
+
+    out = {}
+    for schedule, _, m in PIPELINES:
+        config = root / f"micro8-m{m}.toml"
+        root.mkdir(parents=True, exist_ok=True)
+        config.write_text(micro_config(n_layers=8, global_batch=PIPE_BATCH, grad_accum=1, microbatches=m))
+        run = train_forked(root / f"{schedule}-m{m}", PIPE_STAGES, config=str(config), layout=f"pp={PIPE_STAGES}",
+                           schedule=schedule, steps=3, window="1:", microbatches=m,
+                           paced=f"fwd_ms={PIPE_FWD_MS:g},bwd_ms={PIPE_BWD_MS:g},per=sample")
+        report = overview.build_report(trace_set.load(run, use_cache=False).events, source=str(run), files=[],
+                                       run=run)
+        (run / "report.json").write_text(json.dumps(report))
+        out[(schedule, m)] = (run, report)
+    return out
 
 
 #: ``mfuscope train`` of :func:`torchrun_run`: tensor and data parallel, no trace window.

@@ -292,20 +292,24 @@ def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
 
 
 @pytest.mark.paced
-def test_pipeline_bubbles_follow_1f1b_theory(tmp_path):
-    """1F1B on 4 paced stages: the measured bubble is the theory (p-1)/(m+p-1) of the pipeline's time,
-    plus at most what the theory leaves out, a latency per point-to-point hop.
+def test_pipeline_bubbles_follow_their_theory(paced_pipelines):
+    """4 paced stages (the session's shared pipeline runs: 1F1B at 4 microbatches, GPipe at 8, whose
+    bubble has the same theory): the measured bubble is the theory (p-1)/(m+p-1) of the pipeline's
+    time, plus at most what the theory leaves out, a latency per point-to-point hop.
 
-    The critical path of 1F1B is m+p-1 forward and m+p-1 backward stage times, each handed on by
-    one send/receive; on a loaded 2-core machine a woken rank can wait up to HOP_S for a core, which
-    lengthens the step by 2(m+p-1)*HOP_S, all of it spent waiting.  The paced stage time t = fwd+bwd
-    dominates the tiny model's own compute, so the bounds are [0.8 theory, theory with the hops]."""
-    p, fwd, bwd, hop_s = 4, 0.100, 0.200, 0.015
-    t = fwd + bwd
+    The critical path is m+p-1 forward and m+p-1 backward stage times, each handed on by one
+    send/receive; on a loaded 2-core machine a woken rank can wait up to HOP_S for a core, which
+    lengthens the step by 2(m+p-1)*HOP_S, all of it spent waiting.  The paced stage time t (forward
+    and backward of the microbatch's samples) dominates the tiny model's own compute, so the bounds
+    are [0.8 theory, theory with the hops]."""
+    from .shared_runs import PIPE_BATCH, PIPE_BWD_MS, PIPE_FWD_MS, PIPE_STAGES
+
+    p, hop_s = PIPE_STAGES, 0.015
     fractions = {}
-    for m in (4, 12):
-        _, report = _run(tmp_path, f"pp4_m{m}", "pp=4", world=4, microbatches=m, steps=3,
-                         paced=f"fwd_ms={fwd * 1e3:g},bwd_ms={bwd * 1e3:g}", overrides={"global_batch": m})
+    for schedule, m in (("1f1b", 4), ("gpipe", 8)):
+        out, report = paced_pipelines[(schedule, m)]
+        _assert_leaves_add_up(out, report, p)
+        t = (PIPE_FWD_MS + PIPE_BWD_MS) / 1e3 * PIPE_BATCH / m
         b = report["bubbles"][0]
         assert b["theory_fraction"] == pytest.approx(theory(p, m))
         hops = 2 * (m + p - 1) * hop_s
@@ -321,7 +325,7 @@ def test_pipeline_bubbles_follow_1f1b_theory(tmp_path):
             said = f"{b['bubble_fraction']:.0%} of the pipeline's time (theory {b['theory_fraction']:.0%}"
             assert said in more[0]["title"]
             assert more[0]["evidence"]["share_of_step"] == b["share_of_step"]
-    assert fractions[4] > fractions[12]
+    assert fractions[4] > fractions[8]
 
 
 @pytest.mark.parametrize("schedule, v, rate", [

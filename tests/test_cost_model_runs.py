@@ -19,45 +19,24 @@ from pathlib import Path
 
 import pytest
 
-from mfuscope.analyzers import overview, trace_set
 from mfuscope.optimizers import calibrate, measured
 from mfuscope.optimizers.model import predict
 from mfuscope.optimizers.spec import Layout, ModelSpec
 from mfuscope.optimizers.system import Profile
 
 from . import real_compute
-from .helpers import WAKE_S, micro_config
+from .helpers import WAKE_S
+from .shared_runs import PIPE_BATCH, PIPE_BWD_MS, PIPE_FWD_MS, PIPE_STAGES, PIPELINES
 
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 #: Wall time is what these tests assert: make test runs them in its paced lane (tests/lanes.py).
 pytestmark = pytest.mark.paced
 
-from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.train import run_rank  # noqa: E402
-from mfuscope.trainer_options import TrainerOptions  # noqa: E402
 
-P, FWD_MS, BWD_MS, GLOBAL_BATCH = 4, 40.0, 80.0, 8
+P, FWD_MS, BWD_MS, GLOBAL_BATCH = PIPE_STAGES, PIPE_FWD_MS, PIPE_BWD_MS, PIPE_BATCH
 
 
-def _train(tmp_path, name, schedule, m):
-    config = tmp_path / "micro.toml"
-    config.write_text(micro_config(n_layers=8, global_batch=GLOBAL_BATCH, grad_accum=1, microbatches=m))
-    out = tmp_path / name
-    fork_ranks(run_rank, P, TrainerOptions(config=str(config), layout=f"pp={P}", schedule=schedule, steps=3,
-                                       window="1:", out=str(out), microbatches=m,
-                                       paced=f"fwd_ms={FWD_MS:g},bwd_ms={BWD_MS:g},per=sample"))
-    events = trace_set.load(out, use_cache=False).events
-    report = overview.build_report(events, source=str(out), files=[], run=out)
-    (out / "report.json").write_text(json.dumps(report))
-    return out, report
-
-
-#: 1F1B and GPipe share their bubble's theory: one of each, at 4 and 8 microbatches (the suite's
-#: budget); interleaving at both.
-LAYOUTS = [("1f1b", 1, 4), ("gpipe", 1, 8), ("interleaved_1f1b", 2, 4), ("interleaved_1f1b", 2, 8)]
-
-
-def test_mechanism_pipeline_schedules_on_paced_runs(tmp_path):
+def test_mechanism_pipeline_schedules_on_paced_runs(paced_pipelines):
     """Mechanism check.  1F1B, GPipe and interleaved 1F1B at 4 and 8 microbatches: step time and bubble predicted
     from the layout alone, then measured, within 15% each.
 
@@ -67,11 +46,11 @@ def test_mechanism_pipeline_schedules_on_paced_runs(tmp_path):
     (1F1B, m=4) and then held fixed: the other three runs are predictions, not fits."""
     model = ModelSpec(n_layers=8, dim=32, n_heads=2, ffn_dim=64, vocab_size=64)
     profile = None
-    for schedule, v, m in LAYOUTS:
+    for schedule, v, m in PIPELINES:
         b = GLOBAL_BATCH // m
         layout = Layout(pp=P, vpp=v, micro_batch=b, microbatches=m, schedule=schedule, sequence_parallel=False)
         phases = (v * FWD_MS / 1e3 * b, v * BWD_MS / 1e3 * b, 0.0)
-        out, report = _train(tmp_path, f"{schedule}-m{m}", schedule, m)
+        out, report = paced_pipelines[(schedule, m)]
         run = measured.load(out)
         assert run.known_phases == pytest.approx(phases)
         assert run.layout == layout, run.layout
