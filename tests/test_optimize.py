@@ -80,7 +80,8 @@ def _overlap_over_a_slow_link(base: Path, *options: str) -> tuple[Path, dict, Pa
 
 @pytest.mark.paced
 def test_prefetch_hides_a_slow_links_gathers_as_predicted(tmp_path):
-    """FSDP over a slow data-parallel link (0.04 Gbit/s: each block's 148 KB gather takes 30 ms)
+    """Mechanism check (paced compute, an injected link: the model's own alpha-beta form).  FSDP
+    over a slow data-parallel link (0.04 Gbit/s: each block's 148 KB gather takes 30 ms)
     with 40/80 ms of paced compute per block: unprefetched, every gather waits in the open.  The
     overlap fix turns on explicit prefetch; the gathers then hide behind the block before them,
     all but each pass's first, while the reduce-scatters (blocking on a CPU) stay exposed."""
@@ -100,9 +101,10 @@ def test_prefetch_hides_a_slow_links_gathers_as_predicted(tmp_path):
 
 @pytest.mark.paced
 def test_smaller_ddp_buckets_hide_a_slow_links_all_reduce_as_predicted(tmp_path):
-    """DDP over the same slow link: the tiny model's 0.7 MB of gradients fit one 25 MiB bucket, all
-    reduced after the backward (145 ms a step).  Buckets of one layer start reducing the last
-    layers' gradients while the first layers' are computed; the last bucket stays exposed."""
+    """Mechanism check (as above).  DDP over the same slow link: the tiny model's 0.7 MB of
+    gradients fit one 25 MiB bucket, all reduced after the backward (145 ms a step).  Buckets of
+    one layer start reducing the last layers' gradients while the first layers' are computed; the
+    last bucket stays exposed."""
     base, fix, kept = _overlap_over_a_slow_link(tmp_path / "ddp", "--dp-mode", "ddp")
     assert set(fix["change"]) == {"ddp_bucket_mb"} and fix["moved"].startswith("comm/dp/all_reduce")
     assert json.loads((kept / "manifest.json").read_text())["trainer"]["ddp_bucket_mb"] == float(
