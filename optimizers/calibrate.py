@@ -212,46 +212,47 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
     floor = 0.01 * sum(r.typical_step_s for r in runs)
     fitted: set[str] = set()
 
-    def total(leaves_list, prefix_or_names, which) -> float:
-        names = (prefix_or_names,) if isinstance(prefix_or_names, str) else prefix_or_names
-        return sum(v for i, leaves in enumerate(leaves_list) if which(runs[i])
-                   for k, v in leaves.items() if any(k == n or k.startswith(n + "/") for n in names))
+    def total(leaves_list, names: tuple[str, ...], which: list[int]) -> float:
+        """Seconds of the leaves named (or under the names) in runs ``which``."""
+        return sum(v for i in which for k, v in leaves_list[i].items()
+                   if any(k == n or k.startswith(n + "/") for n in names))
 
     profile, tiers = fit_link_tiers(runs, profile)
     # A tensor-parallel run's operators carry DTensor's dispatch inside their time: the rates and the
     # host time are fitted on the runs without tp where there are any, and what a tp run spends
-    # beyond them is tp's own host term (tp_overhead_s).
-    has_plain = any(r.known_phases is None and r.layout.tp == 1 for r in runs)
-    unpaced = lambda r: r.known_phases is None and (r.layout.tp == 1 or not has_plain)  # noqa: E731
-    unpaced_any = lambda r: r.known_phases is None  # noqa: E731
-    every = lambda r: r.layout.tp == 1 or not has_plain  # noqa: E731
-    tp_runs = [i for i, r in enumerate(runs) if r.layout.tp > 1] if has_plain else []
+    # beyond them is tp's own host term (tp_overhead_s), what its sharded optimizer spends beyond
+    # them per parameter tensor dtensor_param_s.  Paced runs (compute known) fit no rate.
+    everyone = list(range(len(runs)))
+    plain = [i for i in everyone if runs[i].layout.tp == 1]
+    unpaced = [i for i in everyone if runs[i].known_phases is None]
+    has_plain = any(i in unpaced for i in plain)
+    rate_runs = [i for i in unpaced if i in plain] if has_plain else unpaced
+    host_runs = plain if has_plain else everyone
+    tp_runs = [i for i in everyone if i not in plain] if has_plain else []
+    sharded = [i for i in unpaced if dtensor_params(runs[i].layout)] if has_plain else []
     for r in range(rounds):
         predicted = [run.predict(profile).leaves for run in runs]
         changes: dict[str, float] = {}
         for name, leaf in RATES.items():
-            meas, pred = total(measured, leaf, unpaced), total(predicted, leaf, unpaced)
+            meas, pred = total(measured, (leaf,), rate_runs), total(predicted, (leaf,), rate_runs)
             if meas > floor and pred > 0:
                 changes[name] = getattr(profile, name) * pred / meas
-        meas_host, pred_host = total(measured, HOST, every), total(predicted, HOST, every)
-        layer_passes = sum(_layer_passes(run) for run in runs if every(run))
+        meas_host, pred_host = total(measured, HOST, host_runs), total(predicted, HOST, host_runs)
         if meas_host > floor or profile.layer_overhead_s > 0:
+            layer_passes = sum(_layer_passes(runs[i]) for i in host_runs)
             changes["layer_overhead_s"] = max(0.0, profile.layer_overhead_s + (meas_host - pred_host) / layer_passes)
-        sharded = [i for i, run in enumerate(runs) if dtensor_params(run.layout) and unpaced_any(run)] \
-            if has_plain else []
         if sharded:
-            meas = sum(measured[i].get("compute/optimizer", 0.0) for i in sharded)
-            pred = sum(predicted[i].get("compute/optimizer", 0.0) for i in sharded)
+            meas = total(measured, ("compute/optimizer",), sharded)
+            pred = total(predicted, ("compute/optimizer",), sharded)
             tensors = sum(run_tensors(runs[i]) for i in sharded)
             changes["dtensor_param_s"] = max(0.0, profile.dtensor_param_s + (meas - pred) / tensors)
         if tp_runs:
             gap = sum(runs[i].typical_step_s - sum(predicted[i].values()) for i in tp_runs)
-            changes["tp_overhead_s"] = max(0.0, profile.tp_overhead_s + gap / sum(_layer_passes(runs[i])
-                                                                                 for i in tp_runs))
+            layer_passes = sum(_layer_passes(runs[i]) for i in tp_runs)
+            changes["tp_overhead_s"] = max(0.0, profile.tp_overhead_s + gap / layer_passes)
         links = {}
         for dim in LINK_DIMS:
-            meas = total(measured, f"comm/{dim}", lambda r: True)
-            pred = total(predicted, f"comm/{dim}", lambda r: True)
+            meas, pred = total(measured, (f"comm/{dim}",), everyone), total(predicted, (f"comm/{dim}",), everyone)
             if meas > floor and pred > 0:
                 links[f"link_{dim}"] = getattr(profile, f"link_{dim}") * pred / meas
         changes.update(links)

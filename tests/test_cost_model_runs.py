@@ -78,7 +78,7 @@ def real_runs(tmp_path_factory):
 def test_link_tiers_fit_is_the_weighted_least_squares_of_the_calls(real_runs):
     """The links' latency and bandwidth fitted to every collective two real runs timed equal an
     independent weighted least-squares solve (numpy's) of per-call time on latency steps and bus bytes."""
-    np = pytest.importorskip("numpy")
+    import numpy as np
     runs = [measured.load(real_runs[n]) for n in ("tp=2", "dp_shard=2")]
     profile, fitted = calibrate.fit_link_tiers(runs, Profile())
     assert fitted == {"latency_scale", "scale_up"}
