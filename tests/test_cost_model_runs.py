@@ -121,7 +121,7 @@ def test_unpaced_cpu_runs_are_predicted_from_two_of_them(real_runs, tmp_path):
         error = row["predicted_step_s"] / row["measured_step_s"] - 1
         print(f"{name:<12} measured {row['measured_step_s'] * 1e3:6.1f} ms, predicted "
               f"{row['predicted_step_s'] * 1e3:6.1f} ms ({error:+.0%})")
-        if abs(error) > real_compute.TARGET.get(name, 0.20):
+        if abs(error) > real_compute.TARGET[name]:
             misses[name] = f"{error:+.0%}"
     assert not misses, misses
     bad = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate", str(tmp_path / "nothing")],
