@@ -14,6 +14,10 @@ find such episodes and say who caused them:
   time from the last member's arrival to its completion, summed per group and step.  Groups that
   slow down together are one episode, and the ranks they share name the culprit: every dp group
   holding rank 6 slowed, and only those, is rank 6's link.
+- **cpu-contention**: a compute-slow rank whose training thread, in those steps, waited for a CPU
+  (the kernel's run-queue delay, ``cpu_wait_ns`` in the step table) longer than its peers did, by
+  at least half the episode's cost: its host is oversubscribed (data-loader workers, too many
+  threads, another job on the node), not its device or its share of the work.
 - **host**: the step got longer for every rank and neither explains it (a checkpoint save, a shared
   loader, a synchronized GC).  A stall on one rank only makes its peers wait for it, so it reads as
   that rank compute-slow; the traces' findings tell a loader or GC stall from compute where the
@@ -71,7 +75,8 @@ def analyze(run: str | Path) -> dict[str, Any] | None:
     run = Path(run)
     if not (run / run_dir.STEPS).exists():
         return None
-    steps = run_dir.read_table(run, run_dir.STEPS).select(["rank", "step", "start_ns", "end_ns"]).to_pandas()
+    steps = run_dir.read_table(run, run_dir.STEPS).select(["rank", "step", "start_ns", "end_ns",
+                                                           "cpu_wait_ns"]).to_pandas()
     comm = None
     if (run / run_dir.COMM).exists():
         comm = run_dir.read_table(run, run_dir.COMM).select(_COMM_COLUMNS).to_pandas()
@@ -79,8 +84,8 @@ def analyze(run: str | Path) -> dict[str, Any] | None:
 
 
 def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float = MIN_SHARE) -> dict[str, Any]:
-    """Episodes and rank scores from the step rows (rank, step, start_ns, end_ns) and the
-    collective rows (:data:`_COMM_COLUMNS`) of a run."""
+    """Episodes and rank scores from the step rows (rank, step, start_ns, end_ns, and cpu_wait_ns
+    where the run recorded it) and the collective rows (:data:`_COMM_COLUMNS`) of a run."""
     steps = steps[steps["step"] >= WARMUP_STEPS]
     if steps["step"].nunique() < MIN_RUN:
         return _empty(f"fewer than {MIN_RUN} steps after the first {WARMUP_STEPS} (warm-up)")
@@ -125,6 +130,7 @@ def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float =
         e["cost_s"] = float(np.minimum(step_excess.reindex(e["_steps"]).to_numpy(), signal).sum())
         e["slow_steps"] = len(e.pop("_steps"))
         e["cost_per_step_s"] = e["cost_s"] / e["slow_steps"]
+    _name_cpu_contention(episodes, steps, step_ids)
     episodes.sort(key=lambda e: -e["cost_s"])
     return {
         "episodes": episodes,
@@ -335,6 +341,27 @@ def _merge(episodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for d, s in (e.get("own_delay_s_by_dim") or {}).items():
                 same["own_delay_s_by_dim"][d] = same["own_delay_s_by_dim"].get(d, 0.0) + s
     return out
+
+
+def _name_cpu_contention(episodes: list[dict[str, Any]], steps: pd.DataFrame, step_ids: np.ndarray) -> None:
+    """Give each compute-slow episode the CPU wait its ranks had beyond their peers' median in its
+    steps (``cpu_wait_s``), and re-class it ``cpu_contention`` where that covers half its cost."""
+    if "cpu_wait_ns" not in steps or steps["cpu_wait_ns"].isna().all():
+        return
+    wait = steps.pivot_table(index="rank", columns="step", values="cpu_wait_ns", aggfunc="max") / 1e9
+    wait = wait.reindex(columns=step_ids).fillna(0.0)
+    extra = (wait - leave_one_out_median(wait.to_numpy())).clip(lower=0.0)
+    for e in episodes:
+        if e["class"] != "compute_slow":
+            continue
+        in_steps = [s for s in range(e["onset_step"], e["end_step"] + 1) if s in extra.columns]
+        e["cpu_wait_s"] = float(extra.loc[extra.index.isin(e["ranks"]), in_steps].to_numpy().sum())
+        if e["cost_s"] > 0 and e["cpu_wait_s"] >= 0.5 * e["cost_s"]:
+            e["class"] = "cpu_contention"
+            e["why"] = (f"rank(s) {', '.join(map(str, e['ranks']))}: the training thread waited "
+                        f"{e['cpu_wait_s']:.2f} s for a CPU in these steps beyond its peers (the kernel's run "
+                        "queue): the host is oversubscribed -- data-loader workers, too many threads, another "
+                        "process on its cores -- not the device")
 
 
 # ---------------------------------------------------------------- rank scores

@@ -6,9 +6,15 @@ as the step's time, as the user experiences them.  On GPU a CUDA event at each
 boundary also gives the device's view of the step; events are converted when
 rows are flushed, never on the critical path.  Loss tensors are kept as they
 are and read at flush time for the same reason (``.item()`` would sync).
+
+Each row also carries the training thread's run-queue delay over the step (``cpu_wait_ns``): time
+it was ready to run but waited for a CPU.  A rank that is slow because its host is oversubscribed
+(data-loader workers, too many threads, another job on the node) shows it there, which is how the
+health analysis tells such a rank from one whose device or work is slow.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -37,6 +43,26 @@ class DeviceClock:
         return self._ref_ns + int(self._ref.elapsed_time(event) * 1e6)
 
 
+class RunQueueDelay:
+    """The calling thread's cumulative run-queue delay (ns) from ``/proc/thread-self/schedstat``
+    (its second field); ``read()`` is None where the kernel has no such file.  The file is read
+    through one descriptor, a few microseconds a step."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> int | None:
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+
 class StepTimer:
     def __init__(self, rank: int, clock: DeviceClock | None = None):
         self.rank = rank
@@ -44,6 +70,8 @@ class StepTimer:
         self.step = 0
         self._start_ns: int | None = None
         self._start_event = None
+        self._run_queue = RunQueueDelay()
+        self._start_wait: int | None = None
         self.rows: list[dict] = []
 
     @property
@@ -55,21 +83,25 @@ class StepTimer:
         previous one ended)."""
         self._start_ns = time.time_ns()
         self._start_event = self.clock.event() if self.clock else None
+        self._start_wait = self._run_queue.read()
 
     def end(self, tokens: int | None = None, loss: Any = None) -> int:
         """Close the current step; returns its index."""
         now = time.time_ns()
+        wait = self._run_queue.read()
         if self._start_ns is None:  # nobody marked the start: an empty first step, not a made-up one
-            self._start_ns = now
+            self._start_ns, self._start_wait = now, wait
         if hasattr(loss, "to_local"):  # a replicated DTensor loss (loss parallel): its local value is the loss
             loss = loss.to_local()
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
         end_event = self.clock.event() if self.clock else None
         self.rows.append({"rank": self.rank, "step": self.step, "start_ns": self._start_ns, "end_ns": now,
-                          "tokens": tokens, "loss": loss, "events": (self._start_event, end_event)})
+                          "tokens": tokens, "loss": loss, "events": (self._start_event, end_event),
+                          "cpu_wait_ns": (wait - self._start_wait if wait is not None and self._start_wait is not None
+                                          else None)})
         self.step += 1
-        self._start_ns, self._start_event = now, end_event
+        self._start_ns, self._start_event, self._start_wait = now, end_event, wait
         return self.step - 1
 
     def take_rows(self) -> list[dict]:

@@ -89,7 +89,7 @@ def step_trend(per_step: list[dict[str, Any]]) -> go.Figure:
 
 
 #: Episode classes' colours on the health figure.
-HEALTH_COLORS = {"compute_slow": "#d6604d", "comm_slow": "#4393c3", "host": "#8c6bb1"}
+HEALTH_COLORS = {"compute_slow": "#d6604d", "comm_slow": "#4393c3", "host": "#8c6bb1", "cpu_contention": "#e08214"}
 HEALTH_POINTS = 4000  # steps drawn at most on the health figure (SVG stays responsive)
 
 

@@ -56,6 +56,9 @@ STEPS_SCHEMA = pa.schema([
     ("start_ns", pa.int64()), ("end_ns", pa.int64()),
     ("tokens", pa.int64()), ("loss", pa.float64()),
     ("device_time_ns", pa.int64()),   # null where no device timer ran (CPU)
+    # the training thread's time runnable but waiting for a CPU during the step (the kernel's
+    # run-queue delay, /proc/thread-self/schedstat); null off Linux and in runs written before it
+    ("cpu_wait_ns", pa.int64()),
 ])
 
 COMM_SCHEMA = pa.schema([
@@ -85,6 +88,10 @@ CHECKPOINTS_SCHEMA = pa.schema([
     ("rank", pa.int32()), ("step", pa.int32()), ("mode", pa.string()),
     ("start_ns", pa.int64()), ("blocking_ns", pa.int64()), ("background_ns", pa.int64()),
 ])
+
+#: Columns added to a table after its first release: a run directory written before them reads
+#: them as null rather than failing.
+ADDED_COLUMNS = {STEPS: {"cpu_wait_ns"}}
 
 TABLE_SCHEMAS = {STEPS: STEPS_SCHEMA, COMM: COMM_SCHEMA, NVML: NVML_SCHEMA, MEMORY: MEMORY_SCHEMA,
                  CHECKPOINTS: CHECKPOINTS_SCHEMA}
@@ -197,7 +204,7 @@ def write_table(run_dir: str | Path, name: str, table: pa.Table, schema: pa.Sche
     schema = schema or TABLE_SCHEMAS[name]
     path = Path(run_dir) / name
     try:
-        table = table.select(schema.names).cast(schema)
+        table = _with_added_columns(table, schema, name.split("/")[0]).select(schema.names).cast(schema)
     except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise ValueError(f"{name} does not fit its schema: {e}") from None
     atomic.write_parquet(path, table)
@@ -212,9 +219,9 @@ def read_table(run_dir: str | Path, name: str) -> pa.Table:
     try:
         if path.is_dir():
             parts = sorted(p for p in path.glob("*.parquet") if not p.name.startswith("."))
-            table = pa.concat_tables([_read_part(p, schema) for p in parts]) if parts else schema.empty_table()
+            table = pa.concat_tables([_read_part(p, schema, name) for p in parts]) if parts else schema.empty_table()
         else:
-            table = pq.read_table(path)
+            table = _with_added_columns(pq.read_table(path), schema, name)
     except FileNotFoundError:
         raise UserInputError(f"no {name} in this run directory", path.parent) from None
     except (OSError, pa.ArrowException) as e:
@@ -225,9 +232,16 @@ def read_table(run_dir: str | Path, name: str) -> pa.Table:
     return table.select(schema.names).cast(schema)
 
 
-def _read_part(path: Path, schema: pa.Schema) -> pa.Table:
+def _with_added_columns(table: pa.Table, schema: pa.Schema, name: str) -> pa.Table:
+    """``table`` with the columns added since it was written (:data:`ADDED_COLUMNS`) as nulls."""
+    for column in sorted(ADDED_COLUMNS.get(name, set()) - set(table.schema.names)):
+        table = table.append_column(schema.field(column), pa.nulls(len(table), schema.field(column).type))
+    return table
+
+
+def _read_part(path: Path, schema: pa.Schema, name: str) -> pa.Table:
     try:
-        table = pq.read_table(path)
+        table = _with_added_columns(pq.read_table(path), schema, name)
         return table.select(schema.names).cast(schema)
     except KeyError as e:
         raise UserInputError(f"missing column {e}", path) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from mfuscope import run_dir
@@ -58,6 +59,11 @@ def test_run_tables_cast_to_contract(tmp_path):
     run_dir.write_table(tmp_path, run_dir.STEPS, steps)
     back = run_dir.read_table(tmp_path, run_dir.STEPS)
     assert back.schema == run_dir.STEPS_SCHEMA and back.column("end_ns").to_pylist() == [20, 22]
+    # a column added after the first release (cpu_wait_ns) reads as null from a run written without it
+    assert back.column("cpu_wait_ns").to_pylist() == [None, None]
+    (tmp_path / "old").mkdir()
+    pq.write_table(steps, tmp_path / "old" / run_dir.STEPS)
+    assert run_dir.read_table(tmp_path / "old", run_dir.STEPS).column("cpu_wait_ns").null_count == 2
     with pytest.raises(ValueError, match="steps.parquet"):
         run_dir.write_table(tmp_path, run_dir.STEPS, pa.table({"rank": [0]}))
 

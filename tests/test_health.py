@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from mfuscope import run_dir
 from mfuscope.analyzers import health
 from mfuscope.tests.helpers import micro_config
 from mfuscope.tests.shared_runs import HEALTH_COMPUTE, HEALTH_LINK, mfuscope, train_forked
@@ -127,6 +128,28 @@ def test_a_slowdown_that_passes_within_a_second_is_not_an_episode():
         ("compute_slow", [3], 50, 74)]
 
 
+def test_a_rank_slow_from_waiting_for_a_cpu_is_named_cpu_contention():
+    """Rank 2 computes 30 ms more from step 40 and its training thread waited 28 ms of each of
+    those steps for a CPU (its run-queue delay; peers ~0.2 ms): cpu-contention, the wait summed in
+    the episode.  Rank 1 computes 25 ms more from step 20 with no such wait: compute-slow."""
+    steps, comm = _job(compute={2: {s: 30 * MS for s in range(40, 100)},
+                                1: {s: 25 * MS for s in range(20, 100)}})
+    rng = np.random.default_rng(1)
+    wait = rng.uniform(0.1, 0.3, len(steps)) * MS
+    wait[(steps["rank"] == 2).to_numpy() & (steps["step"] >= 40).to_numpy()] += 28 * MS
+    h = health.of_tables(steps.assign(cpu_wait_ns=(wait * 1e9).astype("int64")), comm)
+    contention = _only(h["episodes"], "cpu_contention", ranks=[2])
+    assert (contention["onset_step"], contention["end_step"]) == (40, 99)
+    # 60 steps x 28 ms, less the peers' median wait (<= 0.3 ms a step)
+    assert contention["cpu_wait_s"] == pytest.approx(60 * 28 * MS, rel=0.02)
+    assert "CPU" in contention["why"]
+    own = _only(h["episodes"], "compute_slow", ranks=[1])
+    assert own["onset_step"] == 20 and own["cpu_wait_s"] < 0.05 * own["cost_s"]
+    # a run written before the column: the same job, both ranks compute-slow
+    plain = health.of_tables(steps, comm)
+    assert sorted(e["ranks"][0] for e in plain["episodes"] if e["class"] == "compute_slow") == [1, 2]
+
+
 def test_too_few_steps_say_why():
     h = health.of_tables(*_job(steps=6))
     assert h["episodes"] == [] and "warm-up" in h["note"]
@@ -179,4 +202,13 @@ def test_a_healthy_run_of_500_steps_flags_under_one_percent(tmp_path):
                        steps=500, paced="fwd_ms=3,bwd_ms=6")
     h = health.analyze(run)
     assert h["steps"] == 500 - health.WARMUP_STEPS
-    assert h["flagged_steps"] < 5, h["episodes"]
+    # The test's own co-tenants (the other lane of ``make test``) can hold a rank off its core for
+    # seconds: that is a real slowdown, which the kernel's run-queue delay shows and the analysis
+    # names cpu-contention.  Everything else flagged is a false positive.
+    contention = [e for e in h["episodes"] if e["class"] == "cpu_contention"]
+    flagged = h["flagged_steps"] - sum(e["slow_steps"] for e in contention)
+    assert flagged < 5, h["episodes"]
+    steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
+    # the run-queue delay was recorded, and is time within the run (a wait can straddle two steps)
+    assert steps["cpu_wait_ns"].notna().all() and (steps["cpu_wait_ns"] >= 0).all()
+    assert steps["cpu_wait_ns"].sum() <= (steps["end_ns"] - steps["start_ns"]).sum()
