@@ -127,11 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("calibrate", help="fit the cost model's efficiencies to measured runs, write hw.json",
-                       description="From a CSV of published runs (fit, then leave-one-source-out) or from one or "
+                       description="From CSVs of published runs (their rows fitted together, then "
+                                   "leave-one-source-out, the held-out error printed per source and per family: "
+                                   "dense/moe, bf16/fp8, device generation) or from one or "
                                    "more measured run directories (each group of leaves its own number, fitted to "
                                    "all the runs at once, from the published profile).")
     p.add_argument("source", type=Path, nargs="+", metavar="SOURCE",
-                   help="calibration.csv-style CSV, or run directories (or their report.json)")
+                   help="calibration.csv-style CSVs, or run directories (or their report.json)")
     p.add_argument("--out", type=Path, default=None, help="where to write the profile (default: ./hw.json)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_calibrate)

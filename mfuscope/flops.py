@@ -9,7 +9,7 @@ Per layer and token:
   (a token attends to half the sequence on average);
 - feed-forward: SwiGLU has three d x ffn matrices (a GPT-style ``mlp: "gelu"``
   spec has two); MoE adds the router (d x E) and runs only the top-k experts a
-  token is routed to;
+  token is routed to, and a shared expert (``shared_ffn_dim``) where the model has one;
 plus the LM head, d x vocab, once per token.  Embedding lookups are free.
 
 Megatron's convention (Narayanan et al. 2021; Korthikanti et al. 2022) counts
@@ -34,9 +34,10 @@ def forward_flops_per_token(spec: dict[str, Any], seq_len: int, causal: bool | N
     experts, top_k = spec.get("n_experts") or 0, spec.get("top_k") or 1
     proj = 2 * (d * heads * hd * 2 + d * kv * hd * 2)
     scores = _attention_core(spec, seq_len, causal)
-    mlp = 2 * (2 if spec.get("mlp") == "gelu" else 3) * d * ffn
+    matrices = 2 if spec.get("mlp") == "gelu" else 3
+    mlp = 2 * matrices * d * ffn
     if experts:
-        mlp = 2 * d * experts + top_k * mlp
+        mlp = 2 * d * experts + top_k * mlp + 2 * matrices * d * (spec.get("shared_ffn_dim") or 0)
     return layers * (proj + scores + mlp) + 2 * d * vocab
 
 

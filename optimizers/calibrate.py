@@ -81,17 +81,43 @@ def fit(cases: list[Case], start: Profile | None = None, rounds: int = 6, grid: 
 
 def leave_one_source_out(cases: list[Case], **fit_args) -> dict[str, dict[str, float]]:
     """Per source: MAPE when fitted on all the other sources (held out) and on all (in sample)."""
+    return _held_out(cases, **fit_args)[0]
+
+
+def families(case: Case) -> tuple[str, str, str]:
+    """The families a row is reported under: dense or MoE, its number format, its device's
+    generation (Ampere, Hopper, Blackwell, ...)."""
+    generation = {"A100": "Ampere", "V100": "Volta", "MI300X": "CDNA3"}.get(case.system.key)
+    if generation is None:
+        generation = "Blackwell" if "B" in case.system.key else "Hopper"
+    return ("moe" if case.model.n_experts else "dense", "fp8" if case.training.dtype == "fp8" else "bf16",
+            generation)
+
+
+def leave_one_source_out_by_family(cases: list[Case], **fit_args) -> tuple[dict, dict]:
+    """(per source, per family) MAPE held out and in sample: each row predicted by the fit on the
+    sources other than its own, then the errors grouped by source and by each of :func:`families`."""
+    return _held_out(cases, **fit_args)
+
+
+def _held_out(cases: list[Case], **fit_args) -> tuple[dict, dict]:
     measured = [c for c in cases if c.measured_tps]
     sources = sorted({c.source for c in measured})
     everything = fit(measured, **fit_args)
-    out = {}
+    out, errors = {}, []  # errors: (case, held-out error, in-sample error)
     for held in sources:
-        rest = [c for c in measured if c.source != held]
         here = [c for c in measured if c.source == held]
-        profile = fit(rest, **fit_args)
+        profile = fit([c for c in measured if c.source != held], **fit_args)
+        errors += [(c, abs(predicted_tps(c, profile) / c.measured_tps - 1),
+                    abs(predicted_tps(c, everything) / c.measured_tps - 1)) for c in here]
         out[held] = {"rows": len(here), "held_out_mape": mape(here, profile),
                      "in_sample_mape": mape(here, everything)}
-    return out
+    by_family: dict[str, dict[str, float]] = {}
+    for tag in sorted({t for c, _, _ in errors for t in families(c)}):
+        mine = [(h, i) for c, h, i in errors if tag in families(c)]
+        by_family[tag] = {"rows": len(mine), "held_out_mape": sum(h for h, _ in mine) / len(mine),
+                          "in_sample_mape": sum(i for _, i in mine) / len(mine)}
+    return out, by_family
 
 
 def groups(leaves: dict[str, float]) -> dict[str, float]:

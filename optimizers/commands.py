@@ -92,13 +92,14 @@ def _mape_table(errors: dict[str, list[float]]) -> str:
 # ----------------------------------------------------------------------------- calibrate
 
 def calibrate(sources: list[Path] | Path, out: Path | None, as_json: bool) -> int:
-    """A CSV of published runs (one), or run directories fitted at once (:func:`calib.fit_runs`)."""
+    """CSVs of published runs (their rows together), or run directories fitted at once
+    (:func:`calib.fit_runs`)."""
     sources = [sources] if isinstance(sources, Path) else list(sources)
     out = out or Path("hw.json")
     if any(s.suffix == ".csv" for s in sources):
-        if len(sources) > 1:
-            raise UserInputError("give one CSV of published runs, or run directories, not both", sources[0])
-        result = _calibrate_published(sources[0])
+        if not all(s.suffix == ".csv" for s in sources):
+            raise UserInputError("give CSVs of published runs, or run directories, not both", sources[0])
+        result = _calibrate_published(sources)
         profile = result.pop("profile")
         fitted = []
     else:
@@ -121,7 +122,11 @@ def calibrate(sources: list[Path] | Path, out: Path | None, as_json: bool) -> in
         print(f"\n{'source':<14} {'rows':>5} {'in-sample MAPE':>15} {'held-out MAPE':>14}")
         for s, r in result["sources"].items():
             print(f"{s:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
-        print("held out: fitted on the other sources only (leave-one-source-out), then predicted")
+        print(f"\n{'family':<14} {'rows':>5} {'in-sample MAPE':>15} {'held-out MAPE':>14}")
+        for f, r in result["families"].items():
+            print(f"{f:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
+        print("held out: fitted on the other sources only (leave-one-source-out), then predicted; a family's "
+              "rows are each predicted by the fit without their own source")
     else:
         print(f"fitted to {len(fitted)} run(s) on {result['device']}, mean |log error| of the step "
               f"{profile.provenance['mean_abs_log_error']:.3f}")
@@ -164,18 +169,23 @@ def _run_json(c: run_prediction.Comparison) -> dict[str, Any]:
                        for k in names}}
 
 
-def _calibrate_published(path: Path) -> dict[str, Any]:
-    cases, skipped = published.load_cases(path)
+def _calibrate_published(paths: list[Path]) -> dict[str, Any]:
+    cases, skipped = [], {}
+    for path in paths:
+        found, not_modelled = published.load_cases(path)
+        cases += found
+        skipped.update({f"{path.name}:{row}": why for row, why in not_modelled.items()})
     cases = [c for c in cases if c.measured_tps]
     if not cases:
-        raise UserInputError("no row can be modelled with a measured throughput", path)
+        raise UserInputError("no row can be modelled with a measured throughput", paths[0])
     _err(f"fitting {len(Profile.FITTED)} numbers to {len(cases)} rows "
          f"({len(skipped)} rows not modelled), then once per held-out source ...")
     profile = calib.fit(cases)
-    sources = calib.leave_one_source_out(cases)
-    profile.provenance.update(source=f"{path.name} ({len(cases)} measured runs: {', '.join(sorted(sources))})",
-                              path=str(path), held_out=sources)
-    return {"profile": profile, "sources": sources, "rows_not_modelled": skipped}
+    sources, families = calib.leave_one_source_out_by_family(cases)
+    names = ", ".join(p.name for p in paths)
+    profile.provenance.update(source=f"{names} ({len(cases)} measured runs: {', '.join(sorted(sources))})",
+                              path=", ".join(str(p) for p in paths), held_out=sources, held_out_by_family=families)
+    return {"profile": profile, "sources": sources, "families": families, "rows_not_modelled": skipped}
 
 
 # ----------------------------------------------------------------------------- analyze --predict

@@ -74,7 +74,7 @@ def spec_dict(model: ModelSpec, causal: bool) -> dict[str, Any]:
     """The model as ``mfuscope.flops`` reads it."""
     return {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads, "n_kv_heads": model.kv_heads,
             "ffn_dim": model.ffn_dim, "vocab_size": model.vocab_size, "n_experts": model.n_experts,
-            "top_k": model.top_k, "mlp": model.mlp, "causal_flops": causal}
+            "top_k": model.top_k, "mlp": model.mlp, "shared_ffn_dim": model.shared_ffn_dim, "causal_flops": causal}
 
 
 class _Ledger:
@@ -226,7 +226,8 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         f_total += layers * ledger.expose("cp", f_ops, stage.attention_fwd_s, layers * m)
         b_total += layers * ledger.expose("cp", b_ops, 2.5 * stage.attention_fwd_s, layers * m)
     if layout.ep > 1:
-        routed = tokens * model.top_k * model.dim * act
+        # each tp rank dispatches its own 1/tp of the tokens (experts are not split over tp)
+        routed = tokens / layout.tp * model.top_k * model.dim * act
         ops = {"all_to_all": 2 * links.seconds("ep", "all_to_all", routed)}
         f_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
         b_total += layers * ledger.expose("ep", ops, 0.0, layers * m)

@@ -8,7 +8,11 @@ stated" and take the defaults below, each the practice of the row's source:
 ======================  ==========================================================
 not stated              default
 ======================  ==========================================================
-ffn_hidden              4 x hidden (GPT); MLP is GELU for GPT/MT-NLG, SwiGLU for Llama
+ffn_hidden              4 x hidden (GPT); the MLP is GELU for the GPT-style families
+                        (GPT, MT-NLG, MPT, BLOOM, OPT), SwiGLU for every other model
+                        (Llama, Mixtral, Qwen, DeepSeek); a MoE row's ``ffn_hidden``
+                        is one expert's, its shared expert read from the notes
+                        ("shared expert of N"); a MoE row without its top-k is refused
 kv_heads                heads (no GQA)
 vocab                   128,256 for Llama 3 (its tokenizer)
 seq_len                 8,192 for torchtitan (its llama3 train configs)
@@ -35,7 +39,9 @@ run as DeepSpeed did in 2021 (``DEEPSPEED_ZERO3``).
 Measured throughput: ``measured_tokens_per_s_per_gpu`` where the source gives
 it; else from the source's own FLOP count -- Narayanan's TFLOP/s through their
 eq. 3 (96 B s l h^2 (1 + s/6h + V/16lh) per iteration), Korthikanti's MFU
-through their 72 B s l h^2 (1 + s/6h + V/12hl) at 312 TFLOP/s.
+through their 72 B s l h^2 (1 + s/6h + V/12hl) at 312 TFLOP/s, and Megatron-Core
+runs' (notes starting "MCore") TFLOP/s or MFU at H100's 989.5 TFLOP/s through
+Megatron-LM's ``num_floating_point_operations`` (:func:`megatron_flops_per_token`).
 """
 from __future__ import annotations
 
@@ -51,6 +57,12 @@ from .system import System, system
 
 LLAMA3_VOCAB = 128_256
 A100_PEAK = 312e12
+#: The H100 bf16 peak Megatron-Core's MoE papers divide by (Liu et al. 2025, Sec 4.1).
+MCORE_H100_PEAK = 989.5e12
+#: Megatron pads the vocabulary to a multiple of this times tp (``--make-vocab-size-divisible-by``).
+MEGATRON_VOCAB_DIVISOR = 128
+#: Model families with a GPT-style GELU MLP; every other family's rows run SwiGLU.
+GELU_FAMILIES = re.compile(r"^(gpt|mt-nlg|mpt|bloom|opt)\b", re.IGNORECASE)
 #: Parameter tensors of a GPT block, each gathered on its own by DeepSpeed's ZeRO-3 of 2021
 #: (``_all_gather`` issued one ``_allgather_param`` per parameter): two LayerNorms' weight and
 #: bias, the QKV and output projections and the two MLP matrices, each with a bias.
@@ -78,8 +90,11 @@ class Case:
 
 
 def source_family(source: str) -> str:
-    """The three calibration sources by name; any other source by its first word."""
+    """The calibration sources by name (torchao's READMEs, which report torchtitan runs, apart from
+    torchtitan's own tables); any other source by its first word."""
     s = source.lower()
+    if s.startswith("pytorch/ao"):
+        return "torchao"
     for key in ("narayanan", "korthikanti", "torchtitan"):
         if key in s:
             return key
@@ -121,7 +136,6 @@ def case(index: int, row: dict[str, str]) -> Case:
     family = source_family(row.get("source", ""))
     notes = row.get("notes", "")
     name = row["model"]
-    llama = name.lower().startswith("llama")
     h, heads = _int(row, "hidden"), _int(row, "heads")
     layers = _int(row, "layers")
     if not (h and heads and layers):
@@ -129,11 +143,15 @@ def case(index: int, row: dict[str, str]) -> Case:
     vocab = _int(row, "vocab") or (LLAMA3_VOCAB if "llama 3" in name.lower() else None)
     if vocab is None:
         raise ValueError("vocabulary not stated")
+    experts = _int(row, "moe_experts") or 0
+    if experts and not _int(row, "moe_topk"):
+        raise ValueError("a mixture of experts without its top-k")
     model = ModelSpec(n_layers=layers, dim=h, n_heads=heads, ffn_dim=_int(row, "ffn_hidden") or 4 * h,
                       vocab_size=vocab, n_kv_heads=_int(row, "kv_heads"),
-                      n_experts=_int(row, "moe_experts") or 0, top_k=_int(row, "moe_topk") or 1,
-                      mlp="swiglu" if llama else "gelu")
-    seq = _int(row, "seq_len") or (8192 if family == "torchtitan" else None)
+                      n_experts=experts, top_k=_int(row, "moe_topk") or 1,
+                      mlp="gelu" if GELU_FAMILIES.match(name) else "swiglu", shared_ffn_dim=_shared_expert(notes))
+    titan = family in ("torchtitan", "torchao")  # torchao's READMEs report torchtitan runs
+    seq = _int(row, "seq_len") or (8192 if titan else None)
     if seq is None:
         raise ValueError("sequence length not stated")
 
@@ -148,7 +166,7 @@ def case(index: int, row: dict[str, str]) -> Case:
     micro = _int(row, "micro_batch")
     local = re.search(r"local batch size (\d+)", notes)
     glob = _int(row, "global_batch")
-    if glob is None and family == "torchtitan":
+    if glob is None and titan:
         per_rank = int(local.group(1)) if local else micro
         glob = per_rank * dp if per_rank else None
     if glob is None:
@@ -159,7 +177,7 @@ def case(index: int, row: dict[str, str]) -> Case:
         raise ValueError(f"global batch {glob} is not a multiple of dp x micro_batch = {dp * micro}")
     zero_text = row.get("zero_stage", "").strip()
     zero = 3 if "fsdp" in zero_text.lower() else _int(row, "zero_stage") or 0
-    fsdp = family == "torchtitan" or zero == 3
+    fsdp = titan or zero == 3
     deepspeed = zero == 3 and "deepspeed" in notes.lower()
     megatron = family in ("narayanan", "korthikanti")
     sp = (row.get("sp", "").strip().lower() == "yes") if megatron else True
@@ -167,7 +185,7 @@ def case(index: int, row: dict[str, str]) -> Case:
     layout = Layout(tp=tp, pp=pp, vpp=vpp, dp_shard=dp if fsdp else 1, dp_replicate=1 if fsdp else dp,
                     cp=cp, ep=ep, micro_batch=micro, microbatches=glob // (dp * micro), schedule=schedule,
                     recompute=_recompute(row, family), sequence_parallel=sp and tp > 1,
-                    zero=0 if fsdp else min(zero, 2))
+                    zero=0 if fsdp else min(zero, 2), expert_folding="w/ folding" in notes.lower())
     dtype = row["dtype_key"] or "bf16"
     training = Training(
         seq_len=seq, dtype="bf16" if dtype == "fp16" else dtype,
@@ -176,7 +194,7 @@ def case(index: int, row: dict[str, str]) -> Case:
         async_tp=bool(re.search(r"async ?tp", notes, re.IGNORECASE)),
         overlap_grad_reduce=not megatron, overlap_p2p=not megatron, scatter_gather_sends=megatron,
         grad_reduce_bytes=2 if megatron or deepspeed else 4,
-        selective_gemm_fraction=0.5 if family == "torchtitan" else 0.0,
+        selective_gemm_fraction=0.5 if titan else 0.0,
         fp8_recipe="rowwise" if "rowwise" in row.get("dtype", "").lower() else "tensorwise",
         fp8_gather=bool(re.search(r"fp8 fsdp all-gather|float8 all-gather", f"{row.get('dtype', '')} {notes}",
                                   re.IGNORECASE)),
@@ -188,7 +206,31 @@ def case(index: int, row: dict[str, str]) -> Case:
     problems = layout.problems(model, seq)
     if problems:
         raise ValueError("; ".join(problems))
-    return Case(index, family, name, model, layout, training, sys, measured_tps(row, family))
+    return Case(index, family, name, model, layout, training, sys, measured_tps(row, family, model, tp))
+
+
+def _shared_expert(notes: str) -> int:
+    found = re.search(r"shared expert of (\d+)", notes)
+    return int(found.group(1)) if found else 0
+
+
+def megatron_flops_per_token(model: ModelSpec, seq_len: int, tp: int = 1) -> float:
+    """Training FLOPs per token as Megatron-LM counts them (``num_floating_point_operations``:
+    12 L h^2 [(1 + g/a + s/h) q/h + (f/h) k r + (f_s/h) r + V/(2 L h)] per token, with q the query
+    projection size, g/a the key-value groups per head, k the routed top-k, r = 3/2 for a gated
+    (SwiGLU) MLP, f_s the shared expert's size and V the vocabulary padded to a multiple of 128 x tp):
+    attention over the full sequence, the router not counted, no recompute."""
+    h, layers = model.dim, model.n_layers
+    q = model.n_heads * model.head_dim
+    gated = 1.5 if model.mlp == "swiglu" else 1.0
+    routed = model.top_k if model.n_experts else 1
+    multiple = MEGATRON_VOCAB_DIVISOR * tp
+    vocab = -(-model.vocab_size // multiple) * multiple
+    return 12 * layers * h * h * (
+        (1 + model.kv_heads / model.n_heads + seq_len / h) * q / h
+        + model.ffn_dim / h * routed * gated
+        + model.shared_ffn_dim / h * gated
+        + vocab / (2 * layers * h))
 
 
 def _recompute(row: dict[str, str], family: str) -> str:
@@ -199,11 +241,15 @@ def _recompute(row: dict[str, str], family: str) -> str:
     return row.get("recompute_key") or "none"
 
 
-def measured_tps(row: dict[str, str], family: str) -> float | None:
-    """Tokens/s per GPU as measured (see the module docstring for the two derived sources)."""
+def measured_tps(row: dict[str, str], family: str, model: ModelSpec | None = None, tp: int = 1) -> float | None:
+    """Tokens/s per GPU as measured (see the module docstring for the derived sources)."""
     stated = _float(row, "measured_tokens_per_s_per_gpu")
     if stated:
         return stated
+    if model is not None and row.get("notes", "").startswith("MCore") and _int(row, "seq_len"):
+        tflops, mfu = _float(row, "measured_tflops_per_gpu"), _float(row, "measured_mfu")
+        achieved = tflops * 1e12 if tflops else mfu * MCORE_H100_PEAK if mfu else None
+        return achieved / megatron_flops_per_token(model, _int(row, "seq_len"), tp) if achieved else None
     layers, h, s, v = (_int(row, k) for k in ("layers", "hidden", "seq_len", "vocab"))
     if not (layers and h and s and v):
         return None

@@ -31,6 +31,7 @@ class ModelSpec:
     top_k: int = 1
     mlp: str = "swiglu"             # "gelu": two d x ffn matrices (GPT, Megatron's papers)
     tied_embeddings: bool = False
+    shared_ffn_dim: int = 0         # a shared expert every token passes through (Qwen2-MoE, DeepSeek)
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelSpec:
@@ -54,20 +55,26 @@ class ModelSpec:
         """One dense MLP (or one expert): three d x ffn matrices for SwiGLU, two for GELU."""
         return (2 if self.mlp == "gelu" else 3) * self.dim * self.ffn_dim
 
+    def shared_mlp_params(self) -> int:
+        """The shared expert's matrices (split over tp as a dense MLP is)."""
+        return (2 if self.mlp == "gelu" else 3) * self.dim * self.shared_ffn_dim
+
     def layer_params(self) -> tuple[int, int]:
         """(parameters every rank of a tensor-parallel group splits, expert parameters) of one layer;
-        the two RMSNorm weights are counted with the first, the router too."""
+        the two RMSNorm weights are counted with the first, the router and a shared expert too."""
         norms = 2 * self.dim
         if self.n_experts:
-            return self.attention_params() + norms + self.dim * self.n_experts, self.n_experts * self.mlp_params()
+            return (self.attention_params() + norms + self.dim * self.n_experts + self.shared_mlp_params(),
+                    self.n_experts * self.mlp_params())
         return self.attention_params() + self.mlp_params() + norms, 0
 
     def parameter_tensors(self, layers: float, first: bool = True, last: bool = True) -> float:
         """Parameter tensors of ``layers`` layers (attention's 4 projections, the MLP's 2 or 3, two
-        norms; a MoE layer's router and its experts' stacked up and down projections) and of the
+        norms; a MoE layer's router, its experts' stacked projections and a shared expert's) and of the
         embedding (``first``) or the head and final norm (``last``): what an optimizer loops over."""
-        per_layer = 4 + 2 + ((1 + (2 if self.mlp == "gelu" else 3)) if self.n_experts else
-                             (2 if self.mlp == "gelu" else 3))
+        matrices = 2 if self.mlp == "gelu" else 3
+        per_layer = 4 + 2 + ((1 + matrices + (matrices if self.shared_ffn_dim else 0)) if self.n_experts else
+                             matrices)
         return layers * per_layer + (1 if first else 0) + ((1 if self.tied_embeddings else 2) if last else 0)
 
     def embedding_params(self) -> int:
@@ -86,7 +93,9 @@ class Layout:
     shard (0: nothing, plain DDP; 1: optimizer state, Megatron's distributed optimizer; 2: and
     gradients).  ``vpp``: model chunks per pipeline rank (interleaved schedules).  ``split``: layers
     per pipeline stage in stage order (pp x vpp of them), as ``--stage-layers`` gives them; empty
-    for an even cut."""
+    for an even cut.  ``expert_folding``: MoE Parallel Folding (Megatron-Core; Liu et al. 2025): the
+    expert-parallel groups are carved out of the tp x cp x data ranks, innermost first, instead of
+    out of the data ranks -- so ``ep`` may exceed dp x cp and an ep group fills the NVLink domain."""
 
     tp: int = 1
     pp: int = 1
@@ -102,6 +111,7 @@ class Layout:
     sequence_parallel: bool = True
     zero: int = 0
     split: tuple[int, ...] = ()
+    expert_folding: bool = False
 
     @property
     def data_ranks(self) -> int:
@@ -176,8 +186,13 @@ class Layout:
             out.append(f"ep={self.ep} on a dense model")
         if model.n_experts and model.n_experts % self.ep:
             out.append(f"ep={self.ep} must divide the {model.n_experts} experts")
-        if (self.data_ranks * self.cp) % self.ep:
-            out.append(f"ep={self.ep} must divide the data x context ranks ({self.data_ranks * self.cp})")
+        if self.expert_folding:
+            if (self.tp * self.cp * self.data_ranks) % self.ep:
+                out.append(f"ep={self.ep} must divide the tensor x context x data ranks "
+                           f"({self.tp * self.cp * self.data_ranks}) it is folded over")
+        elif (self.data_ranks * self.cp) % self.ep:
+            out.append(f"ep={self.ep} must divide the data x context ranks ({self.data_ranks * self.cp}); "
+                       "expert folding (Megatron-Core's MoE Parallel Folding) lifts that")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         elif (self.vpp > 1) != (self.schedule in ("interleaved_1f1b", "zero_bubble", "zbv")):

@@ -96,7 +96,9 @@ def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
         size = getattr(layout, dim)
         out[dim] = place(stride, size)
         stride *= size
-    out["ep"] = place(layout.tp, layout.ep)
+    # Folded expert groups take the ranks innermost first (tp's included); otherwise they are cut
+    # from the data ranks, after tp.
+    out["ep"] = place(1 if layout.expert_folding else layout.tp, layout.ep)
     # The gradient and FSDP groups take the context ranks in (Layout.grad_ranks, shard_ranks): they
     # start right after tp.
     out["dp"] = place(layout.tp, layout.grad_ranks)

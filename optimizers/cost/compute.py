@@ -61,12 +61,17 @@ def layer_gemms(model: ModelSpec, layout: Layout, tokens: float) -> list[Gemm]:
     up = 1 if model.mlp == "gelu" else 2
     if model.n_experts:
         out.append(Gemm("router", tokens, h, model.n_experts))
-        # Experts are not split over tp; ep ranks exchange tokens, so with balanced routing each
-        # GPU's E/ep experts see tokens x top_k rows in all, tokens x top_k x ep / E each.
-        per_expert = tokens * model.top_k * layout.ep / model.n_experts
+        # Experts are not split over tp (expert tensor parallelism 1, Megatron-Core's default), so
+        # the tp ranks split the tokens instead: each routes its own 1/tp of them.  ep ranks exchange
+        # tokens, so with balanced routing each GPU's E/ep experts see tokens/tp x top_k rows in
+        # all, tokens/tp x top_k x ep / E each.
+        per_expert = tokens / t * model.top_k * layout.ep / model.n_experts
         local = model.n_experts / layout.ep
         out += [Gemm("expert_up", per_expert, h, up * model.ffn_dim, local),
                 Gemm("expert_down", per_expert, model.ffn_dim, h, local)]
+        if model.shared_ffn_dim:  # every token, split over tp like a dense MLP
+            out += [Gemm("shared_up", tokens, h, up * model.shared_ffn_dim / t),
+                    Gemm("shared_down", tokens, model.shared_ffn_dim / t, h)]
     else:
         out += [Gemm("mlp_up", tokens, h, up * model.ffn_dim / t), Gemm("mlp_down", tokens, model.ffn_dim / t, h)]
     return out
@@ -90,7 +95,7 @@ def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -
     h, t, hd = model.dim, layout.tp, model.head_dim
     qk = (h + model.kv_heads * hd) / t
     qkv = (h + 2 * model.kv_heads * hd) / t
-    ffn = model.ffn_dim * (model.top_k if model.n_experts else 1) / (1 if model.n_experts else t)
+    ffn = (model.ffn_dim * model.top_k + model.shared_ffn_dim) / t if model.n_experts else model.ffn_dim / t
     per_norm_token = 1.0 / t if layout.sequence_parallel and t > 1 else 1.0
     if training.compiled:
         norms = 2 * 3 * h * per_norm_token
@@ -104,7 +109,7 @@ def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -
         norms = (2 * 7 * h + 2 * 3 * h) * per_norm_token
         rest = 6 * qk + 2 * qkv + (2 if model.mlp == "gelu" else 5) * ffn
     if model.n_experts:
-        rest += 4 * model.top_k * h  # permute and un-permute: read and write each routed copy
+        rest += 4 * model.top_k * h / t  # permute and un-permute: read and write each routed copy
     return norms + rest
 
 

@@ -1,0 +1,123 @@
+"""The cost model on mixture-of-experts rows: Megatron-LM's FLOP convention, experts under tensor
+parallelism, MoE Parallel Folding, shared experts and the MLP each family runs.
+
+Expected values are hand counts: Megatron's formula worked term by term for Mixtral 8x22B
+(the dims its authors' config gives), the GEMM rows a GPU computes from the routing arithmetic,
+and the node a folded expert group lands on from the rank order.
+"""
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+
+from mfuscope.flops import train_flops_per_token
+from mfuscope.optimizers import published
+from mfuscope.optimizers.cost import comm
+from mfuscope.optimizers.cost.compute import layer_gemms
+from mfuscope.optimizers.model import spec_dict
+from mfuscope.optimizers.spec import Layout, ModelSpec
+
+from .helpers import CORPUS
+
+MOE_ROWS = CORPUS / "published" / "calibration_moe_fp8.csv"
+needs_rows = pytest.mark.skipif(not MOE_ROWS.is_file(), reason=f"no {MOE_ROWS} (set MFUSCOPE_CORPUS)")
+
+#: Mixtral 8x22B: 56 layers, hidden 6144, 48 heads in 8 key-value groups, experts of 16384 (SwiGLU),
+#: 8 experts top-2, vocabulary 32000.
+MIXTRAL = ModelSpec(n_layers=56, dim=6144, n_heads=48, n_kv_heads=8, ffn_dim=16384, vocab_size=32000,
+                    n_experts=8, top_k=2)
+
+
+def test_megatrons_flop_count_is_worked_by_hand_for_mixtral():
+    """12 L h^2 [(1 + g/a + s/h) q/h + (f/h) k 3/2 + V/(2 L h)] per token, s = 4096:
+    attention (1 + 8/48 + 4096/6144) = 1.833333; experts 16384/6144 x 2 x 1.5 = 8;
+    logits 32000 / (2 x 56 x 6144) = 0.046503 (32000 is a multiple of 128 x 2: no padding at tp=2);
+    12 x 56 x 6144^2 = 25,367,150,592; x 9.879836 = 2.506233e11."""
+    assert published.megatron_flops_per_token(MIXTRAL, 4096, tp=2) == pytest.approx(2.506233e11, rel=1e-6)
+    # at tp=4 the vocabulary pads to 32256 (a multiple of 512): the logits term grows by 256/32000
+    padded = 25_367_150_592 * (1.833333333 + 8 + 32256 / (2 * 56 * 6144))
+    assert published.megatron_flops_per_token(MIXTRAL, 4096, tp=4) == pytest.approx(padded, rel=1e-8)
+
+
+def test_megatrons_count_is_ours_without_the_router_with_full_attention():
+    """Megatron counts attention over the whole sequence and leaves the router out; mfuscope's
+    count with ``causal=False`` is the same arithmetic plus the router's 6 h E a layer and token --
+    for a GPT layer (Korthikanti's 72 B s L h^2 (1 + s/6h + V/12hL)) and for a shared expert."""
+    ours, _ = train_flops_per_token(spec_dict(MIXTRAL, causal=False), 4096)
+    router = 6 * MIXTRAL.dim * MIXTRAL.n_experts * MIXTRAL.n_layers
+    assert ours - router == pytest.approx(published.megatron_flops_per_token(MIXTRAL, 4096, tp=2), rel=1e-12)
+    gpt = ModelSpec(n_layers=96, dim=12288, n_heads=96, ffn_dim=4 * 12288, vocab_size=51200, mlp="gelu")
+    s, L, h, V = 2048, 96, 12288, 51200
+    assert published.megatron_flops_per_token(gpt, s) == pytest.approx(
+        72 * L * h * h * (1 + s / (6 * h) + V / (12 * h * L)), rel=1e-12)
+    qwen = ModelSpec(n_layers=28, dim=3584, n_heads=28, n_kv_heads=4, ffn_dim=2560, vocab_size=151936,
+                     n_experts=64, top_k=8, shared_ffn_dim=20480)
+    ours, _ = train_flops_per_token(spec_dict(qwen, causal=False), 4096)
+    assert ours - 6 * 3584 * 64 * 28 == pytest.approx(published.megatron_flops_per_token(qwen, 4096), rel=1e-12)
+
+
+@needs_rows
+def test_the_megatron_core_rows_are_read_with_their_convention():
+    """Liu et al.'s Mixtral 8x22B with folding on 128 H100: 487.7 TFLOP/s (its MFU 0.493 x 989.5)
+    over the 2.506233e11 FLOPs a token counted above is 1,945.9 tokens/s per GPU.  The row says "w/ Folding"
+    (its ep=8 groups fold over tp); Qwen2's shared expert of 20480 comes from its notes; Mixtral
+    and Qwen run SwiGLU, MPT a GELU MLP; Llama3-8x70B, whose top-k the paper does not state, is
+    refused with that reason."""
+    cases, skipped = published.load_cases(MOE_ROWS)
+    rows = list(csv.DictReader(io.StringIO(MOE_ROWS.read_text())))
+    folded = next(c for c in cases if c.name == "Mixtral 8x22B" and c.layout.ep == 8 and c.layout.cp == 1
+                  and rows[c.row]["dtype_key"] == "bf16")
+    assert folded.layout.expert_folding and folded.model.mlp == "swiglu"
+    assert folded.measured_tps == pytest.approx(487.7e12 / 2.506233e11, rel=1e-6)
+    qwen = next(c for c in cases if c.name.startswith("Qwen2"))
+    assert qwen.model.shared_ffn_dim == 20480 and qwen.model.mlp == "swiglu"
+    assert {c.model.mlp for c in cases if c.name.startswith("MPT")} == {"gelu"}
+    llama_moe = [i for i, r in enumerate(rows) if r["model"] == "Llama3-8x70B"]
+    assert llama_moe and all("top-k" in skipped[i] for i in llama_moe)
+
+
+def test_experts_split_the_tokens_over_tensor_parallel_ranks():
+    """Experts are not split over tp (expert tensor parallelism 1): each of the 2 tp ranks routes
+    its own half of a 4096-token microbatch, so with ep=4 and 8 experts top-2 a GPU's 2 experts see
+    2048 x 2 x 4 / 8 = 2048 rows each, and its expert GEMMs total 2048 x 2 rows x 3 matrices of
+    6144 x 16384 x 2 FLOPs; the dense projections stay split over tp by columns."""
+    layout = Layout(tp=2, ep=4, dp_replicate=4)
+    gemms = {g.name: g for g in layer_gemms(MIXTRAL, layout, 4096)}
+    up, down = gemms["expert_up"], gemms["expert_down"]
+    assert (up.m, up.count, down.m) == (2048, 2, 2048)
+    assert up.flops + down.flops == pytest.approx(2 * 2048 * 2 * 3 * 6144 * 16384)
+    assert gemms["qkv"].m == 4096 and gemms["qkv"].n == (6144 + 2 * 8 * 128) / 2
+
+
+def test_folded_expert_groups_are_legal_and_stay_in_the_node():
+    """tp=4 x dp=4 with ep=8: the data ranks (4) cannot hold 8 experts' groups, folded over
+    tp x dp (16 ranks) they can; a folded ep group of 8 takes ranks 0-7, one 8-GPU node (NVLink),
+    where the unfolded ep=4 beside tp=4 spans ranks 0, 4, 8, 12: four nodes."""
+    plain = Layout(tp=4, dp_replicate=4, ep=8)
+    assert any("folding" in p for p in plain.problems(MIXTRAL, 4096))
+    folded = Layout(tp=4, dp_replicate=4, ep=8, expert_folding=True)
+    assert folded.problems(MIXTRAL, 4096) == []
+    assert comm.placements(folded, 8)["ep"].tier == "scale_up"
+    assert comm.placements(Layout(tp=4, dp_replicate=4, ep=4), 8)["ep"].tier == "scale_out"
+
+
+@needs_rows
+def test_held_out_error_is_reported_by_family():
+    """Each row is predicted by the fit without its own source; a family's MAPE is the mean of its
+    rows' errors.  Two small sources (Korthikanti's 11 dense bf16 A100 rows, llm-foundry's 11 dense
+    MPT rows on H100, bf16 and FP8) and a short search keep it quick: the Ampere family is exactly
+    Korthikanti's rows held out, Hopper exactly llm-foundry's, and dense is all 22."""
+    from mfuscope.optimizers import calibrate
+
+    cases = [c for c in published.load_cases(CORPUS / "published" / "calibration.csv")[0] if c.source == "korthikanti"]
+    cases += [c for c in published.load_cases(MOE_ROWS)[0] if c.source == "mosaicml"]
+    assert calibrate.families(cases[0]) == ("dense", "bf16", "Ampere")
+    assert {calibrate.families(c)[1] for c in cases[11:]} == {"bf16", "fp8"}
+    sources, families = calibrate.leave_one_source_out_by_family(cases, rounds=1, grid=3)
+    assert families["Ampere"]["held_out_mape"] == pytest.approx(sources["korthikanti"]["held_out_mape"], rel=1e-12)
+    assert families["Hopper"]["held_out_mape"] == pytest.approx(sources["mosaicml"]["held_out_mape"], rel=1e-12)
+    assert families["dense"]["rows"] == 22 and families["dense"]["held_out_mape"] == pytest.approx(
+        (sources["korthikanti"]["held_out_mape"] + sources["mosaicml"]["held_out_mape"]) / 2, rel=1e-12)
+    assert families["fp8"]["rows"] + families["bf16"]["rows"] == 22
