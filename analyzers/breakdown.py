@@ -52,6 +52,7 @@ from mfuscope.event_table import EventTable
 
 from . import intervals as iv
 from . import kernel_kinds
+from .group_sums import grouped
 from .kernel_kinds import kernel_kind  # noqa: F401 (by name alone; dashboard and tests import it from here)
 
 COMPUTE_KINDS = ("gemm", "conv", "attention", "norm_elementwise", "optimizer", "other")
@@ -303,7 +304,8 @@ def per_rank_step(leaves: pd.DataFrame) -> pd.DataFrame:
     if leaves.empty:
         return pd.DataFrame(columns=["rank", "step", "step_s", "wait_s", "busy_s"])
     wait = leaves["leaf"].str.startswith("comm/") | (leaves["leaf"] == "bubble")
-    g = leaves.assign(wait=leaves["seconds"].where(wait, 0.0)).groupby(["rank", "step"])
-    out = g.agg(step_s=("seconds", "sum"), wait_s=("wait", "sum")).reset_index()
+    out = grouped({"rank": leaves["rank"], "step": leaves["step"], "seconds": leaves["seconds"],
+                   "wait": leaves["seconds"].where(wait, 0.0)}, ["rank", "step"],
+                  step_s=("seconds", "sum"), wait_s=("wait", "sum"))
     out["busy_s"] = out["step_s"] - out["wait_s"]
     return out

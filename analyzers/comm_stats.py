@@ -36,6 +36,7 @@ from mfuscope.event_table import EventTable
 from . import breakdown, collective_match, duration_sketch, group_dims
 from . import intervals as iv
 from .duration_sketch import weighted_median
+from .group_sums import grouped
 
 SIZE_BUCKETS = [0, 64 << 10, 1 << 20, 16 << 20, 256 << 20, np.inf]
 BUCKET_NAMES = ["<64KiB", "64KiB-1MiB", "1-16MiB", "16-256MiB", ">=256MiB"]
@@ -258,23 +259,23 @@ def summary_parts(calls: pd.DataFrame, links: Links | None = None) -> dict[str, 
                       "bytes": known, "inflight": calls.get("inflight_ns", calls["dur_ns"]),  # else its own span
                       "exposed": calls.get("exposed_ns", none), "dur": calls["dur_ns"],
                       "group_size": calls["group_size"]})
-    g = c.groupby(ROW_KEYS)
-    out = {"sums": g.agg(count=("op", "size"), bytes=("bytes", "sum"), bytes_n=("bytes", "count"),
-                         inflight=("inflight", "sum"), exposed=("exposed", "sum"),
-                         exposed_n=("exposed", "count")).reset_index()}
+    out = {"sums": grouped(c, ROW_KEYS, count=("op", "size"), bytes=("bytes", "sum"), bytes_n=("bytes", "count"),
+                           inflight=("inflight", "sum"), exposed=("exposed", "sum"),
+                           exposed_n=("exposed", "count"))}
     timed = c[(c["dur"] > 0) & c["bytes"].notna()]
-    out["algbw_exact"] = (timed.assign(value=timed["bytes"] / (timed["dur"] / 1e9))
-                          .groupby([*ROW_KEYS, "value"]).size().rename("n").reset_index())
+    per_value = [*ROW_KEYS, "value"]
+    timed_keys = {k: timed[k] for k in ROW_KEYS}
+    out["algbw_exact"] = grouped({**timed_keys, "value": timed["bytes"] / (timed["dur"] / 1e9)}, per_value,
+                                 n=("value", "size"))
     out.update(_settle(out))
-    out["timed_bytes"] = timed.groupby([*ROW_KEYS, "bytes"]).size().rename("n").reset_index().rename(
-        columns={"bytes": "value"})
-    out["group_size"] = c.groupby([*ROW_KEYS, "group_size"]).size().rename("n").reset_index().rename(
-        columns={"group_size": "value"})
+    out["timed_bytes"] = grouped({**timed_keys, "value": timed["bytes"]}, per_value, n=("value", "size"))
+    out["group_size"] = grouped({**{k: c[k] for k in ROW_KEYS}, "value": c["group_size"]}, per_value,
+                                n=("value", "size"))
     if links is not None:
         ranks = calls["group_ranks"] if "group_ranks" in calls else pd.Series([None] * len(calls), index=calls.index)
         tiers = [links.tier(int(n), r) if pd.notna(n) else None for n, r in zip(c["group_size"], ranks)]
         c = c.assign(tier=[t[0] if t else None for t in tiers], how=[t[1] if t else None for t in tiers])
-        out["tier"] = c.groupby([*ROW_KEYS, "tier", "how"], dropna=False).size().rename("n").reset_index()
+        out["tier"] = grouped(c, [*ROW_KEYS, "tier", "how"], dropna=False, n=("op", "size"))
     return out
 
 

@@ -21,6 +21,7 @@ import pandas as pd
 from mfuscope.event_table import EventTable
 
 from .comm_stats import bus_factor
+from .group_sums import grouped
 
 #: Event kinds counted per step: the work a step launches (not annotations or runtime calls,
 #: whose number follows the profiler's settings).
@@ -32,7 +33,7 @@ def event_counts(events: EventTable) -> pd.DataFrame:
     concatenate; :func:`per_step` sums them)."""
     df = events.to_pandas(["kind", "step"])
     df = df[df["kind"].isin(COUNTED_KINDS)]
-    return df.groupby([df["kind"].astype(str), "step"]).size().rename("count").reset_index()
+    return grouped({"kind": df["kind"].astype(str), "step": df["step"]}, ["kind", "step"], count=("step", "size"))
 
 
 COMM_COUNT_COLUMNS = ["dim", "op", "step", "calls", "bytes", "bus_bytes"]
@@ -48,9 +49,8 @@ def comm_counts(calls: pd.DataFrame) -> pd.DataFrame:
     c = pd.DataFrame({"dim": calls["dim"].astype(str), "op": calls["op"].astype(str), "step": calls["step"],
                       "bytes": calls["bytes"].fillna(0)})
     c["bus_bytes"] = c["bytes"] * [bus_factor(op, int(n)) for op, n in zip(c["op"], calls["group_size"].fillna(1))]
-    out = c.groupby(["dim", "op", "step"]).agg(calls=("bytes", "size"), bytes=("bytes", "sum"),
-                                               bus_bytes=("bus_bytes", "sum")).reset_index()
-    return out[COMM_COUNT_COLUMNS]
+    return grouped(c, ["dim", "op", "step"], calls=("bytes", "size"), bytes=("bytes", "sum"),
+                   bus_bytes=("bus_bytes", "sum"))
 
 
 def per_step(counts: pd.DataFrame, comm: pd.DataFrame, steps: list[int], flops: dict[str, Any],

@@ -40,6 +40,7 @@ from mfuscope.fix_registry import FIXES
 
 from . import breakdown, kernel_kinds, kernel_time
 from . import intervals as iv
+from .group_sums import grouped
 from .kernel_kinds import per_name
 
 #: With this many traced steps or more, a rank's first step is warm-up: findings read the rest.
@@ -417,7 +418,8 @@ def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidencePart
     names = df["name"]
 
     def sums(rows: pd.DataFrame) -> pd.DataFrame:
-        return rows.groupby(rows["name"].astype(str))["dur_ns"].agg(["count", "sum"])
+        return grouped({"name": rows["name"].astype(str), "dur_ns": rows["dur_ns"]}, ["name"],
+                       count=("dur_ns", "count"), sum=("dur_ns", "sum")).set_index("name")
 
     calls = df[kind.isin(["runtime", "driver"])]
     kernels = df[(kind == "kernel") & (df["device"] >= 0)]

@@ -30,6 +30,7 @@ from mfuscope.manifest import Manifest
 
 from . import breakdown, comm_stats, counters, findings, kernel_time, memory, mfu, timeline
 from .context import Context
+from .group_sums import grouped
 
 #: The views' per-rank parts (directories of ``rankNNNNN.parquet`` files, read as one dataset).
 TIMELINE = "timeline.parquet"
@@ -221,5 +222,5 @@ def _comm_ops(events: EventTable) -> pd.DataFrame:
         return pd.DataFrame(columns=["dim", "op", "count", "total_ns", "bytes"])
     df = df.assign(op=df["op"].fillna("unknown"), dim=df["dim"].fillna("unknown"),
                    known_bytes=df["bytes"].where(df["bytes"] >= 0, 0))
-    return df.groupby(["dim", "op"]).agg(count=("dur_ns", "size"), total_ns=("dur_ns", "sum"),
-                                         bytes=("known_bytes", "sum")).reset_index()
+    return grouped(df, ["dim", "op"], count=("dur_ns", "size"), total_ns=("dur_ns", "sum"),
+                   bytes=("known_bytes", "sum"))
