@@ -1,6 +1,6 @@
 """Layout planning time: ``mfuscope plan`` at 1k, 16k and 100k GPUs, wall time and peak memory.
 
-Each size plans Llama 3 70B and 405B on H100s (8 per node) at 8,192 tokens,
+Each size plans Llama 3 70B and 405B, Mixtral 8x7B and DeepSeek-V3 (MoE) on H100s (8 per node) at 8,192 tokens,
 with a global batch of 2 sequences per GPU, in-process: the planner is pure
 Python, so ``time.perf_counter`` (untraced runs) and ``tracemalloc``'s peak (one
 traced run) measure it.
@@ -20,7 +20,7 @@ from mfuscope.optimizers.spec import Training
 from mfuscope.optimizers.system import default_profile, system
 
 SIZES = (1024, 16384, 102400)
-MODELS = ("llama3-70b", "llama3-405b")
+MODELS = ("llama3-70b", "llama3-405b", "mixtral-8x7b", "deepseek-v3")  # dense and MoE
 
 
 def plan_once(model_name: str, gpus: int, trace_memory: bool = False) -> tuple[float, int, int]:

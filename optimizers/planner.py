@@ -15,7 +15,8 @@ What is searched:
   interleaved 1F1B with v = 2 and 4, and ZB-V, when pp > 1;
 - the data ranks as FSDP (dp_shard), HSDP (shards within a node, replicas
   across), or DDP with ZeRO-1 (Megatron's distributed optimizer);
-- ep in powers of two dividing the experts and the data x context ranks (MoE);
+- ep in powers of two dividing the experts and the data x context ranks (MoE), and, folded over
+  tp x cp x data ranks (Megatron-Core's MoE Parallel Folding), dividing those when tp > 1;
 - micro-batch sizes 1, 2, 4, 8 that divide the global batch; recompute none,
   selective, full.
 """
@@ -70,7 +71,7 @@ def describe(layout: Layout) -> str:
     elif layout.dp_replicate > 1:
         parts.append(f"ddp={layout.dp_replicate}" + (f" zero{layout.zero}" if layout.zero else ""))
     if layout.ep > 1:
-        parts.append(f"ep={layout.ep}")
+        parts.append(f"ep={layout.ep}" + (" folded" if layout.expert_folding else ""))
     parts.append(f"mbs={layout.micro_batch}x{layout.microbatches}")
     parts.append(f"recompute={layout.recompute}")
     return " ".join(parts)
@@ -96,14 +97,20 @@ def candidates(model: ModelSpec, gpus: int, gpus_per_node: int, global_batch: in
                 shards = [(1, dp, 0), (dp, 1, 1)]  # FSDP; DDP with ZeRO-1
                 if dp > in_node and dp % in_node == 0 and in_node > 1:
                     shards.append((dp // in_node, in_node, 0))
-            eps = [e for e in _pow2(dp * cp) if model.n_experts and model.n_experts % e == 0] or [1]
-            for (sched, v), (rep, shard, zero), ep, mb, rc in itertools.product(
+            eps = [(e, False) for e in _pow2(dp * cp) if model.n_experts and model.n_experts % e == 0] or [(1, False)]
+            if model.n_experts and tp > 1:
+                # Folded groups start inside tp: only where that is a new layout (more experts' groups
+                # than the data ranks hold) or another placement (the unfolded group leaves the node,
+                # the folded one stays) is it a different plan.
+                eps += [(e, True) for e in _pow2(tp * cp * dp) if model.n_experts % e == 0
+                        and (e > dp * cp or tp * e > gpus_per_node >= e)]
+            for (sched, v), (rep, shard, zero), (ep, folded), mb, rc in itertools.product(
                     schedules, shards, eps, MICRO_BATCHES, recompute):
                 if global_batch % (dp * mb):
                     continue
                 yield Layout(tp=tp, pp=pp, vpp=v, dp_replicate=rep, dp_shard=shard, cp=cp, ep=ep, micro_batch=mb,
                              microbatches=global_batch // (dp * mb), schedule=sched, recompute=rc,
-                             sequence_parallel=tp > 1, zero=zero)
+                             sequence_parallel=tp > 1, zero=zero, expert_folding=folded)
 
 
 def plan(model: ModelSpec, gpus: int, system: System, global_batch: int, training: Training,

@@ -121,3 +121,17 @@ def test_held_out_error_is_reported_by_family():
     assert families["dense"]["rows"] == 22 and families["dense"]["held_out_mape"] == pytest.approx(
         (sources["korthikanti"]["held_out_mape"] + sources["mosaicml"]["held_out_mape"]) / 2, rel=1e-12)
     assert families["fp8"]["rows"] + families["bf16"]["rows"] == 22
+
+
+def test_the_planner_considers_folded_expert_groups():
+    """16 GPUs, tp=4 x dp=4 of a model with 8 experts: unfolded, ep can be 1, 2 or 4 (the data
+    ranks); folded over tp x dp, also 8 -- and ep=4 folded, which stays in an 8-GPU node where the
+    unfolded ep=4 beside tp=4 spans 16 ranks, is a layout of its own.  ep=2 folded is the same
+    placement as unfolded (both in the node): not considered twice."""
+    from mfuscope.optimizers import planner
+    from mfuscope.optimizers.spec import Training
+
+    found = {(lay.ep, lay.expert_folding) for lay in planner.candidates(MIXTRAL, 16, 8, 64, Training(seq_len=4096), 8)
+             if lay.tp == 4 and lay.pp == 1 and lay.cp == 1}
+    assert found == {(1, False), (2, False), (4, False), (4, True), (8, True)}
+    assert "ep=8 folded" in planner.describe(Layout(tp=4, dp_replicate=4, ep=8, expert_folding=True))
