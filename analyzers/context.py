@@ -43,7 +43,9 @@ class SharedColumns(EventTable):
         missing = [c for c in names if c not in self._columns]
         if missing:
             self._columns.update(super().to_pandas(missing).items())
-        return pd.DataFrame({c: self._columns[c] for c in names}, copy=False)
+        # All columns share one index: given, the frame skips aligning each column to the others'.
+        index = self._columns[names[0]].index if names else None
+        return pd.DataFrame({c: self._columns[c] for c in names}, index=index, copy=False)
 
 
 @dataclass(frozen=True, eq=False)

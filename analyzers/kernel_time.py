@@ -13,6 +13,7 @@ import pandas as pd
 from mfuscope.event_table import EventTable
 
 from . import duration_sketch
+from .group_sums import grouped
 
 DEVICE_WORK = ("kernel", "comm", "memcpy", "memset")
 
@@ -48,10 +49,10 @@ def kernel_stats(events: EventTable) -> pd.DataFrame:
     df = _device_work(events)
     if df.empty:
         return pd.DataFrame(columns=KERNEL_STAT_COLUMNS)
-    df = df.assign(name=df["name"].astype(str), kind=df["kind"].astype(str),
-                   bucket=duration_sketch.buckets(df["dur_ns"].to_numpy()))
-    out = df.groupby(["name", "kind", "bucket"])["dur_ns"].agg(count="count", total_ns="sum").reset_index()
-    return out[KERNEL_STAT_COLUMNS]
+    columns = {"name": df["name"].astype(str), "kind": df["kind"].astype(str),
+               "bucket": pd.Series(duration_sketch.buckets(df["dur_ns"].to_numpy()), index=df.index),
+               "dur_ns": df["dur_ns"]}
+    return grouped(columns, ["name", "kind", "bucket"], count=("dur_ns", "count"), total_ns=("dur_ns", "sum"))
 
 
 def combine_stats(frames: list[pd.DataFrame]) -> pd.DataFrame:
