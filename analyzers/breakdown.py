@@ -178,18 +178,36 @@ def _queued(rdf: pd.DataFrame, device: pd.DataFrame) -> tuple[np.ndarray, np.nda
         return None
     gap_start, gap_end = ends[:-1], starts[1:]
     launches = rdf[rdf["kind"].isin(["runtime", "driver"]) & (rdf["correlation"] >= 0)]
-    launched = launches.groupby("correlation")["ts_ns"].min()
-    corr = device["correlation"]
-    at = corr.map(launched).astype("float64")
-    if len(launched):
-        at = at.where(at.notna() | ~((corr >= 0) & (corr < launched.index.min())), -np.inf)
-    # the earliest launch among the activities that start where each gap ends
-    first = at.groupby(device["ts_ns"].to_numpy()).min()
-    next_launch = first.reindex(gap_end).to_numpy()
+    at = _launch_times(launches["correlation"].to_numpy(), launches["ts_ns"].to_numpy(),
+                       device["correlation"].to_numpy())
+    # the earliest launch among the activities that start where each gap ends (NaN: none known)
+    ts = device["ts_ns"].to_numpy()
+    order = np.argsort(ts, kind="stable")
+    at_ts, first_of = np.unique(ts[order], return_index=True)
+    earliest = np.fmin.reduceat(at[order], first_of)
+    where = np.minimum(np.searchsorted(at_ts, gap_end), len(at_ts) - 1)
+    next_launch = np.where(at_ts[where] == gap_end, earliest[where], np.nan)
     waited = next_launch < gap_start  # NaN (launch unknown) compares False
     if not waited.any():
         return None
     return gap_start[waited], gap_end[waited]
+
+
+def _launch_times(launch_corr: np.ndarray, launch_ts: np.ndarray, corr: np.ndarray) -> np.ndarray:
+    """The (earliest) launch time of each correlation id in ``corr``, as float64: NaN where the
+    trace holds no launch of it, -inf where it was launched before the trace began (an id below
+    every launch's)."""
+    at = np.full(len(corr), np.nan)
+    if not len(launch_corr):
+        return at
+    ids, which = np.unique(launch_corr, return_inverse=True)
+    earliest = np.full(len(ids), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(earliest, which, launch_ts)
+    pos = np.minimum(np.searchsorted(ids, corr), len(ids) - 1)
+    found = ids[pos] == corr
+    at[found] = earliest[pos[found]].astype(np.float64)
+    at[~found & (corr >= 0) & (corr < ids[0])] = -np.inf
+    return at
 
 
 #: Host calls that initialize, once: device and context queries, stream/event creation, module
@@ -212,16 +230,22 @@ def _init_and_allocator_calls(calls: pd.DataFrame) -> tuple[pd.DataFrame, pd.Dat
     """(one-time initialization calls, blocking allocator calls) among a rank's runtime and driver
     calls.  The first cudaFree/hipFree is the context-creation idiom (``cudaFree(0)``), so it is
     initialization; first-call launches over :data:`LAZY_LOAD_NS` load their module lazily."""
-    names = calls["name"].astype(str)
-    kinds = {n: ("init" if _INIT_CALL.search(n) else "alloc" if _ALLOCATOR_CALL.search(n)
-                 else "launch" if _LAUNCH_CALL.search(n) else "") for n in names.unique()}
-    kind = names.map(kinds)
+    kind = kernel_kinds.per_name(calls["name"], _call_kind, default="")  # once per distinct name
     init = kind == "init"
-    free = (kind == "alloc") & names.str.contains("Free", regex=False)
-    if free.any():
-        init.loc[calls.loc[free, "ts_ns"].idxmin()] = True
-    init |= (kind == "launch") & (calls["dur_ns"] > LAZY_LOAD_NS)
-    return calls[init], calls[(kind == "alloc") & ~init]
+    free = kind == "free"
+    if free.any():  # the earliest (the first of equals)
+        init[np.flatnonzero(free)[np.argmin(calls["ts_ns"].to_numpy()[free])]] = True
+    init |= (kind == "launch") & (calls["dur_ns"].to_numpy() > LAZY_LOAD_NS)
+    return calls[init], calls[((kind == "alloc") | free) & ~init]
+
+
+def _call_kind(name: str) -> str:
+    """init, free (an allocator call that frees), alloc (the other allocator calls), launch, or ''."""
+    if _INIT_CALL.search(name):
+        return "init"
+    if _ALLOCATOR_CALL.search(name):
+        return "free" if "Free" in name else "alloc"
+    return "launch" if _LAUNCH_CALL.search(name) else ""
 
 
 def blocked_in_comm(events: pd.DataFrame) -> pd.Series:

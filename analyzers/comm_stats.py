@@ -292,8 +292,10 @@ def _settle(parts: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     exact = parts.get("algbw_exact")
     if exact is None or exact.empty:
         return {}
-    total = exact.groupby(ROW_KEYS)["n"].transform("sum")
     sketched = parts.get("algbw")
+    if (sketched is None or sketched.empty) and exact["n"].sum() <= EXACT_LIMIT:
+        return {}  # no row can hold more calls than all rows together (a rank's few: no groupby)
+    total = exact.groupby(ROW_KEYS)["n"].transform("sum")
     has_buckets = (pd.MultiIndex.from_frame(exact[ROW_KEYS]).isin(pd.MultiIndex.from_frame(sketched[ROW_KEYS]))
                    if sketched is not None and len(sketched) else np.zeros(len(exact), dtype=bool))
     move = (total > EXACT_LIMIT).to_numpy() | has_buckets

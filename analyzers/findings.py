@@ -418,7 +418,7 @@ def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidencePart
 
     def sums(rows: pd.DataFrame) -> pd.DataFrame:
         return grouped({"name": rows["name"].astype(str), "dur_ns": rows["dur_ns"]}, ["name"],
-                       count=("dur_ns", "count"), sum=("dur_ns", "sum")).set_index("name")
+                       as_index=True, count=("dur_ns", "count"), sum=("dur_ns", "sum"))
 
     calls = df[kind.isin(["runtime", "driver"])]
     kernels = df[(kind == "kernel") & (df["device"] >= 0)]

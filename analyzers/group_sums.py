@@ -22,13 +22,14 @@ import pandas as pd
 AGGS = ("sum", "count", "size")
 
 
-def grouped(columns: Mapping[str, pd.Series], keys: list[str], dropna: bool = True,
+def grouped(columns: Mapping[str, pd.Series], keys: list[str], dropna: bool = True, as_index: bool = False,
             **aggs: tuple[str, str]) -> pd.DataFrame:
     """``pd.DataFrame(columns).groupby(keys, dropna=dropna).agg(**aggs).reset_index()``.
 
     ``columns``: equal-length Series (or a frame) holding the keys and the aggregated columns;
     ``aggs``: output name -> (column, one of :data:`AGGS`).  A key that is missing (NaN, None)
-    drops its row, or with ``dropna=False`` is a group of its own, sorted last."""
+    drops its row, or with ``dropna=False`` is a group of its own, sorted last.  ``as_index``
+    (one key): the key as the frame's index, as without ``reset_index()``."""
     n = len(columns[keys[0]])
     factors = {k: pd.factorize(columns[k].to_numpy(), sort=True, use_na_sentinel=dropna) for k in keys}
     codes = [factors[k][0] for k in keys]
@@ -46,8 +47,11 @@ def grouped(columns: Mapping[str, pd.Series], keys: list[str], dropna: bool = Tr
         starts = np.empty(0, dtype=np.intp)
     first = order[starts]
     out = {k: _key(columns[k], *factors[k], first) for k in keys}
-    for name, (column, how) in aggs.items():
-        out[name] = _reduce(columns[column], how, order, starts)
+    sums = {name: _reduce(columns[column], how, order, starts) for name, (column, how) in aggs.items()}
+    if as_index:
+        (key,) = keys
+        return pd.DataFrame(sums, index=pd.Index(out[key], name=key))
+    out.update(sums)
     return pd.DataFrame(out)  # of arrays, not Series: no index to align (5x cheaper)
 
 

@@ -30,3 +30,11 @@ def test_grouped_is_pandas_groupby(keys, dropna):
         pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-13)
         exact = [c for c in got if c != "s"]
         pd.testing.assert_frame_equal(got[exact], expected[exact], check_exact=True)
+
+
+def test_grouped_as_index_is_groupby_without_reset_index():
+    rng = np.random.default_rng(1)
+    df = _frame(rng, 9, missing_keys=False, as_str=True)
+    expected = df.groupby(df["dim"])["ival"].agg(["count", "sum"])
+    got = grouped(df, ["dim"], as_index=True, count=("ival", "count"), sum=("ival", "sum"))
+    pd.testing.assert_frame_equal(got, expected, check_column_type=False)
