@@ -12,7 +12,9 @@ ffn_hidden              4 x hidden (GPT); the MLP is GELU for the GPT-style fami
                         (GPT, MT-NLG, MPT, BLOOM, OPT), SwiGLU for every other model
                         (Llama, Mixtral, Qwen, DeepSeek); a MoE row's ``ffn_hidden``
                         is one expert's, its shared expert read from the notes
-                        ("shared expert of N"); a MoE row without its top-k is refused
+                        ("shared expert of N", "K shared experts, each SwiGLU N");
+                        a MoE row without its top-k is refused, and so is a row of
+                        power-limited GPUs whose limit is not stated
 kv_heads                heads (no GQA)
 vocab                   128,256 for Llama 3 (its tokenizer)
 seq_len                 8,192 for torchtitan (its llama3 train configs)
@@ -199,6 +201,8 @@ def case(index: int, row: dict[str, str]) -> Case:
         fp8_gather=bool(re.search(r"fp8 fsdp all-gather|float8 all-gather", f"{row.get('dtype', '')} {notes}",
                                   re.IGNORECASE)),
         **(DEEPSPEED_ZERO3 if deepspeed else {}))
+    if "limit not stated" in row.get("gpu", "").lower():
+        raise ValueError("power-limited GPUs whose limit the source does not state")
     memory = re.search(r"(\d+)\s*GB", row.get("gpu", ""))
     watts = re.search(r"(\d+)\s*W\b", row.get("gpu", ""))
     sys = system(row["gpu_key"], memory_gb=float(memory.group(1)) if memory else None,
@@ -210,8 +214,13 @@ def case(index: int, row: dict[str, str]) -> Case:
 
 
 def _shared_expert(notes: str) -> int:
+    """The shared experts' FFN size in all, as the notes state it: "shared expert of 20480" (Qwen2),
+    "1 shared expert, each SwiGLU 8192" (Llama 4)."""
     found = re.search(r"shared expert of (\d+)", notes)
-    return int(found.group(1)) if found else 0
+    if found:
+        return int(found.group(1))
+    found = re.search(r"(\d+) shared experts?, each SwiGLU (\d+)", notes)
+    return int(found.group(1)) * int(found.group(2)) if found else 0
 
 
 def megatron_flops_per_token(model: ModelSpec, seq_len: int, tp: int = 1) -> float:

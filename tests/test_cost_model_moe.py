@@ -76,6 +76,11 @@ def test_the_megatron_core_rows_are_read_with_their_convention():
     assert {c.model.mlp for c in cases if c.name.startswith("MPT")} == {"gelu"}
     llama_moe = [i for i, r in enumerate(rows) if r["model"] == "Llama3-8x70B"]
     assert llama_moe and all("top-k" in skipped[i] for i in llama_moe)
+    # Llama 4 Scout's "1 shared expert, each SwiGLU 8192"; B200s "power limited (limit not stated)"
+    # cannot be modelled: refused, not scored
+    assert {c.model.shared_ffn_dim for c in cases if c.name.startswith("Llama 4 Scout")} == {8192}
+    capped = [i for i, r in enumerate(rows) if "limit not stated" in r["gpu"]]
+    assert capped and all("power" in skipped[i] for i in capped)
 
 
 def test_experts_split_the_tokens_over_tensor_parallel_ranks():
