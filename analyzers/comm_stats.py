@@ -412,13 +412,13 @@ def overlap_by_rank(events: EventTable) -> pd.DataFrame:
     df = events.to_pandas(["rank", "device", "kind", "ts_ns", "dur_ns"])
     df = df[(df["device"] >= 0) & df["kind"].isin(["kernel", "comm", "memcpy", "memset"])]
     rows = []
-    for rank, rdf in df.groupby("rank"):
-        ends = rdf["ts_ns"] + rdf["dur_ns"]
-        comm = rdf["kind"] == "comm"
-        comp = rdf["kind"] == "kernel"
-        cu = iv.union(rdf["ts_ns"][comm].to_numpy(), ends[comm].to_numpy())
-        ku = iv.union(rdf["ts_ns"][comp].to_numpy(), ends[comp].to_numpy())
-        au = iv.union(rdf["ts_ns"].to_numpy(), ends.to_numpy())
+    starts, ends = df["ts_ns"].to_numpy(), (df["ts_ns"] + df["dur_ns"]).to_numpy()
+    is_comm, is_compute = (df["kind"] == "comm").to_numpy(), (df["kind"] == "kernel").to_numpy()
+    for rank, idx in df.groupby("rank").indices.items():  # positions into the columns: no frame a rank
+        s, e, comm, comp = starts[idx], ends[idx], is_comm[idx], is_compute[idx]
+        cu = iv.union(s[comm], e[comm])
+        ku = iv.union(s[comp], e[comp])
+        au = iv.union(s, e)
         comm_ns, busy_ns, compute_ns = iv.length(cu), iv.length(au), iv.length(ku)
         covered = int(iv.overlap(ku, cu[0], cu[1]).sum()) if comm_ns else 0
         span = int(au[1][-1] - au[0][0]) if busy_ns else 0

@@ -570,19 +570,25 @@ def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans,
     after_sync = 0
     syncs = df[kind.isin(["runtime", "driver"]) & _matches(df["name"], _SYNC_CALL)]
     host = df[kind.isin(["cpu_op", "annotation"])]
-    host_of, syncs_of = dict(tuple(host.groupby("rank"))), dict(tuple(syncs.groupby("rank")))  # one pass each
+    # each rank's rows as positions into the columns (one pass each; no frame a rank)
+    host_of, syncs_of = host.groupby("rank").indices, syncs.groupby("rank").indices
+    host_start = host["ts_ns"].to_numpy()
+    host_end, host_name = host_start + host["dur_ns"].to_numpy(), host["name"].astype(str).to_numpy()
+    sync_done = (syncs["ts_ns"] + syncs["dur_ns"]).to_numpy()
+    none = np.empty(0, dtype=np.intp)
     for rank, parts in waits.items():
         starts = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64)
         ends = np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64)
         if not len(starts):
             continue
         wait = iv.union(starts, ends)
-        mine = host_of.get(rank, host.iloc[0:0])
-        covered = iv.overlap(wait, mine["ts_ns"].to_numpy(), (mine["ts_ns"] + mine["dur_ns"]).to_numpy())
-        for name, ns in pd.Series(covered, index=mine["name"].astype(str).to_numpy()).groupby(level=0).sum().items():
+        mine = host_of.get(rank, none)
+        covered = iv.overlap(wait, host_start[mine], host_end[mine])
+        per_op = grouped({"name": pd.Series(host_name[mine]), "ns": pd.Series(covered)}, ["name"], as_index=True,
+                         ns=("ns", "sum"))["ns"]
+        for name, ns in per_op.items():
             ops[name] = ops.get(name, 0.0) + ns
-        rs = syncs_of.get(rank, syncs.iloc[0:0])
-        done = np.sort((rs["ts_ns"] + rs["dur_ns"]).to_numpy())
+        done = np.sort(sync_done[syncs_of.get(rank, none)])
         if len(done):  # a sync returned in [gap start - 100 us, gap end]
             first = np.searchsorted(done, wait[0] - AFTER_SYNC_NS)
             hit = (first < len(done)) & (done[np.clip(first, 0, len(done) - 1)] <= wait[1])

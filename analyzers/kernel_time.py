@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pandas as pd
 
 from mfuscope.event_table import EventTable
@@ -107,13 +108,15 @@ def launch_stats(events: EventTable) -> pd.DataFrame:
     kernels = df[(kind == "kernel") & (df["device"] >= 0)]
     launches = df[kind.isin(["runtime", "driver"]) & df["name"].str.contains("LaunchKernel", regex=False)]
     rows = []
-    launch_of = dict(tuple(launches.groupby("rank")["dur_ns"]))  # one pass, not a scan per rank
-    for rank, k in kernels.groupby("rank"):
-        lr = launch_of.get(rank, pd.Series(dtype="int64"))
-        small = k["dur_ns"] < SMALL_KERNEL_NS
-        median_kernel, median_launch = float(k["dur_ns"].median()), float(lr.median()) if len(lr) else None
-        small_time = float(k["dur_ns"][small].sum())
-        short_enough = small_time >= LAUNCH_BOUND_TIME_SHARE * max(float(k["dur_ns"].sum()), 1.0)
+    # each rank's rows as positions into the durations: one pass, not a scan (or a frame) per rank
+    launch_of, launch_ns = launches.groupby("rank").indices, launches["dur_ns"].to_numpy()
+    kernel_ns = kernels["dur_ns"].to_numpy()
+    for rank, idx in kernels.groupby("rank").indices.items():
+        k, lr = kernel_ns[idx], launch_ns[launch_of.get(rank, np.empty(0, dtype=np.intp))]
+        small = k < SMALL_KERNEL_NS
+        median_kernel, median_launch = float(np.median(k)), float(np.median(lr)) if len(lr) else None
+        small_time = float(k[small].sum())
+        short_enough = small_time >= LAUNCH_BOUND_TIME_SHARE * max(float(k.sum()), 1.0)
         rows.append({"rank": int(rank), "kernels": int(len(k)), "median_kernel_us": median_kernel / 1e3,
                      "median_launch_us": None if median_launch is None else median_launch / 1e3,
                      "small_kernel_share": float(small.mean()), "small_kernel_s": small_time / 1e9,
