@@ -216,13 +216,13 @@ def classify(rdf: pd.DataFrame, kernels: pd.DataFrame) -> pd.Series:
     out = pd.Series(base, index=kernels.index, dtype=object)
     if kernels.empty or not set(_NEEDED) <= set(rdf.columns) or "correlation" not in kernels.columns:
         return out
+    kinds = rdf["kind"]
+    ops = rdf[(kinds == "cpu_op") & (rdf["dur_ns"] > 0)]
+    if ops.empty:  # before the launches are looked up: without operators they decide nothing
+        return out
     launch = _launches(rdf, kernels["correlation"].to_numpy())
     has = launch["row"] >= 0
     if not has.any():
-        return out
-    kinds = rdf["kind"]
-    ops = rdf[(kinds == "cpu_op") & (rdf["dur_ns"] > 0)]
-    if ops.empty:
         return out
     scopes = rdf[kinds.isin(["cpu_op", "annotation", "python"]) & (rdf["dur_ns"] > 0)]
     n = len(kernels)

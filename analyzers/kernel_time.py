@@ -15,6 +15,7 @@ from mfuscope.event_table import EventTable
 
 from . import duration_sketch
 from .group_sums import grouped
+from .kernel_kinds import per_name
 
 DEVICE_WORK = ("kernel", "comm", "memcpy", "memset")
 
@@ -134,8 +135,7 @@ def graph_activity(events: EventTable) -> dict[str, int]:
     traced steps.  While a graph is captured the host records and the device idles by design,
     which is no steady-state host overhead; a replaying job already launches by graph."""
     df = events.to_pandas(["kind", "name", "step"])
-    api = df[df["kind"].isin(["runtime", "driver"]) & (df["step"] >= 0)]["name"].astype(str)
-    names = pd.Series(api.unique())
-    capture = set(names[names.str.match(_CAPTURE)])
-    replay = set(names[names.str.match(_REPLAY)])
-    return {"captures": int(api.isin(capture).sum()), "replays": int(api.isin(replay).sum())}
+    api = df["name"][(df["kind"].isin(["runtime", "driver"]) & (df["step"] >= 0)).to_numpy()]
+    # each distinct name tested once (per_name), the calls counted under the masks
+    return {"captures": int(per_name(api, lambda n: bool(_CAPTURE.match(n)), default=False).sum()),
+            "replays": int(per_name(api, lambda n: bool(_REPLAY.match(n)), default=False).sum())}

@@ -207,9 +207,10 @@ def _tf32_and_simt_ns(events: EventTable) -> tuple[float, float]:
     k = df[df["kind"] == "kernel"]
     if k.empty:
         return 0.0, 0.0
-    per = k.groupby(k["name"].astype(str))["dur_ns"].sum()
-    tf32 = per[[bool(_TF32_KERNEL.search(n)) for n in per.index]].sum()
-    simt = per[[is_fp32_simt(n) for n in per.index]].sum()
+    # each name tested once (per_name), the integer durations summed under the masks: no groupby
+    dur = k["dur_ns"].to_numpy()
+    tf32 = dur[per_name(k["name"], lambda n: bool(_TF32_KERNEL.search(n)), default=False)].sum()
+    simt = dur[per_name(k["name"], is_fp32_simt, default=False)].sum()
     return float(tf32), float(simt)
 
 
