@@ -141,13 +141,15 @@ def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):
         by_kind = dict(_sets(compute, keys))
         categories += [(f"compute/{k}", by_kind[k]) for k in COMPUTE_KINDS if k in by_kind]
     if len(memory):
-        categories += _sets(memory, pd.Series("memory", index=memory.index))
+        categories += _one_set("memory", memory["ts_ns"].to_numpy(), memory["dur_ns"].to_numpy())
     if len(comm):
         leaves = [_comm_leaf(d, o) for d, o in zip(comm["dim"], comm["op"])]
         categories += _sets(comm, pd.Series(leaves, index=comm.index))
-    host = rdf[(rdf["device"] < 0) & rdf["kind"].isin(["cpu_op", "runtime", "driver"])
-               & ~rdf["name"].str.contains("Synchronize|cudaStreamWaitEvent|hipStreamSynchronize", regex=True)]
-    loading = rdf[rdf["name"].str.contains("DataLoader", regex=False)]
+    # host and loading rows as masks into the rank's columns: their sets need no frame of their own
+    host = ((rdf["device"] < 0) & rdf["kind"].isin(["cpu_op", "runtime", "driver"])
+            & ~rdf["name"].str.contains("Synchronize|cudaStreamWaitEvent|hipStreamSynchronize", regex=True)).to_numpy()
+    loading = rdf["name"].str.contains("DataLoader", regex=False).to_numpy()
+    ts, dur = rdf["ts_ns"].to_numpy(), rdf["dur_ns"].to_numpy()
     idle_split = []
     queued = _queued(rdf, device)
     if queued is not None:
@@ -157,11 +159,16 @@ def _device_plan(rdf: pd.DataFrame, device: pd.DataFrame):
         init, allocator = _init_and_allocator_calls(calls)
         idle_split += [(leaf, _sets(rows, pd.Series(leaf, index=rows.index))[0][1])
                        for leaf, rows in (("one_time_init", init), ("allocator", allocator)) if len(rows)]
-    if len(loading):
-        idle_split += _sets(loading, pd.Series("data_loading", index=loading.index))
-    if len(host):
-        idle_split += _sets(host, pd.Series("host_bound", index=host.index))
+    if loading.any():
+        idle_split += _one_set("data_loading", ts[loading], dur[loading])
+    if host.any():
+        idle_split += _one_set("host_bound", ts[host], dur[host])
     return categories, idle_split
+
+
+def _one_set(leaf: str, ts: np.ndarray, dur: np.ndarray) -> list[tuple[str, tuple[np.ndarray, np.ndarray]]]:
+    """:func:`_sets` of rows that all go to one leaf: their union, without grouping by a constant key."""
+    return [(leaf, iv.union(ts, ts + dur))]
 
 
 def _queued(rdf: pd.DataFrame, device: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
