@@ -113,8 +113,8 @@ def step_plans(events: EventTable) -> Iterator[StepPlan]:
         if steps.empty:
             continue
         plan = rank_plan(rdf, steps)
-        for st in steps.itertuples():
-            yield rank, int(st.step), (int(st.ts_ns), int(st.ts_ns + st.dur_ns)), plan
+        for step, ts, dur in zip(steps["step"].to_numpy(), steps["ts_ns"].to_numpy(), steps["dur_ns"].to_numpy()):
+            yield rank, int(step), (int(ts), int(ts + dur)), plan
 
 
 def rank_plan(rdf: pd.DataFrame, steps: pd.DataFrame) -> list[tuple[str, tuple[np.ndarray, np.ndarray]]]:

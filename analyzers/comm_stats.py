@@ -145,7 +145,7 @@ def calls_from_trace(events: EventTable, world: int | None = None) -> pd.DataFra
     stated = pd.Series([group_dims.group_size_of(groups, int(r), pg) or 0 for r, pg in zip(df["rank"], df["pg"])],
                        index=df.index, dtype="int64")
     sizes = sizes.where(sizes > 0, stated)
-    return pd.DataFrame({
+    return pd.DataFrame(index=df.index, data={  # every column on df's index: given, none is aligned
         "rank": df["rank"], "step": df["step"], "dim": df["dim"].fillna("unknown"), "op": df["op"].fillna("unknown"),
         "bytes": df["bytes"].where(df["bytes"] >= 0), "group_size": sizes.where(sizes > 0, world),
         "group_ranks": df["group_ranks"], "pg": df["pg"], "seq": df["seq"], "enqueue_ns": df["ts_ns"],
