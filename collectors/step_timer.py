@@ -44,9 +44,10 @@ class DeviceClock:
 
 
 class RunQueueDelay:
-    """The calling thread's cumulative run-queue delay (ns) from ``/proc/thread-self/schedstat``
-    (its second field); ``read()`` is None where the kernel has no such file.  The file is read
-    through one descriptor, a few microseconds a step."""
+    """The cumulative run-queue delay (ns) of the thread that created it -- the training thread,
+    which builds the profiling session -- from ``/proc/thread-self/schedstat`` (its second field;
+    the descriptor stays bound to that thread whichever thread reads it); ``read()`` is None where
+    the kernel has no such file.  One descriptor, read in a few microseconds a step."""
 
     def __init__(self) -> None:
         try:
