@@ -101,14 +101,16 @@ class _Ledger:
 
 def predict(model: ModelSpec, layout: Layout, training: Training, system: System,
             profile: Profile | None = None, known_phases: tuple[float, float, float] | None = None,
-            stage_work: tuple[float, ...] | None = None) -> Prediction:
+            stage_work: tuple[float, ...] | None = None,
+            memory: memory_model.Memory | None = None) -> Prediction:
     """The predicted step of ``layout`` (see the module docstring).  Raises ``ValueError`` listing
     the layout's broken rules when it is not legal for ``model``.
 
     ``known_phases``: (F, B, W) seconds of one microbatch on one pipeline rank, when compute time
     is known rather than modelled (the reference trainer's paced mode); booked as
     ``compute/other``, as the analyzers book the paced sleeps.  ``stage_work``: each pipeline
-    rank's compute relative to the busiest; by default its share of the layers."""
+    rank's compute relative to the busiest; by default its share of the layers.  ``memory``: the
+    layout's memory estimate where the caller already made it (the planner)."""
     profile = profile or Profile()
     problems = layout.problems(model, training.seq_len)
     if problems:
@@ -181,12 +183,22 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     tps = global_tokens / step / layout.gpus
     model_flops, _ = train_flops_per_token(spec_dict(model, training.causal), training.seq_len, layout.recompute)
     peak = system.accelerator.peak_flops("bf16")
-    mem = memory_model.estimate(model, layout, training.seq_len, dtype=training.dtype,
-                                device_bytes=system.device_bytes, flash_attention=training.flash_attention)
+    mem = memory or memory_model.estimate(model, layout, training.seq_len, dtype=training.dtype,
+                                          device_bytes=system.device_bytes, flash_attention=training.flash_attention)
     assumptions += list(mem.assumptions)
     return Prediction(step_s=step, tokens_per_s_per_gpu=tps, mfu=model_flops * tps / peak if peak else None,
                       memory=mem, leaves=ledger.leaves, assumptions=assumptions,
                       bubble_fraction=bubble / (pipeline_s + bubble) if p > 1 else 0.0)
+
+
+def compute_bound_s(model: ModelSpec, layout: Layout, training: Training, system: System,
+                    profile: Profile | None = None) -> float:
+    """A lower bound on :func:`predict`'s step: every microbatch's compute on the busiest pipeline
+    rank, with no host time, nothing exposed and no bubble (each of which only adds to the step).
+    The planner ranks by it first and predicts only the layouts it cannot rule out."""
+    stage = stage_compute(model, layout, training, system, profile or Profile(),
+                          layers=layout.stage_layers(model), with_head=True)
+    return layout.microbatches * (stage.total("fwd") + stage.total("bwd"))
 
 
 def dtensor_params(layout: Layout) -> bool:

@@ -140,3 +140,33 @@ def test_the_planner_considers_folded_expert_groups():
              if lay.tp == 4 and lay.pp == 1 and lay.cp == 1}
     assert found == {(1, False), (2, False), (4, False), (4, True), (8, True)}
     assert "ep=8 folded" in planner.describe(Layout(tp=4, dp_replicate=4, ep=8, expert_folding=True))
+
+
+def test_the_planners_bound_ranks_as_predicting_every_layout_would():
+    """The planner predicts layouts in order of their compute bound and stops where the bound falls
+    below its top predictions.  Against the exhaustive ranking (every candidate that fits,
+    predicted, stably sorted): the same layouts in the same order, and no layout's predicted step
+    below its bound -- the property the stopping rule rests on.  Mixtral 8x22B on 32 H100s at 8k
+    tokens, dense and MoE paths both (its attention and experts)."""
+    from mfuscope.optimizers import planner
+    from mfuscope.optimizers.cost import memory as memory_model
+    from mfuscope.optimizers.model import compute_bound_s, predict
+    from mfuscope.optimizers.spec import Training
+    from mfuscope.optimizers.system import default_profile, system
+
+    gpus, batch, h100, profile = 32, 64, system("H100"), default_profile()
+    training = Training(seq_len=8192, compiled=True)
+    scored = []
+    for layout in planner.candidates(MIXTRAL, gpus, 8, batch, training, 8):
+        if layout.problems(MIXTRAL, training.seq_len) or (layout.pp > 1 and layout.microbatches < layout.pp):
+            continue
+        if memory_model.estimate(MIXTRAL, layout, training.seq_len, device_bytes=h100.device_bytes).fits is False:
+            continue
+        pred = predict(MIXTRAL, layout, training, h100, profile)
+        assert compute_bound_s(MIXTRAL, layout, training, h100, profile) <= pred.step_s * (1 + 1e-12)
+        scored.append((pred.tokens_per_s_per_gpu, planner.describe(layout)))
+    assert len(scored) > 100
+    exhaustive = sorted(scored, key=lambda s: -s[0])[:10]
+    result = planner.plan(MIXTRAL, gpus, h100, batch, training, profile, top=10)
+    assert [(p.tokens_per_s_per_gpu, planner.describe(lay)) for lay, p in result.ranked] == exhaustive
+    assert result.rejected["fits but is slower than the top layouts"] == len(scored) - 10
