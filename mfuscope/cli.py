@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp8 (float8 linear layers) or fp32")
+    p.add_argument("--fp8-recipe", default="tensorwise",
+                   help="with --dtype fp8: tensorwise or rowwise (torchao), delayed or current (Transformer Engine), "
+                        "mxfp8 (Blackwell) or blockwise; each its GEMM rate and casts (docs/cost_model.md)")
+    p.add_argument("--fp8-scope", default="all", help="with --dtype fp8: all, linears (dense only) or experts "
+                                                      "(the routed experts' grouped GEMMs only)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--hardware", type=Path, default=None, help="profile from `mfuscope calibrate`")
     p.add_argument("--scaling", metavar="GPUS,...", default=None,
@@ -371,7 +376,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
     return commands.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.global_batch, args.seq_len,
-                         args.dtype, args.top, args.hardware, args.json, args.power_limit_w, args.scaling)
+                         args.dtype, args.top, args.hardware, args.json, args.power_limit_w, args.scaling,
+                         args.fp8_recipe, args.fp8_scope)
 
 
 def cmd_scaling(args: argparse.Namespace) -> int:

@@ -21,8 +21,8 @@ from mfuscope.manifest import Manifest
 from . import calibrate as calib
 from . import measured, planner, presets, published, run_prediction
 from .model import Prediction, predict
-from .spec import Training
-from .system import Profile, default_profile, system
+from .spec import FP8_RECIPES, FP8_SCOPES, Training
+from .system import MICROSCALING, Profile, default_profile, system
 
 PREDICTED = ("predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_mfu",
              "predicted_memory_gib_per_gpu", "fits_memory", "predicted_breakdown", "prediction_error")
@@ -199,7 +199,7 @@ def predict_run_text(run_path: Path, hardware: Path | None) -> str:
 
 def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global_batch: int, seq_len: int,
          dtype: str, top: int, hardware: Path | None, as_json: bool, power_limit_w: float | None = None,
-         scaling: str | None = None) -> int:
+         scaling: str | None = None, fp8_recipe: str = "tensorwise", fp8_scope: str = "all") -> int:
     from . import scaling as scaling_curve
     sizes = scaling_curve.parse_sizes(scaling) if scaling is not None else None
     if gpus < 1 or global_batch < 1 or seq_len < 1 or top < 1 or (gpus_per_node is not None and gpus_per_node < 1):
@@ -209,7 +209,12 @@ def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global
     if dtype not in ("bf16", "fp16", "fp8", "fp32"):
         raise UserInputError(f"--dtype {dtype!r}: bf16, fp16, fp8 or fp32")
     sys_.peak_flops("bf16" if dtype == "fp32" else dtype)  # refuses fp8 on a GPU without it
-    training = Training(seq_len=seq_len, dtype=dtype, compiled=True)
+    if fp8_recipe not in FP8_RECIPES or fp8_scope not in FP8_SCOPES:
+        raise UserInputError(f"--fp8-recipe {fp8_recipe!r} / --fp8-scope {fp8_scope!r}: recipes "
+                             f"{', '.join(FP8_RECIPES)}; scopes {', '.join(FP8_SCOPES)}")
+    if dtype == "fp8" and fp8_recipe == "mxfp8" and sys_.key not in MICROSCALING:
+        raise UserInputError(f"--fp8-recipe mxfp8: {sys_.key} has no MX GEMMs (Blackwell: {', '.join(MICROSCALING)})")
+    training = Training(seq_len=seq_len, dtype=dtype, compiled=True, fp8_recipe=fp8_recipe, fp8_scope=fp8_scope)
     profile = _profile(hardware, sys_.key)
     result = planner.plan(model, gpus, sys_, global_batch, training, profile, top)
     curve = (scaling_curve.predicted(model, gpus, sys_, global_batch, training, profile, sizes)

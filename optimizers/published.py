@@ -55,7 +55,7 @@ from pathlib import Path
 from mfuscope.errors import UserInputError
 
 from .spec import Layout, ModelSpec, Training
-from .system import System, system
+from .system import MICROSCALING, System, system
 
 LLAMA3_VOCAB = 128_256
 A100_PEAK = 312e12
@@ -197,7 +197,7 @@ def case(index: int, row: dict[str, str]) -> Case:
         overlap_grad_reduce=not megatron, overlap_p2p=not megatron, scatter_gather_sends=megatron,
         grad_reduce_bytes=2 if megatron or deepspeed else 4,
         selective_gemm_fraction=0.5 if titan else 0.0,
-        fp8_recipe="rowwise" if "rowwise" in row.get("dtype", "").lower() else "tensorwise",
+        fp8_recipe=fp8_recipe(row.get("dtype", "")), fp8_scope=fp8_scope(row.get("dtype", "")),
         fp8_gather=bool(re.search(r"fp8 fsdp all-gather|float8 all-gather", f"{row.get('dtype', '')} {notes}",
                                   re.IGNORECASE)),
         **(DEEPSPEED_ZERO3 if deepspeed else {}))
@@ -207,10 +207,35 @@ def case(index: int, row: dict[str, str]) -> Case:
     watts = re.search(r"(\d+)\s*W\b", row.get("gpu", ""))
     sys = system(row["gpu_key"], memory_gb=float(memory.group(1)) if memory else None,
                  power_limit_w=float(watts.group(1)) if watts else None)
+    if training.dtype == "fp8" and training.fp8_recipe == "mxfp8" and sys.key not in MICROSCALING:
+        raise ValueError(f"MXFP8 on {sys.key}, which has no MX GEMMs")
     problems = layout.problems(model, seq)
     if problems:
         raise ValueError("; ".join(problems))
     return Case(index, family, name, model, layout, training, sys, measured_tps(row, family, model, tp))
+
+
+def fp8_recipe(dtype: str) -> str:
+    """The float8 recipe a row's dtype names: Transformer Engine's (Megatron's "FP8 delayed
+    scaling", llm-foundry's ``amp_fp8``, whose TE recipe is delayed scaling by default) or
+    torchao's (tensorwise unless it says rowwise or MXFP8)."""
+    text = dtype.lower()
+    for word, recipe in (("mxfp8", "mxfp8"), ("rowwise", "rowwise"), ("current scaling", "current"),
+                         ("block", "blockwise"), ("delayed", "delayed"), ("amp_fp8", "delayed")):
+        if word in text:
+            return recipe
+    return "tensorwise"
+
+
+def fp8_scope(dtype: str) -> str:
+    """Which GEMMs a row runs in float8: all linear layers unless it says only the linears or only
+    the (routed-expert) grouped GEMMs."""
+    text = dtype.lower()
+    if re.search(r"grouped gemms only", text):
+        return "experts"
+    if re.search(r"linears only", text):
+        return "linears"
+    return "all"
 
 
 def _shared_expert(notes: str) -> int:

@@ -207,6 +207,10 @@ class Layout:
         return out
 
 
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "current", "mxfp8", "blockwise")
+FP8_SCOPES = ("all", "linears", "experts")
+
+
 @dataclass(frozen=True)
 class Training:
     """What a step runs besides the layout: the sequence, the number formats, the switches.
@@ -246,7 +250,12 @@ class Training:
     the recomputed forward and once more for its backward (per-module hooks, DeepSpeed's ZeRO-3);
     FSDP2 gathers a block once for both.  ``fp8_gather``: under float8 training FSDP gathers the
     linear weights already cast to float8, 1 byte each (torchao's float8 all-gather).
-    ``fp8_recipe``: torchao's float8 scaling, ``tensorwise`` or ``rowwise``.  ``cp_regather``:
+    ``fp8_recipe``: how float8 GEMMs are scaled (``FP8_RECIPES``): Transformer Engine's ``delayed``
+    or ``current`` per-tensor scaling, torchao's dynamic ``tensorwise`` or ``rowwise``, ``mxfp8``
+    (32-element blocks, Blackwell's tensor cores) or ``blockwise`` (1x128 / 128x128, DeepSeek-V3's);
+    each its own GEMM rate and casts (``cost.compute.FP8_CAST_BYTES``).  ``fp8_scope``: which GEMMs
+    run in float8 -- ``all`` linear layers, the dense ``linears`` only, or the routed ``experts``'
+    grouped GEMMs only (the router and the LM head stay 16-bit).  ``cp_regather``:
     context parallelism sends K and V again in backward (a ring does; an all-gather that keeps
     them does not, unless the forward is recomputed); ``cp_grad_collective``: what carries their
     gradients back (the reference trainer's all-gather is undone by an all-to-all).  ``checkpoint_s``:
@@ -276,10 +285,17 @@ class Training:
     recompute_regathers: bool = False
     fp8_gather: bool = False
     fp8_recipe: str = "tensorwise"
+    fp8_scope: str = "all"
     cp_regather: bool = True
     cp_grad_collective: str = "reduce_scatter"
     scatter_gather_sends: bool = False
     checkpoint_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"float8 recipe {self.fp8_recipe!r}: one of {', '.join(FP8_RECIPES)}")
+        if self.fp8_scope not in FP8_SCOPES:
+            raise ValueError(f"float8 scope {self.fp8_scope!r}: one of {', '.join(FP8_SCOPES)}")
 
     @classmethod
     def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> Training:

@@ -118,6 +118,10 @@ FA2_A100 = 230e12
 FA2_H100 = 335e12
 FA2_BACKWARD = 0.87
 
+#: GPUs whose tensor cores scale 32-element blocks themselves (the OCP MX formats: Blackwell's
+#: fifth-generation tensor cores); earlier ones have no MXFP8 GEMM.
+MICROSCALING = ("B200", "B300", "GB200", "GB300")
+
 SYSTEMS: dict[str, System] = {
     "A100": System("A100", _acc("A100"), 8,
                    LinkTier("nvlink3", _NV, 300 * GB, "A100 datasheet: NVLink 600 GB/s bidirectional"),

@@ -170,3 +170,73 @@ def test_the_planners_bound_ranks_as_predicting_every_layout_would():
     result = planner.plan(MIXTRAL, gpus, h100, batch, training, profile, top=10)
     assert [(p.tokens_per_s_per_gpu, planner.describe(lay)) for lay, p in result.ranked] == exhaustive
     assert result.rejected["fits but is slower than the top layouts"] == len(scored) - 10
+
+
+#: One MoE layer small enough to count by hand: 4 experts of 4096 (SwiGLU), top-1, 8 heads of 128.
+SMALL_MOE = ModelSpec(n_layers=1, dim=1024, n_heads=8, ffn_dim=4096, vocab_size=1000, n_experts=4, top_k=1)
+
+
+def test_float8_recipes_cast_what_they_scale_and_scopes_pick_their_gemms():
+    """1,024 tokens through SMALL_MOE on one H100.  The layer's float8 GEMMs, counted by hand
+    (rows x inner x outer x count; each expert sees 1,024 / 4 = 256 rows): qkv 1024x1024x3072,
+    attention out 1024x1024x1024, expert up 256x1024x8192 x4, expert down 256x4096x1024 x4 (the
+    router stays 16-bit).  Their inputs X = 1,048,576 x 3 + 4,194,304 = 7,340,032 elements, weights
+    W = 3,145,728 + 1,048,576 + 33,554,432 + 16,777,216 = 54,525,952, output gradients
+    dY = 3,145,728 + 1,048,576 + 8,388,608 + 1,048,576 = 13,631,488.  Delayed scaling moves 4 bytes
+    an element of X and W forward and of dY backward (a cast-transpose each, the amax from
+    history); MXFP8 3 bytes an element per dimension it scales along: X and W forward, dY twice and
+    X and W again backward."""
+    from dataclasses import replace
+
+    from mfuscope.optimizers.cost.compute import stage_compute
+    from mfuscope.optimizers.spec import Training
+    from mfuscope.optimizers.system import Profile, system
+
+    ideal = Profile(gemm=1.0, gemm_knee=0.0, attention=1.0, memory=1.0, scale_up=1.0, scale_out=1.0)
+    x, w, dy = 7_340_032, 54_525_952, 13_631_488
+
+    def stage(key="H100", **fp8):
+        training = Training(seq_len=1024, **({"dtype": "fp8", **fp8} if fp8 else {}))
+        return stage_compute(SMALL_MOE, Layout(), training, system(key), ideal, layers=1, with_head=False)
+
+    bf16, hbm = stage(), system("H100").hbm_Bps
+    for recipe, fwd_bytes, bwd_bytes in (("delayed", 4 * (x + w), 4 * dy), ("current", 6 * (x + w), 6 * dy),
+                                         ("tensorwise", 5 * (x + w), 10 * dy + 5 * w)):
+        f8 = stage(fp8_recipe=recipe)
+        assert f8.fwd["norm_elementwise"] - bf16.fwd["norm_elementwise"] == pytest.approx(fwd_bytes / hbm, rel=1e-9)
+        assert f8.bwd["norm_elementwise"] - bf16.bwd["norm_elementwise"] == pytest.approx(bwd_bytes / hbm, rel=1e-9)
+    b200 = stage("B200", fp8_recipe="mxfp8")
+    b200_bf16 = stage("B200")
+    assert b200.bwd["norm_elementwise"] - b200_bf16.bwd["norm_elementwise"] == pytest.approx(
+        (6 * dy + 3 * x + 3 * w) / system("B200").hbm_Bps, rel=1e-9)
+
+    # Scopes: the experts' grouped GEMMs alone, or the dense linears alone, at the float8 rate.
+    h100 = system("H100")
+    dense = 2 * 1024 * 1024 * (3072 + 1024)
+    router = 2 * 1024 * 1024 * 4
+    experts = 2 * 256 * 4 * (1024 * 8192 + 4096 * 1024)
+    f8_rate, b16_rate = h100.matmul_flops("fp8"), h100.matmul_flops("bf16")
+    assert bf16.fwd["gemm"] == pytest.approx((dense + router + experts) / b16_rate, rel=1e-9)
+    assert stage(fp8_recipe="delayed", fp8_scope="experts").fwd["gemm"] == pytest.approx(
+        (dense + router) / b16_rate + experts / f8_rate, rel=1e-9)
+    assert stage(fp8_recipe="delayed", fp8_scope="linears").fwd["gemm"] == pytest.approx(
+        (router + experts) / b16_rate + dense / f8_rate, rel=1e-9)
+    assert stage(fp8_recipe="rowwise").fwd["gemm"] == pytest.approx(bf16.fwd["gemm"], rel=1e-9)
+    with pytest.raises(ValueError, match="recipe"):
+        replace(Training(seq_len=1024), fp8_recipe="e4m3")
+
+
+@needs_rows
+def test_each_rows_float8_recipe_and_scope_is_read_from_its_dtype():
+    """The recipes the new rows name (their dtype column, read by hand): Megatron-Core's FP8 rows
+    and llm-foundry's ``amp_fp8`` run Transformer Engine's delayed scaling; torchao's B200 rows
+    MXFP8, two of them on part of the GEMMs."""
+    cases, _ = published.load_cases(MOE_ROWS)
+    fp8 = {c.row: (c.training.fp8_recipe, c.training.fp8_scope) for c in cases if c.training.dtype == "fp8"}
+    assert fp8[8] == fp8[9] == ("delayed", "all")                             # Liu et al., Mixtral 8x22B
+    assert {fp8[r] for r in range(36, 43)} == {("delayed", "all")}            # llm-foundry amp_fp8
+    assert (fp8[19], fp8[20]) == (("tensorwise", "all"), ("rowwise", "all"))  # torchao on H100
+    assert (fp8[29], fp8[30], fp8[31]) == (("mxfp8", "linears"), ("mxfp8", "experts"), ("mxfp8", "all"))
+    row = published.read_rows(MOE_ROWS)[31]
+    with pytest.raises(ValueError, match="MXFP8 on H100"):
+        published.case(31, {**row, "gpu_key": "H100", "gpu": "NVIDIA H100"})

@@ -17,7 +17,8 @@ Three kinds, three ceilings:
   HBM: softmax and dropout read and write them (6 passes forward, 8 backward).
 - **Memory-bound work** (``compute/norm_elementwise``): elements moved per
   token and layer over ``profile.memory`` of HBM bandwidth; counted below,
-  eager and fused (torch.compile).  float8 training adds the casts.
+  eager and fused (torch.compile).  float8 training adds its recipe's casts
+  (``FP8_CAST_BYTES``).
 
 Recomputation: full re-runs the whole forward in backward; selective re-runs
 the attention core, which flash attention already does inside its backward
@@ -78,6 +79,8 @@ def layer_gemms(model: ModelSpec, layout: Layout, tokens: float) -> list[Gemm]:
 
 
 def gemm_seconds(gemms: list[Gemm], system: System, profile: Profile, dtype: str) -> float:
+    if not gemms:
+        return 0.0
     rate = system.matmul_flops(dtype if dtype != "fp32" else "bf16") * profile.gemm
     return sum(g.flops / (rate * shape_efficiency(g, profile.gemm_knee)) for g in gemms)
 
@@ -113,14 +116,54 @@ def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -
     return norms + rest
 
 
-def fp8_cast_bytes(model: ModelSpec, layout: Layout, tokens: float, gemms: list[Gemm]) -> tuple[float, float]:
-    """(forward, backward) bytes of float8 casts for one layer: each GEMM's activation input in
-    forward and its output gradient in backward is read in 16 bits and written in 8 (3 bytes an
-    element), plus one amax read; weights are cast once per pass (dynamic scaling)."""
-    inputs = sum(g.m * g.k * g.count for g in gemms if g.name != "router")
-    outputs = sum(g.m * g.n * g.count for g in gemms if g.name != "router")
-    weights = sum(g.k * g.n * g.count for g in gemms if g.name != "router")
-    return 5 * inputs + 5 * weights, 5 * 2 * outputs + 5 * weights
+#: Bytes a float8 recipe's casts move per element of each GEMM operand, per pass: (forward: the
+#: input X and the weight W; backward: the output gradient dY, X again and W again).
+#:
+#: - ``delayed`` (Transformer Engine's default): the scale comes from the amax history, so a cast is
+#:   one read of 16 bits and the write of the 8-bit copy and its transpose (cast-transpose), the
+#:   amax taken in the same pass: 4 bytes; dY likewise in backward.
+#: - ``current`` (TE's current scaling): an amax pass first, then the cast-transpose: 6 bytes.
+#: - ``tensorwise`` and ``rowwise`` (torchao's dynamic scaling): an amax read, then a cast (5
+#:   bytes); dY cast twice in backward, once per layout its two GEMMs take; W once per pass.
+#: - ``mxfp8`` and ``blockwise``: each 32-element (1x128) block's scale is computed inside the cast
+#:   (3 bytes, the scale bytes negligible), along one dimension: X and W in forward; dY along both,
+#:   X and W along the other in backward (torchao's MXFP8 kernel breakdown of the grouped GEMMs).
+FP8_CAST_BYTES = {
+    "delayed": ((4, 4), (4, 0, 0)),
+    "current": ((6, 6), (6, 0, 0)),
+    "tensorwise": ((5, 5), (10, 0, 5)),
+    "rowwise": ((5, 5), (10, 0, 5)),
+    "mxfp8": ((3, 3), (6, 3, 3)),
+    "blockwise": ((3, 3), (6, 3, 3)),
+}
+#: Recipes whose GEMMs run at the float8 rate.  Row-wise scaled float8 GEMMs ran through a CUTLASS
+#: kernel slower than cuBLAS's tensor-wise one (pytorch/pytorch#147971), their backward through
+#: cuBLAS plus a rescale (pytorch/ao#1325): measured no faster than bf16 (pytorch/torchtitan#1207:
+#: Llama 3 8B on 4 H100s, 5189 against bf16's 5378 tokens/s), so they run at the bf16 rate.
+FP8_RATE_RECIPES = ("delayed", "current", "tensorwise", "mxfp8", "blockwise")
+#: GEMMs that stay in 16 bits whatever the recipe: the router (torchtitan's and TE's too small and
+#: too sensitive) -- and the LM head, modelled with the loss.
+BF16_ALWAYS = ("router",)
+
+
+def fp8_gemms(gemms: list[Gemm], training: Training) -> tuple[list[Gemm], list[Gemm]]:
+    """(float8, 16-bit) GEMMs of a layer under ``training``'s format and ``fp8_scope``: ``all``
+    linear layers, the dense ``linears`` only, or the routed ``experts``' grouped GEMMs only."""
+    if training.dtype != "fp8":
+        return [], gemms
+    expert = lambda g: g.name.startswith("expert_")  # noqa: E731
+    take = {"all": lambda g: True, "linears": lambda g: not expert(g), "experts": expert}[training.fp8_scope]
+    low = [g for g in gemms if g.name not in BF16_ALWAYS and take(g)]
+    return low, [g for g in gemms if g not in low]
+
+
+def fp8_cast_bytes(gemms: list[Gemm], recipe: str) -> tuple[float, float]:
+    """(forward, backward) bytes the float8 casts of ``gemms`` move (``FP8_CAST_BYTES``)."""
+    inputs = sum(g.m * g.k * g.count for g in gemms)
+    outputs = sum(g.m * g.n * g.count for g in gemms)
+    weights = sum(g.k * g.n * g.count for g in gemms)
+    (fx, fw), (bdy, bx, bw) = FP8_CAST_BYTES[recipe]
+    return fx * inputs + fw * weights, bdy * outputs + bx * inputs + bw * weights
 
 
 @dataclass
@@ -144,12 +187,9 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     b, s, c, t = layout.micro_batch, training.seq_len, layout.cp, layout.tp
     tokens = b * s / c
     gemms = layer_gemms(model, layout, tokens)
-    # Row-wise scaled float8 GEMMs ran through a CUTLASS kernel slower than cuBLAS's tensor-wise
-    # one (pytorch/pytorch#147971), their backward through cuBLAS plus a rescale (pytorch/ao#1325):
-    # measured no faster than bf16 (pytorch/torchtitan#1207: Llama 3 8B on 4 H100s, 5189 against
-    # bf16's 5378 tokens/s).  They run at the bf16 rate here; the casts still cost their bytes.
-    rowwise = training.dtype == "fp8" and training.fp8_recipe == "rowwise"
-    fwd_gemm = gemm_seconds(gemms, system, profile, "bf16" if rowwise else training.dtype)
+    low, high = fp8_gemms(gemms, training)
+    fwd_gemm = (gemm_seconds(low, system, profile, "fp8" if training.fp8_recipe in FP8_RATE_RECIPES else "bf16")
+                + gemm_seconds(high, system, profile, "bf16" if training.dtype == "fp8" else training.dtype))
     hbm = system.hbm_Bps * profile.memory
     act = training.activation_bytes
 
@@ -170,11 +210,8 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
         attn_b = 2 * attn_gemm + 8 * scores / hbm
 
     ew_f = elementwise_elements(model, layout, training) * tokens * act / hbm
-    if training.dtype == "fp8":
-        cast_f, cast_b = fp8_cast_bytes(model, layout, tokens, gemms)
-        ew_f, ew_b = ew_f + cast_f / hbm, 2 * ew_f + cast_b / hbm
-    else:
-        ew_b = 2 * ew_f
+    cast_f, cast_b = fp8_cast_bytes(low, training.fp8_recipe)
+    ew_f, ew_b = ew_f + cast_f / hbm, 2 * ew_f + cast_b / hbm
 
     out = StageCompute(layer_fwd_gemm_s=fwd_gemm, attention_fwd_s=attn_f)
     out.fwd = {"gemm": layers * fwd_gemm, "attention": layers * attn_f, "norm_elementwise": layers * ew_f}
