@@ -194,11 +194,16 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
 def compute_bound_s(model: ModelSpec, layout: Layout, training: Training, system: System,
                     profile: Profile | None = None) -> float:
     """A lower bound on :func:`predict`'s step: every microbatch's compute on the busiest pipeline
-    rank, with no host time, nothing exposed and no bubble (each of which only adds to the step).
-    The planner ranks by it first and predicts only the layouts it cannot rule out."""
-    stage = stage_compute(model, layout, training, system, profile or Profile(),
-                          layers=layout.stage_layers(model), with_head=True)
-    return layout.microbatches * (stage.total("fwd") + stage.total("bwd"))
+    rank and its expert all-to-alls (nothing hides them), with no host time, no other
+    communication and no bubble (each of which only adds to the step).  The planner ranks by it
+    first and predicts only the layouts it cannot rule out."""
+    profile = profile or Profile()
+    layers = layout.stage_layers(model)
+    stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
+    per_microbatch = stage.total("fwd") + stage.total("bwd")
+    if layout.ep > 1:
+        per_microbatch += 2 * layers * expert_exchange_s(model, layout, training, Links(layout, system, profile))
+    return layout.microbatches * per_microbatch
 
 
 def dtensor_params(layout: Layout) -> bool:
@@ -238,12 +243,18 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         f_total += layers * ledger.expose("cp", f_ops, stage.attention_fwd_s, layers * m)
         b_total += layers * ledger.expose("cp", b_ops, 2.5 * stage.attention_fwd_s, layers * m)
     if layout.ep > 1:
-        # each tp rank dispatches its own 1/tp of the tokens (experts are not split over tp)
-        routed = tokens / layout.tp * model.top_k * model.dim * act
-        ops = {"all_to_all": 2 * links.seconds("ep", "all_to_all", routed)}
+        ops = {"all_to_all": expert_exchange_s(model, layout, training, links)}
         f_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
         b_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
     return f_total, b_total
+
+
+def expert_exchange_s(model: ModelSpec, layout: Layout, training: Training, links: Links) -> float:
+    """One layer's expert dispatch and combine all-to-alls for one microbatch and pass: each tp
+    rank sends its own 1/tp of the tokens' top-k copies (experts are not split over tp).  Nothing
+    hides them (a gap named in docs/cost_model.md)."""
+    routed = layout.micro_batch * training.seq_len / layout.cp / layout.tp * model.top_k * model.dim
+    return 2 * links.seconds("ep", "all_to_all", routed * training.activation_bytes)
 
 
 #: A CUDA kernel launch's host cost, about 5 us.

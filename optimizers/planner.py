@@ -136,7 +136,7 @@ def _search(model: ModelSpec, gpus: int, system: System, global_batch: int, trai
     the ``top``-th prediction -- it and all after it cannot rank (a bound is never below its step)."""
     out = Plan(ranked=[])
     fitting: list[tuple[float, int, Layout, memory_model.Memory]] = []
-    bounds: dict[tuple, float] = {}  # the bound depends on the compute's shape only
+    bounds: dict[tuple, float] = {}  # the bound depends on the compute's shape and the ep group's only
     for layout in candidates(model, gpus, system.gpus_per_node, global_batch, training,
                              min(tp_limit, model.n_heads)):
         out.considered += 1
@@ -153,8 +153,8 @@ def _search(model: ModelSpec, gpus: int, system: System, global_batch: int, trai
             _reject(out, "does not fit in memory", layout,
                     f"{mem.total_bytes / memory_model.GiB:.0f} GiB > {system.device_bytes / memory_model.GiB:.0f} GiB")
             continue
-        key = (layout.tp, layout.cp, layout.ep, layout.sequence_parallel, layout.micro_batch, layout.recompute,
-               layout.stage_layers(model))
+        key = (layout.tp, layout.cp, layout.ep, layout.expert_folding, layout.sequence_parallel, layout.micro_batch,
+               layout.recompute, layout.stage_layers(model))
         if key not in bounds:
             bounds[key] = compute_bound_s(model, replace(layout, microbatches=1), training, system, profile)
         best_tps = layout.data_ranks * layout.micro_batch * training.seq_len / bounds[key] / layout.gpus
