@@ -264,11 +264,12 @@ def test_sequence_parallel_off_fails_the_deterministic_gate(pushed, no_sp, tmp_p
 # ----------------------------------------------------------------------------- pull requests, blocked in the job
 
 #: The slowed commit changes the trainer's command (in the workflow it runs: GitHub runs a pull
-#: request's own) so that rank 0 sleeps 100 ms in every forward -- rank 1 waits for it in the next
-#: tensor-parallel collective: the same work and counters, every step about twice as long,
-#: deterministically.  The run's manifest records it, so the in-job rerun (the run's command, read
-#: back from the manifest) is as slow.
-SLOW = "compute:rank=0:ms=100"
+#: request's own) so that rank 0 sleeps in every forward as long as push A's whole step took --
+#: rank 1 waits for it in the next tensor-parallel collective: the same work and counters, every
+#: step at least twice as long on a fast machine or a slow one (a fixed 100 ms was +20% of a
+#: 560 ms step on a slow one: inside the gate's limit).  The run's manifest records it, so the
+#: in-job rerun (the run's command, read back from the manifest) is as slow.
+SLOW = "compute:rank=0:ms={ms}"
 #: Steps a pull request's run trains here (the job's STEPS, substituted): 5 step samples instead of
 #: 20 keep the slowed job's two trainings (its run and the in-job rerun) within the suite's budget.
 PR_STEPS = "6"
@@ -299,7 +300,8 @@ def pr(pushed):
     subprocess.run(["git", "clone", "--quiet", str(origin), str(work)], check=True)
     _git(work, "config", "user.email", "dev@example.com")
     _git(work, "config", "user.name", "dev")
-    return {"root": root, "origin": origin, "work": work, "records": len(lines)}
+    slow = SLOW.format(ms=max(100, round(report["summary"]["step_time_s"] * 1e3)))
+    return {"root": root, "origin": origin, "work": work, "records": len(lines), "slow": slow}
 
 
 def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
@@ -313,7 +315,7 @@ def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
     workflow.parent.mkdir(parents=True)
     train = '--out "$RUN" --force'
     assert WORKFLOW.read_text().count(train) == 1
-    workflow.write_text(WORKFLOW.read_text().replace(train, f"{train} --inject {SLOW}"))
+    workflow.write_text(WORKFLOW.read_text().replace(train, f"{train} --inject {pr['slow']}"))
     _git(work, "add", ".github")
     _git(work, "commit", "--quiet", "-m", "trainer: rank 0 sleeps in every forward")
     _fresh_checkout(work)
@@ -332,7 +334,7 @@ def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
     # the rerun trained the slowed command again, from the run's manifest
     rerun = work / "runs" / "ci-tiny-tp2.rerun1"
     manifest = json.loads((rerun / "manifest.json").read_text())
-    assert manifest["trainer"]["inject"] == SLOW
+    assert manifest["trainer"]["inject"] == pr["slow"]
     assert not (work / "runs" / "ci-tiny-tp2.rerun2").exists()
     assert len(_history_lines(pr["origin"])) == pr["records"]  # a pull request reads the history only
 
