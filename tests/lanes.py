@@ -11,10 +11,7 @@ steps, a browser over paced runs) spend most of theirs asleep.  So:
   gives such a process a core only when no normal process wants it, and takes it back the moment
   one wakes, so the paced lane's timings are those of the machine alone, not of a loaded one
   (``nice`` is not enough: ten nice-10 ranks together still take a third of a contended core).
-  Nothing in the rest lane asserts a duration, so it runs on two workers (pytest-xdist, a file
-  to a worker so module fixtures are made once, files handed out as workers free up): while the
-  paced lane sleeps both cores are idle, and once it is done both are the rest lane's.  Without
-  pytest-xdist installed it runs in one process.
+  Nothing in the rest lane asserts a duration.
 
 The paced lane streams its output; the rest lane's goes to ``artifacts/tests/rest.log`` and is
 printed when it ends.  The last line totals both lanes.  ``pytest`` alone still runs every test
@@ -54,15 +51,6 @@ def _idle_priority() -> None:
         os.nice(19)
 
 
-def _rest_workers() -> list[str]:
-    """pytest-xdist's options for the rest lane: two workers, whole files each."""
-    try:
-        import xdist  # noqa: F401
-    except ImportError:
-        return []
-    return ["-n", "2", "--dist", "loadfile"]
-
-
 def _lane_seconds(log: str) -> str:
     """The duration pytest's closing line gives ("in 612.34s"), or "?"."""
     found = re.findall(r" in (\d+(?:\.\d+)?)s", log)
@@ -73,8 +61,8 @@ def main(argv: list[str]) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     rest_log = LOGS / "rest.log"
     with open(rest_log, "w") as out:
-        rest = subprocess.Popen([*PYTEST, *_rest_workers(), "-m", "not paced", *argv], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=_idle_priority)
+        rest = subprocess.Popen([*PYTEST, "-m", "not paced", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_idle_priority)
         try:
             print(f"make test: the rest lane runs beside this one on idle cores only; its log: {rest_log}", flush=True)
             paced_out: list[bytes] = []
