@@ -125,8 +125,9 @@ def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -
 #: - ``current`` (TE's current scaling): an amax pass first, then the cast-transpose: 6 bytes.
 #: - ``tensorwise`` and ``rowwise`` (torchao's dynamic scaling): an amax read, then a cast (5
 #:   bytes); dY cast twice in backward, once per layout its two GEMMs take; W once per pass.
-#: - ``mxfp8`` and ``blockwise``: each 32-element (1x128) block's scale is computed inside the cast
-#:   (3 bytes, the scale bytes negligible), along one dimension: X and W in forward; dY along both,
+#: - ``mxfp8`` and ``blockwise``: each block's scale (32 elements for MXFP8; 1x128 and 128x128 for
+#:   blockwise) is computed inside the cast (3 bytes, the scale bytes negligible), along one
+#:   dimension: X and W in forward; dY along both,
 #:   X and W along the other in backward (torchao's MXFP8 kernel breakdown of the grouped GEMMs).
 FP8_CAST_BYTES = {
     "delayed": ((4, 4), (4, 0, 0)),
