@@ -125,11 +125,13 @@ def _run_page(store: Store, run_id: str, slug: str, query: dict[str, str]):
     a = store.load(run)
     # The Overview and Optimize pages show the run's calibrated cost model, which the store keeps.
     builders = {"": partial(pages.overview_page, store), "pipeline": pages.pipeline_page, "comm": pages.comm_page,
-                "stragglers": pages.stragglers_page, "health": pages.health_page, "memory": pages.memory_page,
+                "stragglers": pages.stragglers_page, "health": pages.health_page,
                 "kernels": pages.kernels_page,
                 "optimize": partial(pages.optimize_page, store)}
     if slug == "timeline":
         return top, pages.timeline_page(run, a, query), True
+    if slug == "memory":
+        return top, pages.memory_page(run, a, query), True
     if slug not in builders:
         known = ", ".join(s or "overview" for s, _ in RUN_PAGES)
         return top, pages.error_panel(f"no page {slug!r}; pages: {known}"), True
@@ -238,6 +240,14 @@ def _interactions(app: dash.Dash, store: Store) -> None:
         rank = str(point["y"]).removeprefix("rank ")
         run_id = parts[1]
         return f"/run/{quote(run_id)}/timeline?" + urlencode({"step": step, "rank": rank})
+
+    @app.callback(Output("url", "href", allow_duplicate=True), Input("memory-ranks", "cellClicked"),
+                  State("url", "pathname"), State("url", "search"), prevent_initial_call=True)
+    def open_memory_rank(cell, pathname, search):
+        parts, query = _parse(pathname, search)
+        if not cell or cell.get("rowId") is None or len(parts) < 2 or query.get("rank") == str(cell["rowId"]):
+            return no_update
+        return f"/run/{quote(parts[1])}/memory?" + urlencode({"rank": cell["rowId"]})
 
     @app.callback(Output("url", "href", allow_duplicate=True), Input("compare-a", "value"), Input("compare-b", "value"),
                   State("url", "search"), prevent_initial_call=True)

@@ -791,9 +791,10 @@ def health_page(run: Run, a: Analysis | None) -> html.Div:
 
 
 # ----------------------------------------------------------------------------- memory
-def memory_page(run: Run, a: Analysis) -> html.Div:
-    """Memory measured in the profiled window (analyzers/memory.py): the highest rank's series and
-    categories at its peak beside the cost model's, and every rank's peak."""
+def memory_page(run: Run, a: Analysis, query: dict[str, str] | None = None) -> html.Div:
+    """Memory measured in the profiled window (analyzers/memory.py): a rank's series and categories
+    at its peak beside the cost model's -- the highest rank's, or ``?rank=N`` (a click on the rank
+    table's row) -- and every rank's peak."""
     title = html.H2(f"Memory: {run.id}")
     section = a.report.get("memory")
     if not section:
@@ -804,6 +805,8 @@ def memory_page(run: Run, a: Analysis) -> html.Div:
             "timeline and, on a GPU, the allocator's snapshot of the profiled window.")])
     top = next(e for e in section["per_rank"] if e["rank"] == section["peak_rank"]) if section.get("peak_rank") \
         is not None else section["per_rank"][0]
+    wanted = (query or {}).get("rank")
+    shown = next((e for e in section["per_rank"] if str(e["rank"]) == wanted), top)
     predicted = top.get("predicted")
     size = style.size
     head = (f"Peak {size(top['peak_allocated_bytes'])} allocated on rank {top['rank']} ({top['device']}"
@@ -821,11 +824,16 @@ def memory_page(run: Run, a: Analysis) -> html.Div:
         title, info_panel(head),
         html.P(f"Sources: {', '.join(section.get('sources') or [])}. {section.get('predicted_note') or ''}",
                className="muted"),
-        dcc.Graph(id="memory-timeline", figure=figures.memory_timeline(memory.read_view(a.views_dir, top["rank"]),
-                                                                       top["rank"]), config={"displaylogo": False}),
-        dcc.Graph(id="memory-categories", figure=figures.memory_categories(top.get("categories") or {}, predicted),
-                  config={"displaylogo": False}),
-        html.H3("Every rank (bytes; held: the model states counted at the optimizer step)"),
+        html.H3(f"Rank {shown['rank']}" + (" (the highest peak)" if shown is top else
+                                            f", peak {size(shown['peak_allocated_bytes'])} allocated")),
+        *([html.P(f"Rank {wanted} is not among the ranks listed below; showing the highest peak's.",
+                  className="muted")] if wanted is not None and str(shown["rank"]) != wanted else []),
+        dcc.Graph(id="memory-timeline", config={"displaylogo": False},
+                  figure=figures.memory_timeline(memory.read_view(a.views_dir, shown["rank"]), shown["rank"])),
+        dcc.Graph(id="memory-categories", config={"displaylogo": False},
+                  figure=figures.memory_categories(shown.get("categories") or {}, shown.get("predicted"))),
+        html.H3("Every rank (bytes; held: the model states counted at the optimizer step; "
+                "click a row for its rank's series)"),
         grid("memory-ranks", rows, [
             {"field": "rank", "maxWidth": 90}, {"field": "device", "maxWidth": 110},
             {"field": "peak", "headerName": "peak allocated", "valueFormatter": BYTES, "sort": "desc"},
@@ -836,7 +844,7 @@ def memory_page(run: Run, a: Analysis) -> html.Div:
             {"field": "held_parameter", "headerName": "held: parameters", "valueFormatter": BYTES},
             {"field": "held_gradient", "headerName": "gradients", "valueFormatter": BYTES},
             {"field": "held_optimizer_state", "headerName": "optimizer state", "valueFormatter": BYTES}],
-            height=min(300, 100 + 42 * len(rows))),
+            height=min(300, 100 + 42 * len(rows)), getRowId="params.data.rank"),
     ])
 
 

@@ -79,8 +79,8 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe, health_run) ->
     # name, notes and a model folder -- none of which is a trace set
     (root / "no-window").symlink_to(torchrun_run, target_is_directory=True)
     (root / "fail-slow").symlink_to(health_run, target_is_directory=True)
-    from mfuscope.tests.shared_runs import train_forked  # one rank that measured its memory
-    train_forked(root / "memory", 1, layout="dp_shard=1", steps=4, window="2:2", profile_memory=True)
+    from mfuscope.tests.shared_runs import train_forked  # two pipeline stages that measured their memory
+    train_forked(root / "memory", 2, layout="pp=2", steps=4, window="2:2", profile_memory=True)
     (root / "odd name #1 [x]").symlink_to(root / "pp8", target_is_directory=True)
     (root / "notes.json").write_text('{"what": "not a trace"}')
     (root / "checkpoint").mkdir()
@@ -416,6 +416,17 @@ def test_memory_page_shows_the_peak_its_categories_and_the_prediction(tab, runs)
     cell = '#memory-ranks .ag-center-cols-container .ag-row[row-index="0"] [col-id="peak"]'
     assert tab.page.inner_text(cell).replace(",", "") == str(top["peak_allocated_bytes"])
     tab.shot("memory")
+    # the other stage's row opens its own series and categories (each stage holds its own layers)
+    (other,) = [e for e in report["memory"]["per_rank"] if e["rank"] != top["rank"]]
+    tab.page.click(f'#memory-ranks .ag-center-cols-container .ag-row[row-id="{other["rank"]}"] [col-id="peak"]')
+    tab.page.wait_for_url(f"**/memory?rank={other['rank']}")
+    tab.page.wait_for_selector(f"h3:has-text('Rank {other['rank']}, peak')")
+    tab.settle()
+    bars = tab.page.evaluate("() => document.querySelector('#memory-categories .js-plotly-plot').data"
+                             ".map(t => [t.name, t.x, t.y])")
+    by_name = {name: dict(zip(x, y)) for name, x, y in bars}
+    assert by_name["measured at the peak"]["activation"] == pytest.approx(other["categories"]["activation"] / 2**20)
+    assert other["categories"]["activation"] != top["categories"]["activation"]
 
 
 def _first_visit(tab: Page, run: str) -> None:
