@@ -8,9 +8,10 @@ blocks the job as long as its slowest rank does (the others wait for it at their
 collective), so a save's figures are the maxima over ranks.
 
 Goodput is the productive share of the run's wall time: the span of every step the collectors
-timed (first start to last end, over all ranks) less the time saves held the training thread
-(the slowest rank's total), over that span.  What it does not see: start-up before the first
-step, restarts, and steps redone after a resume.
+timed (first start to last end, over all ranks, less the collectors' own work in it -- exporting
+a trace window is the profiler's time, not the job's) less the time saves held the training
+thread (the slowest rank's total), over that span.  What it does not see: start-up before the
+first step, restarts, and steps redone after a resume.
 """
 from __future__ import annotations
 
@@ -27,14 +28,17 @@ def analyze(run: str | Path) -> dict[str, Any] | None:
     run = Path(run)
     if not (run / run_dir.STEPS).exists():
         return None
-    steps = run_dir.read_table(run, run_dir.STEPS).select(["rank", "start_ns", "end_ns"]).to_pandas()
+    steps = run_dir.read_table(run, run_dir.STEPS).select(["rank", "step", "start_ns", "end_ns",
+                                                           "collector_ns"]).to_pandas()
     if steps.empty:
         return None
-    wall_s = (int(steps["end_ns"].max()) - int(steps["start_ns"].min())) / 1e9
+    collectors_s = float(steps.groupby("step")["collector_ns"].max().fillna(0).sum()) / 1e9
+    wall_s = (int(steps["end_ns"].max()) - int(steps["start_ns"].min())) / 1e9 - collectors_s
     saves = (run_dir.read_table(run, run_dir.CHECKPOINTS).to_pandas() if (run / run_dir.CHECKPOINTS).exists()
              else None)
     if saves is None or saves.empty:
         return {"saves": [], "count": 0, "goodput": 1.0 if wall_s > 0 else None, "wall_s": wall_s,
+                "collectors_s": collectors_s,
                 "blocking_s": 0.0, "method": __doc__.split("\n\n")[2].replace("\n", " ")}
     blocking = saves.dropna(subset=["blocking_ns"])
     background = saves.dropna(subset=["background_ns"])
@@ -51,7 +55,8 @@ def analyze(run: str | Path) -> dict[str, Any] | None:
             "median_blocking_s": float(np.median([s["blocking_s"] for s in per_save])),
             "median_background_s": (float(np.median(bgs)) if (bgs := [s["background_s"] for s in per_save
                                                                        if s["background_s"] is not None]) else None),
-            "blocking_s": lost_s, "wall_s": wall_s, "goodput": max(0.0, 1 - lost_s / wall_s) if wall_s > 0 else None,
+            "blocking_s": lost_s, "wall_s": wall_s, "collectors_s": collectors_s,
+            "goodput": max(0.0, 1 - lost_s / wall_s) if wall_s > 0 else None,
             "method": __doc__.split("\n\n")[2].replace("\n", " ")}
 
 

@@ -37,6 +37,7 @@ from . import (
     mfu,
     rank_lists,
     rank_summary,
+    step_rows,
     stragglers,
     timeline,
 )
@@ -209,15 +210,17 @@ def _findings(leaves: pd.DataFrame, summaries: list[rank_summary.RankSummary], m
 
 
 def _step_times(spans: pd.DataFrame, metas: dict[int, dict], run) -> tuple[pd.Series, pd.Series | None, str | None]:
-    if run is not None and (Path(run) / run_dir.STEPS).exists():
-        steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
-        if len(steps):
-            g = steps.assign(dur=(steps["end_ns"] - steps["start_ns"]) / 1e9).groupby("step")
-            step_s, tokens = g["dur"].max(), g["tokens"].max()
-            source = "every step the collectors timed"
-            if len(step_s) >= 3:
-                step_s, tokens = step_s.iloc[1:], tokens.iloc[1:]
-                source += ", the first (warm-up) left out"
+    rows = step_rows.read(run)
+    if rows is not None and len(rows):
+        kept, taken = step_rows.without_collectors(rows)
+        g = kept.groupby("step")
+        step_s, tokens = g["seconds"].max(), g["tokens"].max()
+        source = "every step the collectors timed"
+        if len(step_s) >= 3:
+            step_s, tokens = step_s.iloc[1:], tokens.iloc[1:]
+            source += ", the first (warm-up) left out"
+        source += step_rows.left_out_text(taken)
+        if len(step_s):
             return step_s, (tokens if tokens.notna().all() else None), source
     if spans.empty:
         return pd.Series(dtype=float), None, None
@@ -230,12 +233,10 @@ def _step_times(spans: pd.DataFrame, metas: dict[int, dict], run) -> tuple[pd.Se
 
 
 def _rank_step_times(run) -> pd.DataFrame | None:
-    """rank, step, seconds from the run's steps.parquet (the collectors' wall clock)."""
-    if run is None or not (Path(run) / run_dir.STEPS).exists():
-        return None
-    steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
-    return pd.DataFrame({"rank": steps["rank"], "step": steps["step"],
-                         "seconds": (steps["end_ns"] - steps["start_ns"]) / 1e9})
+    """rank, step, seconds from the run's steps.parquet (the collectors' wall clock), less the
+    steps the collectors' own work took over."""
+    rows = step_rows.read(run)
+    return None if rows is None else step_rows.without_collectors(rows)[0][["rank", "step", "seconds"]]
 
 
 def _health_lines(health: dict[str, Any] | None) -> list[str]:

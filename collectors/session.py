@@ -138,6 +138,7 @@ class ProfileSession:
         if not self.running:
             return -1
         index = self.steps.end(tokens if tokens is not None else self.tokens_per_step, loss)
+        began = time.perf_counter_ns()  # what follows is the collectors' work, inside the next step's span
         if self.memory is not None:
             self.memory.end_step(index)
         if self.kineto is not None:
@@ -147,6 +148,7 @@ class ProfileSession:
             torch.cuda.nvtx.range_push(labels.step_label(index + 1))
         if (index + 1) % self.flush_every == 0:
             self.flush(upto_step=index + 1)
+        self.steps.add_collector_time(time.perf_counter_ns() - began)
         return index
 
     @contextlib.contextmanager

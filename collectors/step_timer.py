@@ -73,6 +73,7 @@ class StepTimer:
         self._start_event = None
         self._run_queue = RunQueueDelay()
         self._start_wait: int | None = None
+        self._collector_ns = 0
         self.rows: list[dict] = []
 
     @property
@@ -100,10 +101,16 @@ class StepTimer:
         self.rows.append({"rank": self.rank, "step": self.step, "start_ns": self._start_ns, "end_ns": now,
                           "tokens": tokens, "loss": loss, "events": (self._start_event, end_event),
                           "cpu_wait_ns": (wait - self._start_wait if wait is not None and self._start_wait is not None
-                                          else None)})
+                                          else None),
+                          "collector_ns": self._collector_ns})
         self.step += 1
+        self._collector_ns = 0
         self._start_ns, self._start_event, self._start_wait = now, end_event, wait
         return self.step - 1
+
+    def add_collector_time(self, ns: int) -> None:
+        """The collectors worked ``ns`` on the training thread inside the current step."""
+        self._collector_ns += ns
 
     def take_rows(self) -> list[dict]:
         """Remove and return the finished rows in the run-directory schema."""

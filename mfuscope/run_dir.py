@@ -59,6 +59,10 @@ STEPS_SCHEMA = pa.schema([
     # the training thread's time runnable but waiting for a CPU during the step (the kernel's
     # run-queue delay, /proc/thread-self/schedstat); null off Linux and in runs written before it
     ("cpu_wait_ns", pa.int64()),
+    # the collectors' own work on the training thread inside the step (exporting the trace window
+    # and memory timeline, counting model states, writing table parts): not the job's time, so the
+    # analyses leave out a step it dominates; null in runs written before it
+    ("collector_ns", pa.int64()),
 ])
 
 COMM_SCHEMA = pa.schema([
@@ -91,7 +95,7 @@ CHECKPOINTS_SCHEMA = pa.schema([
 
 #: Columns added to a table after its first release: a run directory written before them reads
 #: them as null rather than failing.
-ADDED_COLUMNS = {STEPS: {"cpu_wait_ns"}}
+ADDED_COLUMNS = {STEPS: {"cpu_wait_ns", "collector_ns"}}
 
 TABLE_SCHEMAS = {STEPS: STEPS_SCHEMA, COMM: COMM_SCHEMA, NVML: NVML_SCHEMA, MEMORY: MEMORY_SCHEMA,
                  CHECKPOINTS: CHECKPOINTS_SCHEMA}

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from mfuscope.analyzers import memory
@@ -33,17 +34,18 @@ HAND = {"parameter": 4 * TINY_PARAMS, "gradient": 4 * TINY_PARAMS, "optimizer_st
 @pytest.fixture(scope="module")
 def memory_runs(tmp_path_factory):
     """Three tiny_dense runs with ``--profile-memory`` (window: step 2, the optimizer's state made at
-    step 0 and a step to warm up): one rank; dp_shard=2 (FSDP2); one rank with full recomputation.
-    Each analyzed."""
+    step 0 and a step to warm up): one rank; dp_shard=2 (FSDP2, with a step after the window, inside
+    which the window is exported); one rank with full recomputation.  Each analyzed."""
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.optimizers.predicted_memory import analyze
     from mfuscope.tests.shared_runs import train_forked
 
     root = tmp_path_factory.mktemp("memory")
     runs = {}
-    for name, world, options in (("one", 1, {"layout": "dp_shard=1"}), ("fsdp", 2, {"layout": "dp_shard=2"}),
-                                 ("full", 1, {"layout": "dp_shard=1", "overrides": {"recompute": "full"}})):
-        out = train_forked(root / name, world, steps=3, window="2:1", profile_memory=True, **options)
+    for name, world, options in (("one", 1, {"layout": "dp_shard=1", "steps": 3}),
+                                 ("fsdp", 2, {"layout": "dp_shard=2", "steps": 4}),
+                                 ("full", 1, {"layout": "dp_shard=1", "steps": 3, "overrides": {"recompute": "full"}})):
+        out = train_forked(root / name, world, window="2:1", profile_memory=True, **options)
         report, _ = analyze(out, out / "report.json", out / "views")
         runs[name] = (out, report)
     return runs
@@ -64,6 +66,23 @@ def test_model_states_are_the_hand_count_and_fsdp_halves_them(memory_runs):
         sharded = _rank(fsdp, rank)["states"]
         for c, expected in HAND.items():
             assert sharded[c] == pytest.approx(expected / 2, rel=0.01), (rank, c)
+
+
+def test_the_windows_export_is_the_collectors_step_and_not_the_jobs(memory_runs):
+    """The window (step 2) is written on the training thread inside step 3's span -- a trace and a
+    memory timeline per rank, seconds against a step of tens of ms: the step table records the
+    collectors' work there, and the report's step time leaves that step out (its mean is no longer
+    than the slowest step it kept; counted in, the export made it several times longer)."""
+    out, report = memory_runs["fsdp"]
+    steps = pq.read_table(out / "steps.parquet").to_pandas()
+    steps["seconds"] = (steps["end_ns"] - steps["start_ns"]) / 1e9
+    export = steps[steps["step"] == 3]
+    assert (export["collector_ns"] > 0).all() and (export["collector_ns"] / 1e9 <= export["seconds"]).all()
+    kept = steps[steps["step"].isin([1, 2])]  # step 0 is warm-up
+    assert export["collector_ns"].max() / 1e9 > 0.1 * kept.groupby("step")["seconds"].max().median()
+    summary = report["summary"]
+    assert "step 3 left out" in summary["step_time_source"], summary["step_time_source"]
+    assert summary["step_time_s"] <= kept["seconds"].max() * (1 + 1e-9)
 
 
 def test_the_peak_is_measured_and_its_categories_add_up(memory_runs):
