@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "mxfp8 (Blackwell) or blockwise; each its GEMM rate and casts (docs/cost_model.md)")
     p.add_argument("--fp8-scope", default="all", help="with --dtype fp8: all, linears (dense only) or experts "
                                                       "(the routed experts' grouped GEMMs only)")
+    p.add_argument("--cp-comm", default="all_gather",
+                   help="how context parallelism moves K and V: all_gather (PyTorch's context_parallel), p2p (a ring: "
+                        "Megatron-Core, Transformer Engine) or a2a (Ulysses)")
+    p.add_argument("--attention-kernel", default="fa2",
+                   help="fa2 (FlashAttention-2, PyTorch's SDPA) or fa3 (FlashAttention-3, cuDNN: Hopper and later)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--hardware", type=Path, default=None, help="profile from `mfuscope calibrate`")
     p.add_argument("--scaling", metavar="GPUS,...", default=None,
@@ -377,7 +382,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
     return commands.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.global_batch, args.seq_len,
                          args.dtype, args.top, args.hardware, args.json, args.power_limit_w, args.scaling,
-                         args.fp8_recipe, args.fp8_scope)
+                         args.fp8_recipe, args.fp8_scope, args.cp_comm, args.attention_kernel)
 
 
 def cmd_scaling(args: argparse.Namespace) -> int:

@@ -7,9 +7,11 @@
    sit inside the layers -- tensor parallelism (2 all-gathers and 2
    reduce-scatters per layer and direction with sequence parallelism, else 2
    all-reduces; full recomputation repeats the forward's), context
-   parallelism (K/V gathered forward, gathered again and their gradients
-   reduce-scattered backward, hidden behind the attention core as a ring
-   does), expert parallelism (dispatch and combine all-to-alls, exposed).
+   parallelism by its implementation (K/V gathered forward, gathered again
+   and their gradients reduce-scattered backward, hidden behind the attention
+   core; a ring's per-step sends hidden behind its steps; Ulysses'
+   all-to-alls, exposed), expert parallelism (dispatch and combine
+   all-to-alls, exposed).
    Async TP hides TP behind the layer's GEMMs.
 2. **The pipeline**: m microbatches of F + B, plus the schedule's bubble from
    ``analyzers.bubbles.theory`` (GPipe/1F1B (p-1)T, interleaved (p-1)T/v,
@@ -112,7 +114,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     rank's compute relative to the busiest; by default its share of the layers.  ``memory``: the
     layout's memory estimate where the caller already made it (the planner)."""
     profile = profile or Profile()
-    problems = layout.problems(model, training.seq_len)
+    problems = layout.problems(model, training.seq_len) + training.layout_problems(model, layout)
     if problems:
         raise ValueError("; ".join(problems))
     links = Links(layout, system, profile)
@@ -231,22 +233,54 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         f_total += layers * ledger.expose("tp", f_ops, window, layers * m)
         b_total += layers * ledger.expose("tp", b_ops, 2 * window, layers * m)
     if layout.cp > 1:
-        # K and V gathered (one collective each) forward; their gradients reduce-scattered
-        # backward (``cp_grad_collective``); gathered again backward by a ring, or by any
-        # implementation that recomputes the forward.
-        half = tokens * model.kv_heads * model.head_dim * act * layout.cp  # K (or V) gathered
-        gather = links.seconds("cp", "all_gather", half, calls=2)
-        f_ops = {"all_gather": gather}
-        b_ops = {training.cp_grad_collective: links.seconds("cp", training.cp_grad_collective, half, calls=2)}
-        if training.cp_regather or layout.recompute != "none":
-            b_ops["all_gather"] = gather
-        f_total += layers * ledger.expose("cp", f_ops, stage.attention_fwd_s, layers * m)
-        b_total += layers * ledger.expose("cp", b_ops, 2.5 * stage.attention_fwd_s, layers * m)
+        (f_ops, f_window), (b_ops, b_window) = _context_parallel(model, layout, training, links, stage, tokens)
+        f_total += layers * ledger.expose("cp", f_ops, f_window, layers * m)
+        b_total += layers * ledger.expose("cp", b_ops, b_window, layers * m)
     if layout.ep > 1:
         ops = {"all_to_all": expert_exchange_s(model, layout, training, links)}
         f_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
         b_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
     return f_total, b_total
+
+
+def _context_parallel(model: ModelSpec, layout: Layout, training: Training, links: Links, stage: StageCompute,
+                      tokens: float) -> tuple[tuple[dict[str, float], float], tuple[dict[str, float], float]]:
+    """One layer's context-parallel collectives per microbatch, ((forward ops, the compute they
+    may hide behind), (backward ...)), by ``training.cp_comm``; a tp rank moves its own heads.
+
+    - ``all_gather``: K and V gathered (one collective each) forward, hidden behind the attention
+      core; their gradients back by ``cp_grad_collective``; gathered again backward unless the
+      implementation keeps them (``cp_regather``) -- always under recomputation.
+    - ``p2p`` (a ring): cp - 1 steps a pass send the local K and V to the next rank while a step's
+      attention (1/cp of it) runs; backward sends K, V and their gradients' partial sums (twice
+      the bytes) behind the backward's steps.  Full recomputation runs the forward's ring again.
+    - ``a2a`` (Ulysses): before the core, an all-to-all of Q, K and V from the sequence split to a
+      head split (K and V heads repeated up to cp when fewer), after it one of the output; in
+      backward the same two for the gradients.  Nothing overlaps them."""
+    act, cp, t = training.activation_bytes, layout.cp, layout.tp
+    kv_heads, hd = model.kv_heads / t, model.head_dim
+    attn_f = stage.attention_fwd_s
+    recomputed = layout.recompute != "none"
+    if training.cp_comm == "p2p":
+        step = links.seconds("cp", "send_recv", 2 * tokens * kv_heads * hd * act, n=2)
+        f_ops, f_window = {"send_recv": (cp - 1) * step}, (cp - 1) / cp * attn_f
+        b_ops, b_window = {"send_recv": 2 * (cp - 1) * step}, (cp - 1) / cp * 2.5 * attn_f
+        if layout.recompute == "full":
+            b_ops, b_window = {"send_recv": 3 * (cp - 1) * step}, b_window + f_window
+        return (f_ops, f_window), (b_ops, b_window)
+    if training.cp_comm == "a2a":
+        q_heads, kv_moved = model.n_heads / t, max(kv_heads, cp)
+        qkv = links.seconds("cp", "all_to_all", tokens * (q_heads + 2 * kv_moved) * hd * act)
+        out = links.seconds("cp", "all_to_all", tokens * q_heads * hd * act)
+        f_ops = {"all_to_all": qkv + out}
+        b_ops = {"all_to_all": (2 if layout.recompute == "full" else 1) * (qkv + out)}
+        return (f_ops, 0.0), (b_ops, 0.0)
+    gathered = tokens * kv_heads * hd * act * cp  # K (or V) of the whole sequence
+    gather = links.seconds("cp", "all_gather", gathered, calls=2)
+    b_ops = {training.cp_grad_collective: links.seconds("cp", training.cp_grad_collective, gathered, calls=2)}
+    if training.cp_regather or recomputed:
+        b_ops["all_gather"] = gather
+    return ({"all_gather": gather}, attn_f), (b_ops, 2.5 * attn_f)
 
 
 def expert_exchange_s(model: ModelSpec, layout: Layout, training: Training, links: Links) -> float:

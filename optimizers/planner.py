@@ -140,7 +140,7 @@ def _search(model: ModelSpec, gpus: int, system: System, global_batch: int, trai
     for layout in candidates(model, gpus, system.gpus_per_node, global_batch, training,
                              min(tp_limit, model.n_heads)):
         out.considered += 1
-        problems = layout.problems(model, training.seq_len)
+        problems = layout.problems(model, training.seq_len) + training.layout_problems(model, layout)
         if problems:
             _reject(out, "breaks a divisibility rule", layout, problems[0])
             continue

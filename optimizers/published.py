@@ -182,6 +182,10 @@ def case(index: int, row: dict[str, str]) -> Case:
     fsdp = titan or zero == 3
     deepspeed = zero == 3 and "deepspeed" in notes.lower()
     megatron = family in ("narayanan", "korthikanti")
+    # Megatron-Core runs Transformer Engine: cuDNN's fused attention (FlashAttention-3-class on
+    # Hopper) and, for context parallelism, TE's ring of point-to-point sends (cp_comm_type p2p,
+    # its default)
+    mcore = bool(re.search(r"\bmcore\b|megatron-core", notes, re.IGNORECASE))
     sp = (row.get("sp", "").strip().lower() == "yes") if megatron else True
     schedule = "interleaved_1f1b" if vpp > 1 else "1f1b"
     layout = Layout(tp=tp, pp=pp, vpp=vpp, dp_shard=dp if fsdp else 1, dp_replicate=1 if fsdp else dp,
@@ -192,6 +196,7 @@ def case(index: int, row: dict[str, str]) -> Case:
     training = Training(
         seq_len=seq, dtype="bf16" if dtype == "fp16" else dtype,
         flash_attention=not megatron, causal=not megatron,
+        attention_kernel="fa3" if mcore else "fa2", cp_comm="p2p" if mcore else "all_gather",
         compiled=megatron or "compile" in notes.lower(),
         async_tp=bool(re.search(r"async ?tp", notes, re.IGNORECASE)),
         overlap_grad_reduce=not megatron, overlap_p2p=not megatron, scatter_gather_sends=megatron,

@@ -209,6 +209,17 @@ class Layout:
 
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "current", "mxfp8", "blockwise")
 FP8_SCOPES = ("all", "linears", "experts")
+#: How context parallelism moves K and V (Megatron-Core's ``--cp-comm-type`` names): ``all_gather``
+#: the whole sequence's K and V before the attention core (PyTorch's ``context_parallel`` with its
+#: all-gather rotation, the reference trainer's); ``p2p`` a ring: cp steps, each the attention of
+#: the local queries against one rank's K and V while the next block travels (Megatron-Core's and
+#: Transformer Engine's default); ``a2a`` Ulysses: all-to-alls trade the sequence split for a head
+#: split around the attention core (DeepSpeed-Ulysses).
+CP_COMMS = ("all_gather", "p2p", "a2a")
+#: Flash-attention kernels with their own rates: ``fa2`` (FlashAttention-2, PyTorch's SDPA flash
+#: backend) and ``fa3`` (FlashAttention-3 and cuDNN's fused attention, which Transformer Engine
+#: runs: Hopper's asynchronous tensor cores; FA2's rate on GPUs before Hopper).
+ATTENTION_KERNELS = ("fa2", "fa3")
 
 
 @dataclass(frozen=True)
@@ -258,7 +269,12 @@ class Training:
     grouped GEMMs only (the router and the LM head stay 16-bit).  ``cp_regather``:
     context parallelism sends K and V again in backward (a ring does; an all-gather that keeps
     them does not, unless the forward is recomputed); ``cp_grad_collective``: what carries their
-    gradients back (the reference trainer's all-gather is undone by an all-to-all).  ``checkpoint_s``:
+    gradients back (the reference trainer's all-gather is undone by an all-to-all) -- both for
+    ``cp_comm`` ``all_gather`` (``CP_COMMS``: or a ``p2p`` ring, or ``a2a`` Ulysses).
+    ``cp_load_balance``: each context-parallel rank holds two chunks of the sequence, i and
+    2cp-1-i, so causal attention's work is even (Megatron-Core's and torchtitan's); without it the
+    last rank's queries see every key and the ring waits for it.  ``attention_kernel``: the flash
+    attention kernel's rate (``ATTENTION_KERNELS``).  ``checkpoint_s``:
     seconds a step the training thread is blocked saving checkpoints -- a measured run's
     ``checkpoint`` leaf, carried as measured (the model has no storage term); the async-save fix
     replaces it by the staging an async save keeps."""
@@ -288,6 +304,9 @@ class Training:
     fp8_scope: str = "all"
     cp_regather: bool = True
     cp_grad_collective: str = "reduce_scatter"
+    cp_comm: str = "all_gather"
+    cp_load_balance: bool = True
+    attention_kernel: str = "fa2"
     scatter_gather_sends: bool = False
     checkpoint_s: float = 0.0
 
@@ -296,6 +315,18 @@ class Training:
             raise ValueError(f"float8 recipe {self.fp8_recipe!r}: one of {', '.join(FP8_RECIPES)}")
         if self.fp8_scope not in FP8_SCOPES:
             raise ValueError(f"float8 scope {self.fp8_scope!r}: one of {', '.join(FP8_SCOPES)}")
+        if self.cp_comm not in CP_COMMS:
+            raise ValueError(f"context-parallel communication {self.cp_comm!r}: one of {', '.join(CP_COMMS)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {self.attention_kernel!r}: one of {', '.join(ATTENTION_KERNELS)}")
+
+    def layout_problems(self, model: ModelSpec, layout: Layout) -> list[str]:
+        """What makes ``layout`` impossible for this training beyond the layout's own rules:
+        Ulysses splits each tensor-parallel rank's query heads over the cp ranks."""
+        if self.cp_comm == "a2a" and layout.cp > 1 and (model.n_heads // layout.tp) % layout.cp:
+            return [f"Ulysses (cp_comm a2a) splits the {model.n_heads // layout.tp} query heads of a tp rank "
+                    f"over cp={layout.cp}: cp must divide them"]
+        return []
 
     @classmethod
     def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> Training:

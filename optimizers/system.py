@@ -70,10 +70,14 @@ class System:
             return 1.0
         return (self.power_limit_w / self.tdp_w) ** (1 / 3)
 
-    def attention_ceiling(self) -> float:
-        """Flash attention's measured rate; where none is published, H100's ratio of flash
-        attention to MAMF (335 / 794.5) times this device's bf16 MAMF."""
+    def attention_ceiling(self, kernel: str = "fa2") -> float:
+        """Flash attention's measured rate at 16k tokens; where none is published, H100's ratio of
+        flash attention to MAMF (335 / 794.5) times this device's bf16 MAMF.  ``fa3``
+        (FlashAttention-3, cuDNN's fused attention) needs Hopper's asynchronous tensor cores or
+        later: H100's FA3 rate over its FA2 rate times this device's FA2 rate; elsewhere FA2's."""
         rate = self.attention_flops or self.matmul_flops("bf16") * FA2_H100 / 794.5e12
+        if kernel == "fa3" and self.key in ASYNC_TENSOR_CORES:
+            rate *= FA3_H100 / FA2_H100
         return rate * self.clock_derate
 
     def peak_flops(self, dtype: str) -> float:
@@ -117,6 +121,19 @@ _MAMF_SRC = "ml-engineering MAMF table (stas00/ml-engineering, compute/accelerat
 FA2_A100 = 230e12
 FA2_H100 = 335e12
 FA2_BACKWARD = 0.87
+# FlashAttention-3's forward rate on H100 at head dim 128 and 16k tokens (batch x length = 16k,
+# 2,048 channels of heads): 620.7 TFLOP/s, and 430.3 / 517.1 / 565.5 / 590.2 / 614.2 at 512 /
+# 1k / 2k / 4k / 8k tokens (pytorch/benchmark pull request #2391, its test plan's table; the
+# Triton tutorial's FA2-style kernel in the same table: 328.9 ... 476.8, the same shape).  Those
+# shapes fit ``L / (L + ATTENTION_KNEE)`` normalised at 16k within 1.4% (512: 0.69 of the 16k
+# rate, both kernels): a block of L keys pays a fixed cost per query tile (its prologue, the
+# softmax's final rescale and the output's write) against a loop L long.
+FA3_H100 = 620.7e12
+ATTENTION_KNEE = 240.0
+ATTENTION_NORMALISED_AT = 16384.0
+#: NVIDIA GPUs with Hopper's asynchronous tensor cores (TMA, warpgroup MMA) or later, which
+#: FlashAttention-3-class kernels need.
+ASYNC_TENSOR_CORES = ("H100", "H200", "H800", "B200", "B300", "GB200", "GB300")
 
 #: GPUs whose tensor cores scale 32-element blocks themselves (the OCP MX formats: Blackwell's
 #: fifth-generation tensor cores); earlier ones have no MXFP8 GEMM.

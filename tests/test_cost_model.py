@@ -241,9 +241,11 @@ def test_forward_time_is_flops_over_the_matmul_ceiling():
     full = stage_compute(TOY, Layout(recompute="full"), Training(seq_len=1024), s, IDEAL, layers=1, with_head=False)
     assert full.bwd["gemm"] == pytest.approx(3 * stage.fwd["gemm"])
     # Causal flash attention: 4 s^2 d / 2 forward, 2.5x that backward at 0.87 of the forward rate
-    # (FlashAttention-2: 63% against 73% of A100's peak; 322 against 370 TFLOP/s on H100).
+    # (FlashAttention-2: 63% against 73% of A100's peak; 322 against 370 TFLOP/s on H100); 1,024
+    # keys a call at 517.1 / 620.7 of the 16k rate (FA3's measured table; the model's curve, fitted
+    # to it, gives 1024/1264 over 16384/16624 = 0.822, within 1.5%)
     causal = 4 * 1024 * 1024 * TOY.dim / 2
-    assert stage.fwd["attention"] == pytest.approx(causal / s.attention_ceiling())
+    assert stage.fwd["attention"] == pytest.approx(causal / (s.attention_ceiling() * 517.1 / 620.7), rel=0.015)
     assert stage.bwd["attention"] == pytest.approx(2.5 * stage.fwd["attention"] / 0.87)
 
 

@@ -12,7 +12,10 @@ Three kinds, three ceilings:
 - **Attention core** (``compute/attention``): flash attention does 4 s_q s_kv d
   FLOPs forward (halved when causal: masked tiles are skipped) and 2.5x that
   in backward (it recomputes the scores: five matmuls against two), at
-  ``profile.attention`` of flash attention's published rate on the device.  Unfused attention (Megatron before 2022)
+  ``profile.attention`` of its kernel's published rate on the device (FA2, or
+  FA3 / cuDNN on Hopper and later), times the rate of its calls' key length
+  against 16k (``attention_efficiency``: a context-parallel ring's blocks are
+  short; a causal split without load balance waits for its last rank).  Unfused attention (Megatron before 2022)
   runs the full s x s matmuls at the GEMM rate and moves the scores through
   HBM: softmax and dropout read and write them (6 passes forward, 8 backward).
 - **Memory-bound work** (``compute/norm_elementwise``): elements moved per
@@ -30,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec import Layout, ModelSpec, Training
-from ..system import FA2_BACKWARD, Profile, System
+from ..system import ATTENTION_KNEE, ATTENTION_NORMALISED_AT, FA2_BACKWARD, Profile, System
 
 NORMALISE_AT = 8192.0
 
@@ -76,6 +79,31 @@ def layer_gemms(model: ModelSpec, layout: Layout, tokens: float) -> list[Gemm]:
     else:
         out += [Gemm("mlp_up", tokens, h, up * model.ffn_dim / t), Gemm("mlp_down", tokens, model.ffn_dim / t, h)]
     return out
+
+
+def attention_block_efficiency(keys: float) -> float:
+    """Flash attention's rate on calls over ``keys`` keys a query, against 16k (``ATTENTION_KNEE``);
+    not extrapolated past the measured 16k."""
+    f = lambda n: n / (n + ATTENTION_KNEE)  # noqa: E731
+    return min(1.0, f(keys) / f(ATTENTION_NORMALISED_AT))
+
+
+def attention_efficiency(cp: int, seq_len: int, training: Training) -> float:
+    """The attention core's rate for ``cp``-way context parallelism against one call over the
+    whole sequence at 16k.  An all-gather or Ulysses call sees every key.  A ring runs cp steps,
+    each 1/cp of the work: the diagonal over the local two chunks (s/cp keys), the others over one
+    chunk (s/2cp keys) on the rank that waits longest (its queries take the other rank's first
+    chunk each step).  Causal attention split without load balance: the last rank's queries see
+    every key, (2cp - 1)/cp of the even share, and everyone waits for it (a ring's steps, an
+    all-gather's next collective)."""
+    s = float(seq_len)
+    if cp <= 1 or training.cp_comm in ("all_gather", "a2a"):
+        eff = attention_block_efficiency(s)
+    else:
+        eff = cp / (1 / attention_block_efficiency(s / cp) + (cp - 1) / attention_block_efficiency(s / (2 * cp)))
+    if cp > 1 and training.causal and not training.cp_load_balance and training.cp_comm != "a2a":
+        eff *= cp / (2 * cp - 1)
+    return eff
 
 
 def gemm_seconds(gemms: list[Gemm], system: System, profile: Profile, dtype: str) -> float:
@@ -198,7 +226,8 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     heads_dim = model.dim / t
     if training.flash_attention:
         flops = 4 * tokens * s * heads_dim * (0.5 if training.causal else 1.0)
-        attn_f = flops / (system.attention_ceiling() * profile.attention)
+        rate = system.attention_ceiling(training.attention_kernel) * profile.attention
+        attn_f = flops / (rate * attention_efficiency(c, s, training))
         attn_b = 2.5 * attn_f / FA2_BACKWARD
     else:
         # Batched s x s matmuls at the GEMM rate (head_dim is their short side), and the scores
