@@ -161,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "Megatron-Core, Transformer Engine) or a2a (Ulysses)")
     p.add_argument("--attention-kernel", default="fa2",
                    help="fa2 (FlashAttention-2, PyTorch's SDPA) or fa3 (FlashAttention-3, cuDNN: Hopper and later)")
+    p.add_argument("--moe-overlap", default="none",
+                   help="what the expert all-to-alls hide behind: none, shared_experts (Megatron-Core's "
+                        "--moe-shared-expert-overlap) or microbatches (another microbatch's compute: "
+                        "--overlap-moe-expert-parallel-comm, DualPipe)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="the busiest expert-parallel rank's routed tokens over the mean (default 1: balanced)")
+    p.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="tokens past this multiple of an expert's mean load are dropped (default: none dropped)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--hardware", type=Path, default=None, help="profile from `mfuscope calibrate`")
     p.add_argument("--scaling", metavar="GPUS,...", default=None,
@@ -382,7 +390,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
     return commands.plan(args.model, args.gpus, args.gpu, args.gpus_per_node, args.global_batch, args.seq_len,
                          args.dtype, args.top, args.hardware, args.json, args.power_limit_w, args.scaling,
-                         args.fp8_recipe, args.fp8_scope, args.cp_comm, args.attention_kernel)
+                         args.fp8_recipe, args.fp8_scope, args.cp_comm, args.attention_kernel,
+                         {"moe_overlap": args.moe_overlap, "moe_imbalance": args.moe_imbalance,
+                          "moe_capacity_factor": args.moe_capacity_factor})
 
 
 def cmd_scaling(args: argparse.Namespace) -> int:

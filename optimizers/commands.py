@@ -200,7 +200,7 @@ def predict_run_text(run_path: Path, hardware: Path | None) -> str:
 def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global_batch: int, seq_len: int,
          dtype: str, top: int, hardware: Path | None, as_json: bool, power_limit_w: float | None = None,
          scaling: str | None = None, fp8_recipe: str = "tensorwise", fp8_scope: str = "all",
-         cp_comm: str = "all_gather", attention_kernel: str = "fa2") -> int:
+         cp_comm: str = "all_gather", attention_kernel: str = "fa2", moe: dict | None = None) -> int:
     from . import scaling as scaling_curve
     sizes = scaling_curve.parse_sizes(scaling) if scaling is not None else None
     if gpus < 1 or global_batch < 1 or seq_len < 1 or top < 1 or (gpus_per_node is not None and gpus_per_node < 1):
@@ -218,8 +218,11 @@ def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global
     if cp_comm not in CP_COMMS or attention_kernel not in ATTENTION_KERNELS:
         raise UserInputError(f"--cp-comm {cp_comm!r} / --attention-kernel {attention_kernel!r}: "
                              f"{', '.join(CP_COMMS)}; {', '.join(ATTENTION_KERNELS)}")
-    training = Training(seq_len=seq_len, dtype=dtype, compiled=True, fp8_recipe=fp8_recipe, fp8_scope=fp8_scope,
-                        cp_comm=cp_comm, attention_kernel=attention_kernel)
+    try:
+        training = Training(seq_len=seq_len, dtype=dtype, compiled=True, fp8_recipe=fp8_recipe, fp8_scope=fp8_scope,
+                            cp_comm=cp_comm, attention_kernel=attention_kernel, **(moe or {}))
+    except ValueError as e:  # --moe-overlap, --moe-imbalance, --moe-capacity-factor
+        raise UserInputError(str(e)) from None
     profile = _profile(hardware, sys_.key)
     result = planner.plan(model, gpus, sys_, global_batch, training, profile, top)
     curve = (scaling_curve.predicted(model, gpus, sys_, global_batch, training, profile, sizes)

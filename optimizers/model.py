@@ -170,6 +170,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     params = memory_model.params_per_gpu(model, layout)
     _data_parallel(layout, training, links, ledger, params, stage, m, _first_gathers(model, layout, layers),
                    units=layers)
+    _amax_reductions(layout, training, links, ledger, stage, m)
     shard = layout.shard_ranks if layout.shard_ranks > 1 else (layout.grad_ranks if layout.zero >= 1 else 1)
     ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
     if dtensor_params(layout):
@@ -196,14 +197,14 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
 def compute_bound_s(model: ModelSpec, layout: Layout, training: Training, system: System,
                     profile: Profile | None = None) -> float:
     """A lower bound on :func:`predict`'s step: every microbatch's compute on the busiest pipeline
-    rank and its expert all-to-alls (nothing hides them), with no host time, no other
+    rank and its expert all-to-alls (when nothing hides them), with no host time, no other
     communication and no bubble (each of which only adds to the step).  The planner ranks by it
     first and predicts only the layouts it cannot rule out."""
     profile = profile or Profile()
     layers = layout.stage_layers(model)
     stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
     per_microbatch = stage.total("fwd") + stage.total("bwd")
-    if layout.ep > 1:
+    if layout.ep > 1 and training.moe_overlap == "none":  # hidden all-to-alls bound nothing
         per_microbatch += 2 * layers * expert_exchange_s(model, layout, training, Links(layout, system, profile))
     return layout.microbatches * per_microbatch
 
@@ -238,8 +239,9 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         b_total += layers * ledger.expose("cp", b_ops, b_window, layers * m)
     if layout.ep > 1:
         ops = {"all_to_all": expert_exchange_s(model, layout, training, links)}
-        f_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
-        b_total += layers * ledger.expose("ep", ops, 0.0, layers * m)
+        f_window, b_window = _expert_overlap_windows(stage, training)
+        f_total += layers * ledger.expose("ep", ops, f_window, layers * m)
+        b_total += layers * ledger.expose("ep", ops, b_window, layers * m)
     return f_total, b_total
 
 
@@ -285,10 +287,36 @@ def _context_parallel(model: ModelSpec, layout: Layout, training: Training, link
 
 def expert_exchange_s(model: ModelSpec, layout: Layout, training: Training, links: Links) -> float:
     """One layer's expert dispatch and combine all-to-alls for one microbatch and pass: each tp
-    rank sends its own 1/tp of the tokens' top-k copies (experts are not split over tp).  Nothing
-    hides them (a gap named in docs/cost_model.md)."""
+    rank sends its own 1/tp of the tokens' top-k copies (experts are not split over tp); the
+    busiest rank receives ``expert_load`` times the mean, and the exchange ends with it."""
     routed = layout.micro_batch * training.seq_len / layout.cp / layout.tp * model.top_k * model.dim
-    return 2 * links.seconds("ep", "all_to_all", routed * training.activation_bytes)
+    return 2 * training.expert_load * links.seconds("ep", "all_to_all", routed * training.activation_bytes)
+
+
+def _amax_reductions(layout: Layout, training: Training, links: Links, ledger: _Ledger, stage: StageCompute,
+                     m: int) -> None:
+    """Delayed scaling's amax all-reduces: Transformer Engine reduces the float8 tensors' amaxes
+    over the data, context and tensor-parallel ranks where each microbatch's forward autocast
+    ends (an input's and a weight's a GEMM) and where its backward reaches the first float8
+    module (each output gradient's); a few KB, so their latency, on the critical path."""
+    group = layout.data_ranks * layout.cp * layout.tp
+    if training.dtype != "fp8" or training.fp8_recipe != "delayed" or group <= 1 or not stage.fp8_gemms:
+        return
+    amax = (links.seconds("dp", "all_reduce", 4 * 2 * stage.fp8_gemms, n=group)
+            + links.seconds("dp", "all_reduce", 4 * stage.fp8_gemms, n=group))
+    ledger.add("comm/dp/all_reduce", m * amax)
+
+
+def _expert_overlap_windows(stage: StageCompute, training: Training) -> tuple[float, float]:
+    """The compute one layer's expert all-to-alls may hide behind, (forward, backward): nothing;
+    the layer's shared expert (twice its forward in backward); or, with another microbatch in
+    flight, that microbatch's attention and GEMMs of the layer (2x and 2.5x in backward)."""
+    if training.moe_overlap == "shared_experts":
+        return stage.shared_expert_fwd_s, 2 * stage.shared_expert_fwd_s
+    if training.moe_overlap == "microbatches":
+        return (stage.layer_fwd_gemm_s + stage.attention_fwd_s,
+                2 * stage.layer_fwd_gemm_s + 2.5 * stage.attention_fwd_s)
+    return 0.0, 0.0
 
 
 #: A CUDA kernel launch's host cost, about 5 us.

@@ -27,8 +27,10 @@ PRESETS: dict[str, ModelSpec] = {
                              vocab_size=128256),
     "mixtral-8x7b": ModelSpec(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                               n_experts=8, top_k=2),
+    # DeepSeek-V3's config.json: 256 routed experts of 2048 (top 8) and one shared expert of 2048
+    # (n_shared_experts 1); its MLA attention and its first three dense layers are not modelled
     "deepseek-v3": ModelSpec(n_layers=61, dim=7168, n_heads=128, ffn_dim=2048, vocab_size=129280,
-                             n_experts=256, top_k=8),
+                             n_experts=256, top_k=8, shared_ffn_dim=2048),
 }
 
 

@@ -220,6 +220,12 @@ CP_COMMS = ("all_gather", "p2p", "a2a")
 #: backend) and ``fa3`` (FlashAttention-3 and cuDNN's fused attention, which Transformer Engine
 #: runs: Hopper's asynchronous tensor cores; FA2's rate on GPUs before Hopper).
 ATTENTION_KERNELS = ("fa2", "fa3")
+#: What a MoE layer's dispatch and combine all-to-alls may hide behind: ``none``; the layer's
+#: ``shared_experts`` (Megatron-Core's ``--moe-shared-expert-overlap``: the shared expert runs
+#: while the tokens travel); another microbatch's compute (``microbatches``: Megatron-Core's
+#: ``--overlap-moe-expert-parallel-comm`` in interleaved 1F1B, DeepSeek-V3's DualPipe: one
+#: microbatch's all-to-all behind the other's attention and GEMMs).
+MOE_OVERLAPS = ("none", "shared_experts", "microbatches")
 
 
 @dataclass(frozen=True)
@@ -274,7 +280,11 @@ class Training:
     ``cp_load_balance``: each context-parallel rank holds two chunks of the sequence, i and
     2cp-1-i, so causal attention's work is even (Megatron-Core's and torchtitan's); without it the
     last rank's queries see every key and the ring waits for it.  ``attention_kernel``: the flash
-    attention kernel's rate (``ATTENTION_KERNELS``).  ``checkpoint_s``:
+    attention kernel's rate (``ATTENTION_KERNELS``).  ``moe_overlap``: what the expert all-to-alls
+    hide behind (``MOE_OVERLAPS``).  ``moe_imbalance``: the busiest expert-parallel rank's routed
+    tokens over the mean (1: balanced routing); the all-to-all and that rank's expert GEMMs wait
+    for it, unless ``moe_capacity_factor`` drops the tokens past that multiple of the mean
+    (Megatron-Core's ``--moe-expert-capacity-factor``, GShard's capacity).  ``checkpoint_s``:
     seconds a step the training thread is blocked saving checkpoints -- a measured run's
     ``checkpoint`` leaf, carried as measured (the model has no storage term); the async-save fix
     replaces it by the staging an async save keeps."""
@@ -307,6 +317,9 @@ class Training:
     cp_comm: str = "all_gather"
     cp_load_balance: bool = True
     attention_kernel: str = "fa2"
+    moe_overlap: str = "none"
+    moe_imbalance: float = 1.0
+    moe_capacity_factor: float | None = None
     scatter_gather_sends: bool = False
     checkpoint_s: float = 0.0
 
@@ -319,6 +332,16 @@ class Training:
             raise ValueError(f"context-parallel communication {self.cp_comm!r}: one of {', '.join(CP_COMMS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention kernel {self.attention_kernel!r}: one of {', '.join(ATTENTION_KERNELS)}")
+        if self.moe_overlap not in MOE_OVERLAPS:
+            raise ValueError(f"MoE overlap {self.moe_overlap!r}: one of {', '.join(MOE_OVERLAPS)}")
+        if self.moe_imbalance < 1 or (self.moe_capacity_factor is not None and self.moe_capacity_factor < 1):
+            raise ValueError("the MoE imbalance and capacity factor are multiples of the mean load: 1 or more")
+
+    @property
+    def expert_load(self) -> float:
+        """The busiest expert-parallel rank's routed tokens over the mean: the imbalance, capped
+        by the capacity factor (tokens past capacity are dropped, not computed)."""
+        return min(self.moe_imbalance, self.moe_capacity_factor or self.moe_imbalance)
 
     def layout_problems(self, model: ModelSpec, layout: Layout) -> list[str]:
         """What makes ``layout`` impossible for this training beyond the layout's own rules:

@@ -240,3 +240,82 @@ def test_each_rows_float8_recipe_and_scope_is_read_from_its_dtype():
     row = published.read_rows(MOE_ROWS)[31]
     with pytest.raises(ValueError, match="MXFP8 on H100"):
         published.case(31, {**row, "gpu_key": "H100", "gpu": "NVIDIA H100"})
+
+
+#: One layer, 1,024 wide, 8 heads; 4 routed experts of 4,096 (top 1) and a shared expert of 2,048.
+SHARED_MOE = ModelSpec(n_layers=1, dim=1024, n_heads=8, ffn_dim=4096, vocab_size=1000, n_experts=4, top_k=1,
+                       shared_ffn_dim=2048)
+
+
+def _moe_predict(profile=None, layout=None, **training):
+    from mfuscope.optimizers.model import predict
+    from mfuscope.optimizers.spec import Training
+    from mfuscope.optimizers.system import Profile, system
+
+    ideal = Profile(gemm=1.0, gemm_knee=0.0, attention=1.0, memory=1.0, scale_up=1.0, scale_out=1.0,
+                    overlap_slowdown=0.0)
+    layout = layout or Layout(ep=2, dp_shard=2)
+    return predict(SHARED_MOE, layout, Training(seq_len=1024, **training), system("H100"), profile or ideal), layout
+
+
+def test_expert_all_to_alls_hide_behind_the_shared_expert_or_another_microbatch():
+    """ep=2, one microbatch of 1,024 tokens, over NVLink slowed 1,000x so the exchange outlasts
+    the compute.  Hidden behind the shared expert: its SwiGLU GEMMs, 2 x 1,024 x 1,024 x (2 x 2,048)
+    + 2 x 1,024 x 2,048 x 1,024 FLOPs at H100's bf16 MAMF (794.5 TFLOP/s) forward, twice that
+    backward; the all-to-alls stick out by the rest.  Behind another microbatch: the layer's GEMMs
+    and attention -- more than the shared expert alone, so less sticks out."""
+    from mfuscope.optimizers.cost.comm import Links
+    from mfuscope.optimizers.model import expert_exchange_s
+    from mfuscope.optimizers.spec import Training
+    from mfuscope.optimizers.system import Profile, system
+
+    slow = Profile(gemm=1.0, gemm_knee=0.0, attention=1.0, memory=1.0, scale_up=1e-3, scale_out=1e-3,
+                   overlap_slowdown=0.0)
+    none, layout = _moe_predict(slow)
+    shared, _ = _moe_predict(slow, moe_overlap="shared_experts")
+    other, _ = _moe_predict(slow, moe_overlap="microbatches")
+    a2a = expert_exchange_s(SHARED_MOE, layout, Training(seq_len=1024), Links(layout, system("H100"), slow))
+    shared_f = (2 * 1024 * 1024 * 4096 + 2 * 1024 * 2048 * 1024) / 794.5e12
+    assert a2a > 2 * shared_f  # the premise: the exchange outlasts what hides it
+    assert none.leaves["comm/ep/all_to_all"] == pytest.approx(2 * a2a, rel=1e-9)
+    assert shared.leaves["comm/ep/all_to_all"] == pytest.approx((a2a - shared_f) + (a2a - 2 * shared_f), rel=1e-9)
+    assert other.leaves["comm/ep/all_to_all"] < shared.leaves["comm/ep/all_to_all"]
+
+
+def test_an_imbalanced_router_slows_the_busiest_rank_unless_capacity_drops_tokens():
+    """The busiest ep rank's routed tokens at 1.3x the mean: its expert GEMMs and the exchange
+    take 1.3x; a capacity factor of 1.1 drops what is past 1.1x, so 1.1x."""
+    from mfuscope.optimizers.spec import Training
+
+    base, _ = _moe_predict()
+    for kw, factor in (({"moe_imbalance": 1.3}, 1.3), ({"moe_imbalance": 1.3, "moe_capacity_factor": 1.1}, 1.1)):
+        skewed, _ = _moe_predict(**kw)
+        assert skewed.leaves["comm/ep/all_to_all"] == pytest.approx(factor * base.leaves["comm/ep/all_to_all"])
+    gemms = {g.name: g for g in layer_gemms(SHARED_MOE, Layout(ep=2, dp_shard=2), 1024, expert_load=1.3)}
+    assert gemms["expert_up"].m == pytest.approx(1024 * 1 * 2 / 4 * 1.3)  # tokens x top-k x ep / E x load
+    with pytest.raises(ValueError, match="1 or more"):
+        Training(seq_len=1024, moe_imbalance=0.9)
+
+
+def test_delayed_scaling_reduces_its_amaxes_twice_a_microbatch():
+    """Transformer Engine's delayed scaling all-reduces the float8 amaxes over the data, context
+    and tensor-parallel ranks at the end of each microbatch's forward (X and W of each GEMM: 4
+    float8 GEMMs in a dense layer, 8 values) and of its backward (dY: 4): on 8 ranks (tp=2 x
+    dp=4), 4 microbatches, two all-reduces each; tensor-wise dynamic scaling has none."""
+    from mfuscope.optimizers.cost.comm import Links
+    from mfuscope.optimizers.model import predict
+    from mfuscope.optimizers.spec import Training
+    from mfuscope.optimizers.system import Profile, system
+
+    dense = ModelSpec(n_layers=1, dim=1024, n_heads=8, ffn_dim=4096, vocab_size=1000)
+    layout = Layout(tp=2, dp_replicate=4, microbatches=4)
+    ideal = Profile(gemm=1.0, gemm_knee=0.0, attention=1.0, memory=1.0, scale_up=1.0, scale_out=1.0)
+    h100 = system("H100")
+
+    def reduce_leaf(recipe):
+        training = Training(seq_len=1024, dtype="fp8", fp8_recipe=recipe, overlap_grad_reduce=False)
+        return predict(dense, layout, training, h100, ideal).leaves["comm/dp/all_reduce"]
+
+    links = Links(layout, h100, ideal)
+    amax = links.seconds("dp", "all_reduce", 4 * 8, n=8) + links.seconds("dp", "all_reduce", 4 * 4, n=8)
+    assert reduce_leaf("delayed") - reduce_leaf("tensorwise") == pytest.approx(4 * amax, rel=1e-9)

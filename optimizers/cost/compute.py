@@ -56,9 +56,10 @@ def shape_efficiency(g: Gemm, knee: float) -> float:
     return min(1.0, f(g.m) * f(g.k) * f(g.n) / f(NORMALISE_AT) ** 3)
 
 
-def layer_gemms(model: ModelSpec, layout: Layout, tokens: float) -> list[Gemm]:
+def layer_gemms(model: ModelSpec, layout: Layout, tokens: float, expert_load: float = 1.0) -> list[Gemm]:
     """Forward GEMMs of one transformer layer for ``tokens`` tokens on one GPU of a TP group
-    (sequence parallelism gathers the full microbatch before each column-parallel GEMM)."""
+    (sequence parallelism gathers the full microbatch before each column-parallel GEMM).
+    ``expert_load``: the busiest expert-parallel rank's routed tokens over the mean."""
     h, t, hd = model.dim, layout.tp, model.head_dim
     kv = model.kv_heads * hd
     out = [Gemm("qkv", tokens, h, (h + 2 * kv) / t), Gemm("attn_out", tokens, h / t, h)]
@@ -69,7 +70,7 @@ def layer_gemms(model: ModelSpec, layout: Layout, tokens: float) -> list[Gemm]:
         # the tp ranks split the tokens instead: each routes its own 1/tp of them.  ep ranks exchange
         # tokens, so with balanced routing each GPU's E/ep experts see tokens/tp x top_k rows in
         # all, tokens/tp x top_k x ep / E each.
-        per_expert = tokens / t * model.top_k * layout.ep / model.n_experts
+        per_expert = tokens / t * model.top_k * layout.ep / model.n_experts * expert_load
         local = model.n_experts / layout.ep
         out += [Gemm("expert_up", per_expert, h, up * model.ffn_dim, local),
                 Gemm("expert_down", per_expert, model.ffn_dim, h, local)]
@@ -205,6 +206,8 @@ class StageCompute:
     w: float = 0.0
     layer_fwd_gemm_s: float = 0.0     # one layer's forward GEMMs (async TP hides behind these)
     attention_fwd_s: float = 0.0      # one layer's forward attention core (context parallelism)
+    shared_expert_fwd_s: float = 0.0  # one layer's shared-expert GEMMs forward (MoE overlap)
+    fp8_gemms: float = 0.0            # float8 GEMMs on the stage (each expert's own): their amaxes
 
     def total(self, phase: str) -> float:
         return sum(getattr(self, phase).values())
@@ -215,10 +218,14 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     """One microbatch through ``layers`` layers (and the LM head when ``with_head``)."""
     b, s, c, t = layout.micro_batch, training.seq_len, layout.cp, layout.tp
     tokens = b * s / c
-    gemms = layer_gemms(model, layout, tokens)
+    gemms = layer_gemms(model, layout, tokens, training.expert_load if layout.ep > 1 else 1.0)
     low, high = fp8_gemms(gemms, training)
-    fwd_gemm = (gemm_seconds(low, system, profile, "fp8" if training.fp8_recipe in FP8_RATE_RECIPES else "bf16")
-                + gemm_seconds(high, system, profile, "bf16" if training.dtype == "fp8" else training.dtype))
+    low_dtype = "fp8" if training.fp8_recipe in FP8_RATE_RECIPES else "bf16"
+    high_dtype = "bf16" if training.dtype == "fp8" else training.dtype
+    fwd_gemm = gemm_seconds(low, system, profile, low_dtype) + gemm_seconds(high, system, profile, high_dtype)
+    shared = lambda gs: [g for g in gs if g.name.startswith("shared_")]  # noqa: E731
+    shared_s = (gemm_seconds(shared(low), system, profile, low_dtype)
+                + gemm_seconds(shared(high), system, profile, high_dtype))
     hbm = system.hbm_Bps * profile.memory
     act = training.activation_bytes
 
@@ -243,7 +250,8 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     cast_f, cast_b = fp8_cast_bytes(low, training.fp8_recipe)
     ew_f, ew_b = ew_f + cast_f / hbm, 2 * ew_f + cast_b / hbm
 
-    out = StageCompute(layer_fwd_gemm_s=fwd_gemm, attention_fwd_s=attn_f)
+    out = StageCompute(layer_fwd_gemm_s=fwd_gemm, attention_fwd_s=attn_f, shared_expert_fwd_s=shared_s,
+                       fp8_gemms=layers * sum(g.count for g in low))
     out.fwd = {"gemm": layers * fwd_gemm, "attention": layers * attn_f, "norm_elementwise": layers * ew_f}
     re_gemm = re_attn = re_ew = 0.0
     if layout.recompute == "full":
