@@ -128,6 +128,9 @@ FA2_BACKWARD = 0.87
 # shapes fit ``L / (L + ATTENTION_KNEE)`` normalised at 16k within 1.4% (512: 0.69 of the 16k
 # rate, both kernels): a block of L keys pays a fixed cost per query tile (its prologue, the
 # softmax's final rescale and the output's write) against a loop L long.
+# cuDNN's fused attention runs at FA3's rate: 631.3 against FA3's 631.8 and SDPA's FA2 backend's
+# 329.5 TFLOP/s on H100 at 4,608 tokens, head dim 128 (pytorch/pytorch#142132); PyTorch's SDPA made
+# cuDNN opt-in after 2.5 (pytorch/pytorch#138649) until cuDNN 9.15, so torchtitan's runs are FA2.
 FA3_H100 = 620.7e12
 ATTENTION_KNEE = 240.0
 ATTENTION_NORMALISED_AT = 16384.0
