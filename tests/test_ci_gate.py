@@ -183,8 +183,9 @@ def test_workflow_records_pushes_to_the_history_branch(pushed):
     assert [r["commit"] for r in records] == pushed["shas"]
     assert all(r["branch"] == "main" and r["workload"] == "tiny-tp2" for r in records)
     assert len({r["fingerprint_id"] for r in records}) == 1
-    # 21 steps, the first left out as warm-up: 20 samples a record
-    assert all(len(r["samples"]["step_time_s"]) == 20 for r in records)
+    # 21 steps, the first left out as warm-up: 20 samples a record, 19 where the trace window's
+    # export took over a step (analyzers/step_rows.py: the collectors' time, not the job's)
+    assert all(len(r["samples"]["step_time_s"]) in (19, 20) for r in records)
     first = pushed["summaries"][0]
     assert "insufficient data" in first and "no baseline record" in first
 

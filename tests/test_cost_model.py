@@ -66,8 +66,10 @@ def test_placement_keeps_inner_dimensions_in_the_node():
 
 def test_rings_across_nodes_drive_every_nic_of_the_node_and_all_to_all_one():
     """NCCL's rings take a channel per NIC: a group with g ranks on each node moves its bytes at g
-    NICs' bandwidth (capped by NVLink, which the ring crosses too); all-to-all at one NIC's.
-    H100: 8 x 400 Gb/s (50 GB/s) NICs, NVLink 450 GB/s; ideal links, no latency."""
+    NICs' bandwidth (capped by NVLink, which the ring crosses too); all-to-all at one NIC's, for
+    the share bound for other nodes (the share for the node's own 7 peers, 7/16, goes over NVLink
+    meanwhile: 7/16 / 450 GB/s < 8/16 / 50 GB/s).  H100: 8 x 400 Gb/s (50 GB/s) NICs, NVLink
+    450 GB/s; ideal links, no latency."""
     s, nic, nvl = ideal_system(), 50e9, 450e9
     size = 1e9
     spread = comm.Links(Layout(dp_shard=64), s, IDEAL)         # 8 nodes, 8 of the group on each
@@ -79,7 +81,7 @@ def test_rings_across_nodes_drive_every_nic_of_the_node_and_all_to_all_one():
     assert half.seconds("dp_shard", "reduce_scatter", size) == pytest.approx(size * 31 / 32 / (4 * nic))
     experts = comm.Links(Layout(ep=16, dp_shard=16), s, IDEAL)  # 16 expert ranks over 2 nodes
     assert experts.tier_of["ep"] == "scale_out"
-    assert experts.seconds("ep", "all_to_all", size) == pytest.approx(size * 15 / 16 / nic)
+    assert experts.seconds("ep", "all_to_all", size) == pytest.approx(size * 8 / 16 / nic)
 
 
 def test_ring_latency_grows_with_the_group_as_nccls_tuning_model_counts_it():

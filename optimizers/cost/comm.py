@@ -23,7 +23,10 @@ that spans N nodes with g of its ranks on each runs as NCCL runs it there:
   per-channel inter-node speed; a DGX A100's 8 x 200 Gb/s measure 192 GB/s of
   all-reduce bus bandwidth (NCCL maintainers, NVIDIA/nccl#812, #1576).
   All-to-all "cannot aggregate the bandwidth of multiple NICs" (NVIDIA/nccl-tests#267):
-  it and send/recv run at one NIC per GPU.
+  it and send/recv run at one NIC per GPU.  An all-to-all is a send and a receive to
+  each peer (nccl-tests' alltoall groups ``ncclSend``/``ncclRecv``), and NCCL carries
+  each by its transport: the (g-1)/n of the buffer bound for peers in the node over
+  NVLink while the (n-g)/n for the other nodes crosses the NIC -- the slower of the two.
 - **latency.** A ring all-gather or reduce-scatter takes n-1 steps, N-1 of them
   across the network (tuning.cc: ``(nsteps - nInterSteps) x intraLat +
   nInterSteps x interLat``) -- latency that grows with the group, which is
@@ -164,4 +167,8 @@ class Links:
             latency = out.latency_s
         else:
             latency = math.ceil(math.log2(n)) * out.latency_s
+        if op == "all_to_all":
+            remote = size_bytes * (n - g) / n / bandwidth
+            local = size_bytes * (g - 1) / n / (up.bandwidth_Bps * prof.scale_up)
+            return calls * latency * prof.latency_scale + max(remote, local)
         return calls * latency * prof.latency_scale + size_bytes * bus_factor(op, n) / bandwidth
