@@ -535,7 +535,7 @@ def test_overview_shows_the_cost_models_prediction_beside_the_measurement(tab, r
 def test_planner_page_ranks_layouts_and_shows_each_ones_breakdown(tab, runs):
     """The planner page: the ranked layouts of the CLI's `mfuscope plan` for the same inputs, a
     clicked row's predicted breakdown, the predicted scaling curve of `plan --scaling`, the measured
-    scaling of the runs of one model at two sizes (``memory``: 1 rank, ``pp8``: 8, the same 8
+    scaling of the runs of one model at two sizes (``memory``: 2 ranks, ``pp8``: 8, the same 8
     sequences a step: strong scaling), and a new plan from the form."""
     for run in ("memory", "pp8"):  # analyzed (the measured scaling reads analyzed runs only)
         _first_visit(tab, run)
