@@ -29,7 +29,8 @@ percentile) and its peers' median that step (the other ranks of the job; the oth
 same dimension and size), so a fault present from the first step still stands out against the
 peers and one every peer shares against the entity's past -- by more than ``max(6 x the entity's
 step-to-step noise, min_share of the median step)``.  An **episode** is a run of at least five
-slow steps (one quiet step between two allowed, four in five slow) or at least four slow steps
+slow steps (one quiet step between two allowed, four in five slow; two such runs with a quiet
+stretch under a tenth of their span between them are one) or at least four slow steps
 at one period (an intermittent fault, ``every=N``: one episode with its period, not N), lasting
 a second or more from onset to end.  Other slow steps are noise -- a loaded host's scheduling,
 whose bursts pass within a second -- and are not reported.  The onset is the
@@ -61,6 +62,7 @@ MIN_SHARE = 0.10      # a slowdown under this share of the median step is not an
 NOISE_K = 6.0         # ... nor one within this many times the entity's step-to-step noise
 MIN_RUN = 5           # slow steps (one quiet step allowed between) that make an episode: a loaded
                       # host's scheduling bursts make three in a row now and then
+MAX_QUIET_SHARE = 0.1  # two runs of slow steps this close (quiet steps over their span) are one episode
 MIN_SECONDS = 1.0     # ... and that last, onset to end, at least this long
 MIN_PERIODIC = 4      # isolated slow steps at one period that make an intermittent episode
 WARMUP_STEPS = 5      # steps 0-4 left out: allocator growth, communicator set-up, autotuning settle
@@ -247,7 +249,7 @@ def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int
     runs.append(current)
     # A run: MIN_RUN slow steps, four in five of its steps slow (scattered noise chains otherwise).
     held = [len(r) >= MIN_RUN and len(r) >= 0.8 * (step_ids[r[-1]] - step_ids[r[0]] + 1) for r in runs]
-    out = [(np.arange(r[0], r[-1] + 1), None) for r, ok in zip(runs, held) if ok]
+    out = [(np.arange(r[0], r[-1] + 1), None) for r in _joined([r for r, ok in zip(runs, held) if ok], step_ids)]
     isolated = np.array([i for r, ok in zip(runs, held) if not ok for i in r])
     if len(isolated) >= MIN_PERIODIC:
         gaps = np.diff(step_ids[isolated])
@@ -255,6 +257,23 @@ def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int
         regular = isolated[np.r_[True, gaps % period == 0]] if period >= 2 else isolated[:0]
         if len(regular) >= MIN_PERIODIC and (gaps % period == 0).mean() >= 0.75:
             out.append((regular, period))
+    return out
+
+
+def _joined(runs: list[list[int]], step_ids: np.ndarray) -> list[list[int]]:
+    """Consecutive runs of one entity that a short quiet stretch separates -- at most
+    :data:`MAX_QUIET_SHARE` of the two runs' span -- are one fault: a link held slow for 70 steps
+    reads fast for two when its slow rank happens to arrive first and starts its transfer while the
+    others are still computing."""
+    out: list[list[int]] = []
+    for r in runs:
+        if out:
+            first, last = step_ids[out[-1][0]], step_ids[r[-1]]
+            quiet = step_ids[r[0]] - step_ids[out[-1][-1]] - 1
+            if quiet <= MAX_QUIET_SHARE * (last - first + 1):
+                out[-1] = out[-1] + r
+                continue
+        out.append(list(r))
     return out
 
 

@@ -15,6 +15,7 @@ import pytest
 from mfuscope.analyzers import breakdown, comm_stats, mfu, overview, trace_set
 from mfuscope.analyzers.bubbles import theory
 from mfuscope.analyzers.intervals import assign_by_priority
+from mfuscope.fix_registry import FIXES
 from mfuscope.tests.helpers import CORPUS, DLRM, corpus_trace_files, micro_config, needs_corpus, read_raw
 
 CALIBRATION = CORPUS / "published" / "calibration.csv"
@@ -268,11 +269,15 @@ def test_late_tensor_parallel_rank_shows_as_exposed_tp_communication(tmp_path):
     _, base = _run(tmp_path, "tp", "tp=2", world=2)
     _, late = _run(tmp_path, "tp_late", "tp=2", world=2, inject="comm:dim=tp:ms=50:rank=1")
     # Rank 1 arrives 50 ms late at the 2 sequence-parallel gathers of each of 4 layers, in each of
-    # the 2 accumulation forwards; its tp peer, rank 0, waits that long in tp communication.
+    # the 2 accumulation forwards; its tp peer, rank 0, waits that long in tp communication and the
+    # late rank itself does not: within the late run, rank 0's tp time exceeds rank 1's by that.
+    # A loaded runner also makes one rank of a pair wait for the other now and then (a run's
+    # steps once gained 0.34 s of tp time that way); the run without the fault measures how far
+    # that alone sets the two ranks apart.
     expected = 4 * 2 * 2 * 0.050
-    grew = {rank: _rank_leaf(late, rank, "comm/tp/") - _rank_leaf(base, rank, "comm/tp/") for rank in (0, 1)}
-    assert grew[0] == pytest.approx(expected, rel=0.2), grew
-    assert grew[1] < 0.2 * expected, grew  # the late rank itself does not wait
+    apart = {name: _rank_leaf(r, 0, "comm/tp/") - _rank_leaf(r, 1, "comm/tp/") for name, r in (("base", base),
+                                                                                             ("late", late))}
+    assert apart["late"] == pytest.approx(expected, abs=0.2 * expected + abs(apart["base"])), apart
 
 
 @pytest.mark.paced
@@ -288,7 +293,13 @@ def test_heavier_pipeline_stage_appears_as_stage_imbalance(tmp_path):
     assert slowest["stage"] == 1, b["per_stage"]
     assert (abs(slowest["busy_s"] - fastest["busy_s"] - 4 * 0.040)
             <= 0.15 * 4 * 0.040 + unpaced), (b["per_stage"], unpaced)
-    assert any(f["fix"] == "rebalance_stages" for f in report["findings"])
+    # The imbalance a hand count expects: stage 1's 160 ms over the mean of 240 + 160/2 ms paced
+    # (plus the un-paced work both stages do).  A CI runner loaded enough to stretch that work
+    # past ~0.4 s a step dilutes it under the finding's 10% threshold; below that, with a margin,
+    # the finding must be there.
+    expected = 4 * 0.040 / 2 / (4 * 0.060 + 4 * 0.040 / 2 + unpaced)
+    if expected >= 1.25 * FIXES["rebalance_stages"].threshold:
+        assert any(f["fix"] == "rebalance_stages" for f in report["findings"]), (expected, b["per_stage"])
 
 
 @pytest.mark.paced

@@ -109,6 +109,21 @@ def test_a_fault_from_the_first_step_stands_out_against_its_peers():
     assert e["cost_s"] == pytest.approx((100 - health.WARMUP_STEPS) * 12 * MS, rel=0.1)
 
 
+def test_a_fault_with_a_short_reprieve_is_one_episode_and_two_faults_apart_are_two():
+    """Pair A's link adds 20 ms from step 30 to the end but reads fast at steps 53-54 (its slow
+    member arrived first and moved its bytes while the other still computed -- seen on a loaded CI
+    runner): one episode, 30-99, costing its 68 slow steps.  Pair B's link adds 20 ms in steps 10-44
+    and again in 65-99: two faults 20 quiet steps apart, two episodes."""
+    a = {s: 20 * MS for s in range(30, 100) if s not in (53, 54)}
+    b = {s: 20 * MS for s in [*range(10, 45), *range(65, 100)]}
+    h = health.of_tables(*_job(link={"A": a}))
+    link = _only(h["episodes"], "comm_slow")
+    assert (link["onset_step"], link["end_step"], link["ranks"]) == (30, 99, [0, 1])
+    assert link["cost_s"] == pytest.approx(68 * 20 * MS, rel=0.1)
+    h = health.of_tables(*_job(link={"B": b}))
+    assert [(e["onset_step"], e["end_step"]) for e in h["episodes"]] == [(10, 44), (65, 99)], h["episodes"]
+
+
 def test_noise_and_isolated_spikes_make_no_episode():
     """A healthy job with one-off 40 ms stalls of single ranks at scattered steps (a loaded host):
     no episode, no flagged step."""
