@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the busiest expert-parallel rank's routed tokens over the mean (default 1: balanced)")
     p.add_argument("--moe-capacity-factor", type=float, default=None,
                    help="tokens past this multiple of an expert's mean load are dropped (default: none dropped)")
+    p.add_argument("--moe-dispatch", default="all_to_all",
+                   help="how tokens reach experts on other nodes: all_to_all (NCCL: a copy per expert) or deepep "
+                        "(DeepEP's two-level dispatch: a copy per node over the NIC, forwarded over NVLink)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--hardware", type=Path, default=None, help="profile from `mfuscope calibrate`")
     p.add_argument("--scaling", metavar="GPUS,...", default=None,
@@ -392,7 +395,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          args.dtype, args.top, args.hardware, args.json, args.power_limit_w, args.scaling,
                          args.fp8_recipe, args.fp8_scope, args.cp_comm, args.attention_kernel,
                          {"moe_overlap": args.moe_overlap, "moe_imbalance": args.moe_imbalance,
-                          "moe_capacity_factor": args.moe_capacity_factor})
+                          "moe_capacity_factor": args.moe_capacity_factor, "moe_dispatch": args.moe_dispatch})
 
 
 def cmd_scaling(args: argparse.Namespace) -> int:

@@ -221,7 +221,7 @@ def plan(model_name: str, gpus: int, gpu: str, gpus_per_node: int | None, global
     try:
         training = Training(seq_len=seq_len, dtype=dtype, compiled=True, fp8_recipe=fp8_recipe, fp8_scope=fp8_scope,
                             cp_comm=cp_comm, attention_kernel=attention_kernel, **(moe or {}))
-    except ValueError as e:  # --moe-overlap, --moe-imbalance, --moe-capacity-factor
+    except ValueError as e:  # --moe-overlap, --moe-imbalance, --moe-capacity-factor, --moe-dispatch
         raise UserInputError(str(e)) from None
     profile = _profile(hardware, sys_.key)
     result = planner.plan(model, gpus, sys_, global_batch, training, profile, top)

@@ -286,11 +286,15 @@ def _context_parallel(model: ModelSpec, layout: Layout, training: Training, link
 
 
 def expert_exchange_s(model: ModelSpec, layout: Layout, training: Training, links: Links) -> float:
-    """One layer's expert dispatch and combine all-to-alls for one microbatch and pass: each tp
-    rank sends its own 1/tp of the tokens' top-k copies (experts are not split over tp); the
+    """One layer's expert dispatch and combine for one microbatch and pass: each tp rank sends its
+    own 1/tp of the tokens (experts are not split over tp) to their top-k experts -- a copy each
+    over NCCL's all-to-all, a copy a node with the two-level dispatch (``moe_dispatch``); the
     busiest rank receives ``expert_load`` times the mean, and the exchange ends with it."""
-    routed = layout.micro_batch * training.seq_len / layout.cp / layout.tp * model.top_k * model.dim
-    return 2 * training.expert_load * links.seconds("ep", "all_to_all", routed * training.activation_bytes)
+    tokens = layout.micro_batch * training.seq_len / layout.cp / layout.tp
+    token_bytes = tokens * model.dim * training.activation_bytes
+    one = links.expert_dispatch_seconds(token_bytes, model.top_k, model.n_experts, model.router_groups,
+                                        model.router_group_topk, training.moe_dispatch == "deepep")
+    return 2 * training.expert_load * one
 
 
 def _amax_reductions(layout: Layout, training: Training, links: Links, ledger: _Ledger, stage: StageCompute,

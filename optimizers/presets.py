@@ -3,9 +3,8 @@
 Shapes from each model's published config (Hugging Face ``config.json`` of the
 released weights).  DeepSeek-V3 is an approximation the spec can express:
 its multi-head latent attention is modelled as multi-head attention of the
-same width, and its shared expert and three leading dense layers are left out
-(the routed experts carry nearly all parameters: about 700B against the
-published 671B).
+same width, and its three leading dense layers are MoE layers too (the routed
+experts carry nearly all parameters: about 700B against the published 671B).
 """
 from __future__ import annotations
 
@@ -28,9 +27,10 @@ PRESETS: dict[str, ModelSpec] = {
     "mixtral-8x7b": ModelSpec(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                               n_experts=8, top_k=2),
     # DeepSeek-V3's config.json: 256 routed experts of 2048 (top 8) and one shared expert of 2048
-    # (n_shared_experts 1); its MLA attention and its first three dense layers are not modelled
+    # (n_shared_experts 1), routed from 4 of 8 expert groups (topk_group 4, n_group 8); its MLA
+    # attention and its first three dense layers are not modelled
     "deepseek-v3": ModelSpec(n_layers=61, dim=7168, n_heads=128, ffn_dim=2048, vocab_size=129280,
-                             n_experts=256, top_k=8, shared_ffn_dim=2048),
+                             n_experts=256, top_k=8, shared_ffn_dim=2048, router_groups=8, router_group_topk=4),
 }
 
 

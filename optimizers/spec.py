@@ -32,6 +32,8 @@ class ModelSpec:
     mlp: str = "swiglu"             # "gelu": two d x ffn matrices (GPT, Megatron's papers)
     tied_embeddings: bool = False
     shared_ffn_dim: int = 0         # a shared expert every token passes through (Qwen2-MoE, DeepSeek)
+    router_groups: int = 1          # node-limited routing: experts in this many groups (DeepSeek-V3's n_group)
+    router_group_topk: int = 1      # ... each token's experts from this many of them (its topk_group)
 
     @classmethod
     def from_manifest(cls, spec: dict[str, Any]) -> ModelSpec:
@@ -226,6 +228,10 @@ ATTENTION_KERNELS = ("fa2", "fa3")
 #: ``--overlap-moe-expert-parallel-comm`` in interleaved 1F1B, DeepSeek-V3's DualPipe: one
 #: microbatch's all-to-all behind the other's attention and GEMMs).
 MOE_OVERLAPS = ("none", "shared_experts", "microbatches")
+#: How tokens reach their experts across nodes: NCCL's ``all_to_all`` (Megatron-Core's
+#: ``alltoall`` dispatcher, torchtitan's) or DeepEP's two-level ``deepep`` dispatch (Megatron-Core's
+#: ``flex`` dispatcher with ``--moe-enable-deepep``).
+MOE_DISPATCHES = ("all_to_all", "deepep")
 
 
 @dataclass(frozen=True)
@@ -284,7 +290,9 @@ class Training:
     hide behind (``MOE_OVERLAPS``).  ``moe_imbalance``: the busiest expert-parallel rank's routed
     tokens over the mean (1: balanced routing); the all-to-all and that rank's expert GEMMs wait
     for it, unless ``moe_capacity_factor`` drops the tokens past that multiple of the mean
-    (Megatron-Core's ``--moe-expert-capacity-factor``, GShard's capacity).  ``checkpoint_s``:
+    (Megatron-Core's ``--moe-expert-capacity-factor``, GShard's capacity).  ``moe_dispatch``: NCCL's
+    ``all_to_all`` (a copy of a token per expert) or ``deepep``'s two-level dispatch (a copy per
+    remote node over the NIC, forwarded over NVLink: ``cost.comm``).  ``checkpoint_s``:
     seconds a step the training thread is blocked saving checkpoints -- a measured run's
     ``checkpoint`` leaf, carried as measured (the model has no storage term); the async-save fix
     replaces it by the staging an async save keeps."""
@@ -320,6 +328,7 @@ class Training:
     moe_overlap: str = "none"
     moe_imbalance: float = 1.0
     moe_capacity_factor: float | None = None
+    moe_dispatch: str = "all_to_all"
     scatter_gather_sends: bool = False
     checkpoint_s: float = 0.0
 
@@ -334,6 +343,8 @@ class Training:
             raise ValueError(f"attention kernel {self.attention_kernel!r}: one of {', '.join(ATTENTION_KERNELS)}")
         if self.moe_overlap not in MOE_OVERLAPS:
             raise ValueError(f"MoE overlap {self.moe_overlap!r}: one of {', '.join(MOE_OVERLAPS)}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"MoE dispatch {self.moe_dispatch!r}: one of {', '.join(MOE_DISPATCHES)}")
         if self.moe_imbalance < 1 or (self.moe_capacity_factor is not None and self.moe_capacity_factor < 1):
             raise ValueError("the MoE imbalance and capacity factor are multiples of the mean load: 1 or more")
 

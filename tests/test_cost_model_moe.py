@@ -17,7 +17,7 @@ from mfuscope.optimizers import published
 from mfuscope.optimizers.cost import comm
 from mfuscope.optimizers.cost.compute import layer_gemms
 from mfuscope.optimizers.model import spec_dict
-from mfuscope.optimizers.spec import Layout, ModelSpec
+from mfuscope.optimizers.spec import Layout, ModelSpec, Training
 
 from .helpers import CORPUS
 
@@ -319,3 +319,69 @@ def test_delayed_scaling_reduces_its_amaxes_twice_a_microbatch():
     links = Links(layout, h100, ideal)
     amax = links.seconds("dp", "all_reduce", 4 * 8, n=8) + links.seconds("dp", "all_reduce", 4 * 4, n=8)
     assert reduce_leaf("delayed") - reduce_leaf("tensorwise") == pytest.approx(4 * amax, rel=1e-9)
+
+
+def _simulated_nodes(rng, experts, top_k, nodes, groups, group_topk, tokens=3000):
+    """The mean number of nodes a token's experts lie on, routing ``tokens`` tokens at random:
+    ``group_topk`` of ``groups`` contiguous expert groups, then ``top_k`` experts among theirs."""
+    import numpy as np
+
+    per_group, per_node = experts // groups, experts // nodes
+    hit = []
+    for _ in range(tokens):
+        chosen = rng.choice(groups, group_topk, replace=False)
+        pool = np.concatenate([np.arange(g * per_group, (g + 1) * per_group) for g in chosen])
+        hit.append(len(np.unique(rng.choice(pool, top_k, replace=False) // per_node)))
+    return float(np.mean(hit)), float(np.std(hit)) / len(hit) ** 0.5
+
+
+def test_distinct_nodes_are_those_of_a_simulated_router():
+    """The expected number of nodes holding a token's experts, against a router simulated token
+    by token: DeepSeek-V3's 256 experts, top 8 from 4 of 8 groups, over 8, 4 and 16 nodes, and
+    without the group limit; Mixtral's 8 experts, top 2, over 2 nodes.  Within five standard
+    errors of the simulated mean (3,000 tokens each)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for experts, top_k, nodes, groups, group_topk in ((256, 8, 8, 8, 4), (256, 8, 8, 1, 1), (256, 8, 4, 8, 4),
+                                                      (256, 8, 16, 8, 4), (8, 2, 2, 1, 1)):
+        mean, err = _simulated_nodes(rng, experts, top_k, nodes, groups, group_topk)
+        assert comm.distinct_nodes(experts, top_k, nodes, groups, group_topk) == pytest.approx(
+            mean, abs=5 * err + 1e-9), (experts, top_k, nodes, groups, group_topk)
+    # Hand counts: 2 of Mixtral's 8 experts on 2 nodes miss a node with C(4,2)/C(8,2) = 6/28; one
+    # group of two chosen, each group one node: always one node.
+    assert comm.distinct_nodes(8, 2, 2) == pytest.approx(2 * (1 - 6 / 28))
+    assert comm.distinct_nodes(8, 2, 2, groups=2, group_topk=1) == pytest.approx(1.0)
+    assert comm.distinct_nodes(256, 8, 1) == 1.0
+
+
+def test_the_two_level_dispatch_sends_a_copy_a_node_over_the_nic():
+    """ep=16 over two nodes of 8 (H100: 50 GB/s NIC, 450 GB/s NVLink; no latency): NCCL's all-to-all
+    sends each of a token's k=2 copies, the half bound for the other node over the NIC; the
+    two-level dispatch sends one copy for each distinct remote node -- 2 (1 - 6/28) distinct
+    nodes, half of them remote -- and forwards every copy over NVLink (7/8 of them leave the
+    receiving GPU), which is faster than the NIC here.  With the experts in two groups, one chosen
+    (each group a node), a token reaches one node: half of the time the other one.  Inside one
+    node both are the same all-to-all."""
+    from dataclasses import replace
+
+    from mfuscope.optimizers.cost.comm import Links
+    from mfuscope.optimizers.system import Profile, system
+
+    h100 = system("H100")
+    s = replace(h100, scale_up=replace(h100.scale_up, latency_s=0.0), scale_out=replace(h100.scale_out, latency_s=0.0))
+    ideal = Profile(gemm=1.0, gemm_knee=0.0, attention=1.0, memory=1.0, scale_up=1.0, scale_out=1.0)
+    nic, nvl, token_bytes = 50e9, 450e9, 1e9
+    links = Links(Layout(ep=16, dp_shard=16), s, ideal)
+    nccl = links.expert_dispatch_seconds(token_bytes, 2, 8)
+    assert nccl == pytest.approx(token_bytes * 2 * 8 / 16 / nic)
+    two_level = links.expert_dispatch_seconds(token_bytes, 2, 8, two_level=True)
+    remote, nvlink = token_bytes * 2 * (1 - 6 / 28) / 2 / nic, token_bytes * 2 * 7 / 8 / nvl
+    assert nvlink < remote and two_level == pytest.approx(remote)
+    limited = links.expert_dispatch_seconds(token_bytes, 2, 8, groups=2, group_topk=1, two_level=True)
+    assert limited == pytest.approx(token_bytes * 1 / 2 / nic)
+    inside = Links(Layout(ep=8, dp_shard=8), s, ideal)
+    assert inside.expert_dispatch_seconds(token_bytes, 2, 8, two_level=True) == pytest.approx(
+        inside.expert_dispatch_seconds(token_bytes, 2, 8)) == pytest.approx(token_bytes * 2 * 7 / 8 / nvl)
+    with pytest.raises(ValueError, match="MoE dispatch"):
+        Training(seq_len=1024, moe_dispatch="nvshmem")

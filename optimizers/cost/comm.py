@@ -34,6 +34,14 @@ that spans N nodes with g of its ranks on each runs as NCCL runs it there:
   all-reduce across nodes runs as a tree: 2((g-1) NVLink steps + log2 N network
   steps).
 
+**Two-level expert dispatch** (DeepEP's internode kernels, Megatron-Core's ``flex`` dispatcher
+with ``--moe-enable-deepep``): a token bound for several experts on one node crosses the network
+once, to the GPU of its own rail there, which forwards it over NVLink to each expert's GPU -- so
+the NIC carries a copy per distinct remote node (``distinct_nodes``), not per expert, while
+NVLink carries every copy; the two are pipelined (the slower one is the time).  Node-limited
+routing (DeepSeek-V3: 8 expert groups, each token's experts from 4 of them; Megatron-Core's
+``--moe-router-num-groups`` / ``--moe-router-group-topk``) bounds the distinct nodes further.
+
 Placement: ranks are laid out innermost first in the order tp, cp, dp_shard,
 dp_replicate, pp (torchtitan's and Megatron's mesh order).  A dimension of size
 n whose ranks lie ``stride`` apart stays inside one scale-up domain when
@@ -77,6 +85,37 @@ def collective_seconds(op: str, size_bytes: float, n: int, tier: LinkTier, effic
     steps = 1 if op == "send_recv" else math.ceil(math.log2(n)) * (2 if op == "all_reduce" else 1)
     return (steps * tier.latency_s * latency_scale
             + size_bytes * bus_factor(op, n) / (tier.bandwidth_Bps * efficiency))
+
+
+def _none_picked(pool: float, avoided: float, k: int) -> float:
+    """The chance that ``k`` distinct experts drawn uniformly from ``pool`` miss ``avoided`` of
+    them: C(pool - avoided, k) / C(pool, k) as a product (real-valued pools allowed)."""
+    p = 1.0
+    for i in range(k):
+        p *= max(0.0, (pool - avoided - i) / (pool - i))
+    return p
+
+
+def distinct_nodes(experts: int, top_k: int, nodes: int, groups: int = 1, group_topk: int = 1) -> float:
+    """Expected number of nodes holding a token's ``top_k`` experts: ``experts`` laid out evenly
+    and in order over ``nodes`` nodes, the router choosing uniformly among the experts of
+    ``group_topk`` of ``groups`` equal, contiguous expert groups (1 of 1: no limit).  Groups that
+    nest in nodes: a node's chosen groups are hypergeometric; nodes that nest in groups: a node
+    is reachable only when its group is chosen.  Other shapes are counted without the limit."""
+    k = min(top_k, experts)
+    if nodes <= 1 or k <= 0:
+        return float(min(nodes, 1))
+    if groups < 1 or group_topk < 1 or group_topk >= groups or not (groups % nodes == 0 or nodes % groups == 0):
+        groups = group_topk = 1
+    per_group, pool = experts / groups, experts * group_topk / groups
+    if groups >= nodes and groups > 1:
+        q = groups // nodes  # groups per node
+        missed = sum(math.comb(q, x) * math.comb(groups - q, group_topk - x) / math.comb(groups, group_topk)
+                     * _none_picked(pool, x * per_group, k) for x in range(0, min(q, group_topk) + 1))
+    else:
+        reach = group_topk / groups
+        missed = 1 - reach + reach * _none_picked(pool, experts / nodes, k)
+    return nodes * (1 - missed)
 
 
 @dataclass(frozen=True)
@@ -140,6 +179,24 @@ class Links:
         if n <= 1 or size_bytes <= 0:
             return 0.0
         return self._tier_seconds(dim, op, size_bytes, n, calls) / self.dim_factor(dim)
+
+    def expert_dispatch_seconds(self, token_bytes: float, top_k: int, experts: int, groups: int = 1,
+                                group_topk: int = 1, two_level: bool = False) -> float:
+        """One dispatch (or combine) of the expert-parallel group: ``token_bytes`` is the rank's
+        tokens once; each goes to ``top_k`` experts.  NCCL's all-to-all sends every copy; the
+        two-level dispatch (module docstring) sends one a distinct remote node over the NIC and
+        forwards the copies over NVLink.  Inside one node the two are the same."""
+        n, place = self.size("ep"), self.placement["ep"]
+        if not two_level or place.tier == "scale_up" or n <= 1:
+            return self.seconds("ep", "all_to_all", token_bytes * top_k)
+        s, prof = self.system, self.profile
+        g = min(place.per_node, n)
+        nodes = math.ceil(n / g)
+        d = distinct_nodes(experts, top_k, nodes, groups, group_topk)
+        remote = token_bytes * d * (nodes - 1) / nodes / (s.scale_out.bandwidth_Bps * prof.scale_out)
+        local = token_bytes * top_k * (g - 1) / g / (s.scale_up.bandwidth_Bps * prof.scale_up)
+        latency = math.ceil(math.log2(n)) * s.scale_out.latency_s * prof.latency_scale
+        return (latency + max(remote, local)) / self.dim_factor("ep")
 
     def dim_factor(self, dim: str) -> float:
         """The profile's own factor for ``dim``'s collectives (``Profile.link_*``); the data
