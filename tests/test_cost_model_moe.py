@@ -205,6 +205,17 @@ def test_float8_recipes_cast_what_they_scale_and_scopes_pick_their_gemms():
         f8 = stage(fp8_recipe=recipe)
         assert f8.fwd["norm_elementwise"] - bf16.fwd["norm_elementwise"] == pytest.approx(fwd_bytes / hbm, rel=1e-9)
         assert f8.bwd["norm_elementwise"] - bf16.bwd["norm_elementwise"] == pytest.approx(bwd_bytes / hbm, rel=1e-9)
+    # torchao's float8 all-gather casts each rank's weight shard (W / 8 over 8 FSDP ranks) before
+    # gathering it, not the gathered weight at each GEMM.
+    def sharded(**fp8):
+        training = Training(seq_len=1024, **fp8)
+        return stage_compute(SMALL_MOE, Layout(dp_shard=8), training, system("H100"), ideal, layers=1,
+                             with_head=False)
+    gathered, plain = sharded(dtype="fp8", fp8_recipe="tensorwise", fp8_gather=True), sharded()
+    assert gathered.fwd["norm_elementwise"] - plain.fwd["norm_elementwise"] == pytest.approx(
+        (5 * x + 5 * w / 8) / hbm, rel=1e-9)
+    assert gathered.bwd["norm_elementwise"] - plain.bwd["norm_elementwise"] == pytest.approx(
+        (10 * dy + 5 * w / 8) / hbm, rel=1e-9)
     b200 = stage("B200", fp8_recipe="mxfp8")
     b200_bf16 = stage("B200")
     assert b200.bwd["norm_elementwise"] - b200_bf16.bwd["norm_elementwise"] == pytest.approx(

@@ -187,11 +187,13 @@ def fp8_gemms(gemms: list[Gemm], training: Training) -> tuple[list[Gemm], list[G
     return low, [g for g in gemms if g not in low]
 
 
-def fp8_cast_bytes(gemms: list[Gemm], recipe: str) -> tuple[float, float]:
-    """(forward, backward) bytes the float8 casts of ``gemms`` move (``FP8_CAST_BYTES``)."""
+def fp8_cast_bytes(gemms: list[Gemm], recipe: str, weight_share: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) bytes the float8 casts of ``gemms`` move (``FP8_CAST_BYTES``);
+    ``weight_share``: the part of each weight a GPU casts itself (a float8 all-gather casts the
+    local shard before it gathers: 1 / the FSDP degree)."""
     inputs = sum(g.m * g.k * g.count for g in gemms)
     outputs = sum(g.m * g.n * g.count for g in gemms)
-    weights = sum(g.k * g.n * g.count for g in gemms)
+    weights = weight_share * sum(g.k * g.n * g.count for g in gemms)
     (fx, fw), (bdy, bx, bw) = FP8_CAST_BYTES[recipe]
     return fx * inputs + fw * weights, bdy * outputs + bx * inputs + bw * weights
 
@@ -247,7 +249,10 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
         attn_b = 2 * attn_gemm + 8 * scores / hbm
 
     ew_f = elementwise_elements(model, layout, training) * tokens * act / hbm
-    cast_f, cast_b = fp8_cast_bytes(low, training.fp8_recipe)
+    # torchao's float8 all-gather casts each weight shard once, before FSDP gathers it (forward and
+    # backward gather float8 copies), not the gathered weight at each GEMM.
+    own = 1 / layout.shard_ranks if training.fp8_gather and layout.shard_ranks > 1 else 1.0
+    cast_f, cast_b = fp8_cast_bytes(low, training.fp8_recipe, own)
     ew_f, ew_b = ew_f + cast_f / hbm, 2 * ew_f + cast_b / hbm
 
     out = StageCompute(layer_fwd_gemm_s=fwd_gemm, attention_fwd_s=attn_f, shared_expert_fwd_s=shared_s,
