@@ -22,17 +22,16 @@ import numpy as np
 
 from mfuscope import run_dir
 
+from . import step_rows
+
 
 def analyze(run: str | Path) -> dict[str, Any] | None:
     """The report's ``checkpoints`` section (None for a run that never saved), with ``goodput``."""
     run = Path(run)
-    if not (run / run_dir.STEPS).exists():
+    steps = step_rows.read(run)
+    if steps is None or steps.empty:
         return None
-    steps = run_dir.read_table(run, run_dir.STEPS).select(["rank", "step", "start_ns", "end_ns",
-                                                           "collector_ns"]).to_pandas()
-    if steps.empty:
-        return None
-    collectors_s = float(steps.groupby("step")["collector_ns"].max().fillna(0).sum()) / 1e9
+    collectors_s = float(steps.groupby("step")["collector_s"].max().sum())
     wall_s = (int(steps["end_ns"].max()) - int(steps["start_ns"].min())) / 1e9 - collectors_s
     saves = (run_dir.read_table(run, run_dir.CHECKPOINTS).to_pandas() if (run / run_dir.CHECKPOINTS).exists()
              else None)

@@ -22,13 +22,15 @@ COLLECTOR_SHARE = 0.10
 
 
 def read(run: str | Path | None) -> pd.DataFrame | None:
-    """rank, step, seconds, tokens, collector_s of a run directory's ``steps.parquet`` (None
-    without one; collector_s is 0 in runs written before the collectors recorded it)."""
+    """rank, step, start_ns, end_ns, seconds, tokens, collector_s of a run directory's
+    ``steps.parquet`` (None without one; collector_s is 0 in runs written before the collectors
+    recorded it)."""
     if run is None or not (Path(run) / run_dir.STEPS).exists():
         return None
     steps = run_dir.read_table(run, run_dir.STEPS).select(
         ["rank", "step", "start_ns", "end_ns", "tokens", "collector_ns"]).to_pandas()
-    return pd.DataFrame({"rank": steps["rank"], "step": steps["step"],
+    return pd.DataFrame({"rank": steps["rank"], "step": steps["step"], "start_ns": steps["start_ns"],
+                         "end_ns": steps["end_ns"],
                          "seconds": (steps["end_ns"] - steps["start_ns"]) / 1e9, "tokens": steps["tokens"],
                          "collector_s": steps["collector_ns"].fillna(0) / 1e9})
 
