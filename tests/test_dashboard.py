@@ -388,10 +388,12 @@ def test_health_page_shades_the_episodes_of_a_run_that_turned_slow(tab, runs):
     assert "compute-slow" in episodes and "comm-slow" in episodes, episodes
     shapes = tab.page.evaluate("() => document.querySelector('#health-steps .js-plotly-plot').layout.shapes"
                                ".filter(s => s.type === 'rect').map(s => [s.x0, s.x1])")
-    # One shaded span per episode the analysis finds, from its onset to its end step; among them the
-    # two faults.  (A loaded runner can slow a rank for a while besides: that is an episode too.)
+    # One shaded span per episode the analysis finds, from its onset to its end step (an intermittent
+    # one is a line at each period instead); among them the two faults.  (A loaded runner can slow a
+    # rank for a while besides: that is an episode too.)
     spans = sorted((round(x0 + 0.5), round(x1 - 0.5)) for x0, x1 in shapes)
-    found = sorted((e["onset_step"], e["end_step"]) for e in health.analyze(runs / "fail-slow")["episodes"])
+    found = sorted((e["onset_step"], e["end_step"]) for e in health.analyze(runs / "fail-slow")["episodes"]
+                   if not e["period"])
     assert spans == found, (shapes, found)
     assert any(abs(a - 30) <= 2 for a, _ in spans) and any(abs(a - 60) <= 2 for a, _ in spans), spans
     first_row = '#health-scores .ag-center-cols-container .ag-row[row-index="0"] [col-id="rank"]'
