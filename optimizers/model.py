@@ -225,7 +225,13 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
     if layout.tp > 1:
         buf = tokens * model.dim * act
         if layout.sequence_parallel:
-            f_ops = {"all_gather": 2 * links.seconds("tp", "all_gather", buf),
+            # torchao's float8 tensor parallelism (tensor-wise scaling) casts a column-parallel
+            # linear's input before the sequence-parallel all-gather, and the row-parallel one's
+            # output gradient before backward's: those gathers move 1 byte an element; the
+            # reduce-scatters stay 16-bit (torchtitan docs/float8.md: "float8 all-gather ... for
+            # TP (by default for Float8Linear)").
+            gathered = tokens * model.dim * (1 if _fp8_tensor_parallel(training) else act)
+            f_ops = {"all_gather": 2 * links.seconds("tp", "all_gather", gathered),
                      "reduce_scatter": 2 * links.seconds("tp", "reduce_scatter", buf)}
         else:
             f_ops = {"all_reduce": 2 * links.seconds("tp", "all_reduce", buf)}
@@ -243,6 +249,11 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         f_total += layers * ledger.expose("ep", ops, f_window, layers * m)
         b_total += layers * ledger.expose("ep", ops, b_window, layers * m)
     return f_total, b_total
+
+
+def _fp8_tensor_parallel(training: Training) -> bool:
+    """Whether the tensor-parallel linears gather float8 (torchao's tensor-wise float8 linears)."""
+    return training.dtype == "fp8" and training.fp8_recipe == "tensorwise" and training.fp8_scope != "experts"
 
 
 def _context_parallel(model: ModelSpec, layout: Layout, training: Training, links: Links, stage: StageCompute,

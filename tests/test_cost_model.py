@@ -189,6 +189,14 @@ def test_tensor_parallel_traffic_is_the_hand_count():
     # Without sequence parallelism: 2 all-reduces each way, twice the bus bytes of a gather.
     q = predict(TOY, replace(layout, sequence_parallel=False), Training(seq_len=1024), s, IDEAL)
     assert q.leaves["comm/tp/all_reduce"] == pytest.approx(TOY.n_layers * 3 * 4 * 2 * one)
+    # torchao's tensor-wise float8 linears gather their inputs (and backward's output gradients) in
+    # float8, 1 byte an element; the reduce-scatters stay 16-bit; Transformer Engine's delayed
+    # scaling gathers 16 bits here.
+    f8 = predict(TOY, layout, Training(seq_len=1024, dtype="fp8", fp8_recipe="tensorwise"), s, IDEAL)
+    assert f8.leaves["comm/tp/all_gather"] == pytest.approx(TOY.n_layers * 3 * 4 * one / 2)
+    assert f8.leaves["comm/tp/reduce_scatter"] == pytest.approx(TOY.n_layers * 3 * 4 * one)
+    te = predict(TOY, layout, Training(seq_len=1024, dtype="fp8", fp8_recipe="delayed"), s, IDEAL)
+    assert te.leaves["comm/tp/all_gather"] == pytest.approx(TOY.n_layers * 3 * 4 * one)
 
 
 def test_ddp_all_reduce_is_exposed_without_overlap_and_hidden_with_it():
