@@ -189,14 +189,22 @@ class Links:
         n, place = self.size("ep"), self.placement["ep"]
         if not two_level or place.tier == "scale_up" or n <= 1:
             return self.seconds("ep", "all_to_all", token_bytes * top_k)
-        s, prof = self.system, self.profile
         g = min(place.per_node, n)
         nodes = math.ceil(n / g)
         d = distinct_nodes(experts, top_k, nodes, groups, group_topk)
-        remote = token_bytes * d * (nodes - 1) / nodes / (s.scale_out.bandwidth_Bps * prof.scale_out)
-        local = token_bytes * top_k * (g - 1) / g / (s.scale_up.bandwidth_Bps * prof.scale_up)
-        latency = math.ceil(math.log2(n)) * s.scale_out.latency_s * prof.latency_scale
-        return (latency + max(remote, local)) / self.dim_factor("ep")
+        # a copy a distinct remote node over the NIC; every copy but the receiving GPU's over NVLink
+        seconds = self._split_seconds(token_bytes * d * (nodes - 1) / nodes, token_bytes * top_k * (g - 1) / g)
+        return (self._all_to_all_latency(n) + seconds) / self.dim_factor("ep")
+
+    def _split_seconds(self, remote_bytes: float, local_bytes: float) -> float:
+        """Bytes bound for other nodes over one NIC while the node's own go over NVLink, at once:
+        the slower of the two."""
+        s, prof = self.system, self.profile
+        return max(remote_bytes / (s.scale_out.bandwidth_Bps * prof.scale_out),
+                   local_bytes / (s.scale_up.bandwidth_Bps * prof.scale_up))
+
+    def _all_to_all_latency(self, n: int) -> float:
+        return math.ceil(math.log2(n)) * self.system.scale_out.latency_s * self.profile.latency_scale
 
     def dim_factor(self, dim: str) -> float:
         """The profile's own factor for ``dim``'s collectives (``Profile.link_*``); the data
@@ -212,6 +220,9 @@ class Links:
         up, out = s.scale_up, s.scale_out
         g = min(place.per_node, n)
         nodes = math.ceil(n / g)
+        if op == "all_to_all":
+            return calls * self._all_to_all_latency(n) + self._split_seconds(size_bytes * (n - g) / n,
+                                                                             size_bytes * (g - 1) / n)
         if op in RINGS:
             bandwidth = min(g * out.bandwidth_Bps * prof.scale_out, up.bandwidth_Bps * prof.scale_up)
         else:
@@ -220,12 +231,6 @@ class Links:
             latency = (n - nodes) * up.latency_s + (nodes - 1) * out.latency_s
         elif op == "all_reduce":
             latency = 2 * ((g - 1) * up.latency_s + math.ceil(math.log2(nodes)) * out.latency_s)
-        elif op == "send_recv":
+        else:  # send_recv
             latency = out.latency_s
-        else:
-            latency = math.ceil(math.log2(n)) * out.latency_s
-        if op == "all_to_all":
-            remote = size_bytes * (n - g) / n / bandwidth
-            local = size_bytes * (g - 1) / n / (up.bandwidth_Bps * prof.scale_up)
-            return calls * latency * prof.latency_scale + max(remote, local)
         return calls * latency * prof.latency_scale + size_bytes * bus_factor(op, n) / bandwidth
