@@ -343,7 +343,17 @@ def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
 def test_a_pull_request_of_the_unchanged_commit_passes(pushed, pr):
     """The control: the workflow's pull-request steps on main's head (push B, the docs-only commit)
     pass.  Its run is push B's own (the same command; training it again would cost the suite
-    another run), checked before it was recorded (a run is never its own baseline)."""
+    another run), checked before it was recorded (a run is never its own baseline).
+
+    The control presumes the host ran both pushes alike.  Where push B's median step is over 15%
+    from push A's -- the history's noise puts the gate's limit near 17% -- a co-tenant's load
+    changed the machine between them (seen once in fresh-clone CIs: +36%, its in-job rerun as
+    slow), and the gate is right to fail it: the test then says so and skips."""
+    a, b = (float(np.median(r["samples"]["step_time_s"])) for r in _history_lines(pushed["origin"]))
+    if abs(b / a - 1) > 0.15:
+        pytest.skip(f"the host's speed changed between the two pushes' runs of one commit: push B's median step "
+                    f"{b * 1e3:.0f} ms against push A's {a * 1e3:.0f} ms ({b / a - 1:+.0%}); on such a host an "
+                    f"unchanged commit cannot be told from a slower one")
     work = pr["work"]
     _git(work, "switch", "--quiet", "--detach", pushed["shas"][1])
     _fresh_checkout(work)

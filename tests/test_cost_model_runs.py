@@ -99,31 +99,56 @@ def test_link_tiers_fit_is_the_weighted_least_squares_of_the_calls(real_runs):
     assert profile.scale_up == pytest.approx(1 / inv_eff, rel=1e-6)
 
 
-def test_unpaced_cpu_runs_are_predicted_from_two_of_them(real_runs, tmp_path):
-    """Real compute: the profile calibrated (``mfuscope calibrate``) on two unpaced runs predicts
-    the median step of the other five (``mfuscope predict --json``), each within its target."""
-    hw = tmp_path / "hw.json"
+def _prediction_errors(runs: dict[str, Path], out: Path) -> dict[str, float]:
+    """predicted / measured - 1 for each of ``runs``, the profile calibrated (``mfuscope
+    calibrate``) on :data:`real_compute.CALIBRATE_ON` and each run predicted (``mfuscope predict
+    --json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    hw = out / "hw.json"
     done = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate",
-                           *[str(real_runs[n]) for n in real_compute.CALIBRATE_ON], "--out", str(hw), "--json"],
+                           *[str(runs[n]) for n in real_compute.CALIBRATE_ON], "--out", str(hw), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     fit = json.loads(done.stdout)
     assert {"gemm", "attention", "memory", "optimizer", "layer_overhead_s", "latency_scale", "scale_up"} <= set(
         fit["provenance"]["fields"])
-    done = subprocess.run([sys.executable, "-m", "mfuscope", "predict", *[str(p) for p in real_runs.values()],
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "predict", *[str(p) for p in runs.values()],
                            "--hardware", str(hw), "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = {Path(r["run"]): r for r in json.loads(done.stdout)}
-    misses = {}
-    for name, path in real_runs.items():
+    errors = {}
+    for name, path in runs.items():
         row = rows[path]
         assert set(row) == {"run", "layout", "measured_step_s", "predicted_step_s", "leaves"}
-        error = row["predicted_step_s"] / row["measured_step_s"] - 1
+        errors[name] = row["predicted_step_s"] / row["measured_step_s"] - 1
         print(f"{name:<12} measured {row['measured_step_s'] * 1e3:6.1f} ms, predicted "
-              f"{row['predicted_step_s'] * 1e3:6.1f} ms ({error:+.0%})")
-        if abs(error) > real_compute.TARGET[name]:
-            misses[name] = f"{error:+.0%}"
-    assert not misses, misses
+              f"{row['predicted_step_s'] * 1e3:6.1f} ms ({errors[name]:+.0%})")
+    return errors
+
+
+def _misses(errors: dict[str, float]) -> set[str]:
+    return {name for name, error in errors.items() if abs(error) > real_compute.TARGET[name]}
+
+
+def test_unpaced_cpu_runs_are_predicted_from_two_of_them(real_runs, tmp_path):
+    """Real compute: the profile calibrated on two unpaced runs predicts the median step of the
+    other five, each within its target.
+
+    A layout that misses is measured again -- trained anew with the two calibration runs, the
+    profile refitted -- and fails only if it misses both times.  A model error is systematic and
+    misses again; a co-tenant's burst of load (a CI runner's neighbours, the rest lane's processes
+    taking a core whenever a rank blocks in gloo) stretches one run's steps by 30-40% and is gone
+    a minute later: seen in fresh-clone CIs as ddp=2 +32% and pp=2 -35%, each once, against +12%
+    and +1% at worst on quiet runs (docs/cost_model.md)."""
+    first = _prediction_errors(real_runs, tmp_path / "first")
+    misses = _misses(first)
+    if misses:
+        print(f"missed {sorted(misses)}: measured again")
+        names = [*real_compute.CALIBRATE_ON, *sorted(misses - set(real_compute.CALIBRATE_ON))]
+        again = _prediction_errors(real_compute.train_all(tmp_path / "again", names, say=lambda _: None),
+                                   tmp_path / "second")
+        misses &= _misses(again)
+    assert not misses, {name: f"{first[name]:+.0%}, then {again[name]:+.0%}" for name in misses}
     bad = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate", str(tmp_path / "nothing")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no such file" in bad.stderr and "Traceback" not in bad.stderr
