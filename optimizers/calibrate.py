@@ -235,8 +235,13 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
         raise ValueError("no run to fit")
     profile = start or default_profile()
     measured = [r.typical_leaves() for r in runs]
-    floor = 0.01 * sum(r.typical_step_s for r in runs)
     fitted: set[str] = set()
+
+    def floor(which: list[int]) -> float:
+        """What a group must measure in runs ``which`` to be fitted there: 1% of their steps.  Held
+        against those runs' steps alone -- a slow run the group is not fitted on (a tensor-parallel
+        run's tail on a loaded host) must not lift the bar out of the one-rank run's reach."""
+        return 0.01 * sum(runs[i].typical_step_s for i in which)
 
     def total(leaves_list, names: tuple[str, ...], which: list[int]) -> float:
         """Seconds of the leaves named (or under the names) in runs ``which``."""
@@ -261,10 +266,10 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
         changes: dict[str, float] = {}
         for name, leaf in RATES.items():
             meas, pred = total(measured, (leaf,), rate_runs), total(predicted, (leaf,), rate_runs)
-            if meas > floor and pred > 0:
+            if meas > floor(rate_runs) and pred > 0:
                 changes[name] = getattr(profile, name) * pred / meas
         meas_host, pred_host = total(measured, HOST, host_runs), total(predicted, HOST, host_runs)
-        if meas_host > floor or profile.layer_overhead_s > 0:
+        if meas_host > floor(host_runs) or profile.layer_overhead_s > 0:
             layer_passes = sum(_layer_passes(runs[i]) for i in host_runs)
             changes["layer_overhead_s"] = max(0.0, profile.layer_overhead_s + (meas_host - pred_host) / layer_passes)
         if sharded:
@@ -279,7 +284,7 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
         links = {}
         for dim in LINK_DIMS:
             meas, pred = total(measured, (f"comm/{dim}",), everyone), total(predicted, (f"comm/{dim}",), everyone)
-            if meas > floor and pred > 0:
+            if meas > floor(everyone) and pred > 0:
                 links[f"link_{dim}"] = getattr(profile, f"link_{dim}") * pred / meas
         changes.update(links)
         fitted |= set(changes) | tiers

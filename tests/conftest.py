@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mfuscope.tests import devices
+from mfuscope.tests import devices, lanes
 
 # The Triton kernels run through Triton's interpreter on a machine without a GPU, compiled on one
 # with a GPU.  Set before anything imports mfuscope.kernels: the kernels are built as interpreted
@@ -21,6 +21,12 @@ def device(request) -> str:
     """Each device whose tensors take the Triton kernels in this session: ``cpu`` through the
     interpreter, ``cuda`` where a GPU is visible."""
     return request.param
+
+
+def pytest_runtest_setup(item):
+    """make test's rest lane holds each test back while a paced test has the machine to itself
+    (tests/lanes.py, ``quiet``)."""
+    lanes.wait_while_quiet()
 
 
 @pytest.fixture(autouse=True, scope="session")

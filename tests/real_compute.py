@@ -110,10 +110,15 @@ def _run_twin(train_forked, out: Path, config_path: str) -> None:
 
 
 def train_all(root: Path, names=None, say=print) -> dict[str, Path]:
+    """Layouts ``names`` (all of them by default) trained in turn, under make test with the machine
+    to themselves (tests/lanes.py, ``quiet``): what a step of real compute costs is the point."""
+    from .lanes import quiet
+
     out = {}
-    for name in names or LAYOUTS:
-        say(f"training {name} ...")
-        out[name] = train(root, name)
+    with quiet():
+        for name in names or LAYOUTS:
+            say(f"training {name} ...")
+            out[name] = train(root, name)
     return out
 
 #: How far a predicted step may fall from the median measured one.  The issue's target is 20%;

@@ -11,6 +11,7 @@ Every prediction is made from the layout alone, then held against a measured run
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -97,6 +98,19 @@ def test_link_tiers_fit_is_the_weighted_least_squares_of_the_calls(real_runs):
     lat, inv_eff = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)[0]
     assert profile.latency_scale == pytest.approx(lat, rel=1e-6)
     assert profile.scale_up == pytest.approx(1 / inv_eff, rel=1e-6)
+
+
+def test_a_slow_run_beside_the_one_rank_run_leaves_its_groups_fitted(real_runs):
+    """The groups fitted on the one-rank run alone (the compute rates, the host's time per layer)
+    are held to 1% of that run's step, not of every run's: a tp=2 run whose steps a loaded host
+    stretched 10x (injected here) must not lift the bar out of their reach.  It did once, in a
+    fresh-clone CI (tp=2's mean step 4x its quiet one): the optimizer rate and the host time went
+    unfitted and every layout's prediction with them."""
+    one, tp = (measured.load(real_runs[n]) for n in real_compute.CALIBRATE_ON)
+    slow = dataclasses.replace(tp, median_step_s=10 * tp.typical_step_s, step_s=10 * tp.step_s)
+    quiet = set(calibrate.fit_runs([one, tp]).provenance["fields"])
+    assert {"gemm", "attention", "memory", "optimizer", "layer_overhead_s"} <= quiet
+    assert quiet <= set(calibrate.fit_runs([one, slow]).provenance["fields"])
 
 
 def _prediction_errors(runs: dict[str, Path], out: Path) -> dict[str, float]:

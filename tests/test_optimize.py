@@ -35,9 +35,15 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
     assert summary == json.loads((base / "optimize.json").read_text())
     assert (base / "optimize.md").is_file()
     assert "round 1" in stderr and "s so far" in stderr  # progress
-    # The paced work is 8 samples x 8 layers x 30 ms over 2 ranks, 0.96 s: the start wastes 0.8 s+ of
-    # its step, and rebalancing with 8 microbatches leaves one 120 ms fill and drain.
-    assert summary["final"]["measured_step_s"] < 0.75 * summary["base_step_s"], summary["final"]
+    # Paced compute, by hand (30 ms a sample and layer, GPipe on 2 stages: m x the slower stage's
+    # microbatch + the other's): 7,1 at 2 microbatches of 4 takes 2 x 840 + 120 = 1.80 s; 4,4 takes
+    # 3 x 480 = 1.44 s; more microbatches shave the fill and drain (1.20 s at 4, 1.08 s at 8) but pay
+    # the host's time per pass, which load stretches (a CI measured 8 slower than 4, and the optimizer
+    # kept 4, as it predicted).  The host's time a step moved by up to 0.1 s between these 3-step
+    # runs on a quiet machine (0.12-0.26 s), so the kept run gains at least rebalancing's 0.36 s of
+    # compute less that.
+    gained = summary["base_step_s"] - summary["final"]["measured_step_s"]
+    assert gained > 0.36 - 0.1, summary["final"]
     assert summary["final"]["fixes"][0] == "rebalance_stages" and "more_microbatches" in summary["final"]["fixes"]
     ran = [f for f in summary["fixes"] if f["measured_step_s"] is not None]
     for f in ran:  # every change ran as predicted, its predicted step within 25% of its own measurement
