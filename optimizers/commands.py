@@ -108,7 +108,12 @@ def calibrate(sources: list[Path] | Path, out: Path | None, as_json: bool) -> in
         if len(devices) > 1:
             raise UserInputError(f"the runs ran on different devices ({', '.join(sorted(devices))}): calibrate each "
                                  "device's runs on their own", sources[0])
+        peak = measured.host_peak(runs) if runs[0].system.key == "CPU" else None
+        if peak:  # the host's peak: one for every run fitted, recorded for the runs predicted
+            runs = [measured.at_host_peak(r, peak) for r in runs]
         profile = calib.fit_runs(runs)
+        if peak:
+            profile = replace(profile, provenance={**profile.provenance, measured.HOST_PEAK: peak})
         fitted = [run_prediction.comparison(r, profile, "the profile fitted to these runs") for r in runs]
         result = {"runs": [_run_json(c) for c in fitted], "device": runs[0].system.key}
     profile.save(out)

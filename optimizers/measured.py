@@ -155,6 +155,28 @@ def stage_work(pacing: Pacing | None, layout: Layout, model: ModelSpec) -> tuple
     return tuple(n / max(layers) for n in layers)
 
 
+#: The provenance key of a profile fitted to CPU runs: the host's peak its rates are fractions of.
+HOST_PEAK = "cpu_peak_flops"
+
+
+def host_peak(runs: list[MeasuredRun]) -> float:
+    """The host's peak FLOP/s from its runs' own measurements: the best of them (a try is only
+    ever slowed by load, never sped up)."""
+    return max(r.system.accelerator.bf16_tflops * 1e12 for r in runs)
+
+
+def at_host_peak(run: MeasuredRun, peak_flops: float) -> MeasuredRun:
+    """A CPU run put at the host's peak ``peak_flops`` in place of the one it measured.  Each run
+    times a few matmuls as it starts (collectors/cpu_peak.py, best of 5); on 2 loaded cores that
+    moved between 68 and 91 GFLOP/s across the seven runs of one table, and a prediction's compute
+    is FLOPs over that number -- so runs held against each other (a calibration and the runs it
+    predicts) are taken at one peak, the calibration's.  A GPU run is returned as it is: its peak
+    is the hardware table's."""
+    if run.system.key != "CPU":
+        return run
+    return replace(run, system=cpu_system(peak_flops, run.system.gpus_per_node))
+
+
 def cpu_system(peak_flops: float, ranks: int) -> System:
     acc = hardware.Accelerator("CPU", "cpu", peak_flops / 1e12, peak_flops / 1e12, None, 0.0,
                                CPU_MEMORY_BPS / 1e12, 0.0, "measured matmul peak (see the report)")

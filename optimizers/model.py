@@ -269,10 +269,13 @@ def _context_parallel(model: ModelSpec, layout: Layout, training: Training, link
       the bytes) behind the backward's steps.  Full recomputation runs the forward's ring again.
     - ``a2a`` (Ulysses): before the core, an all-to-all of Q, K and V from the sequence split to a
       head split (K and V heads repeated up to cp when fewer), after it one of the output; in
-      backward the same two for the gradients.  Nothing overlaps them."""
+      backward the same two for the gradients.  Nothing overlaps them.
+
+    Without ``training.cp_overlap`` (K and V gathered before any attention runs, and waited for)
+    the ring and the gathers hide behind nothing either."""
     act, cp, t = training.activation_bytes, layout.cp, layout.tp
     kv_heads, hd = model.kv_heads / t, model.head_dim
-    attn_f = stage.attention_fwd_s
+    attn_f = stage.attention_fwd_s if training.cp_overlap else 0.0
     recomputed = layout.recompute != "none"
     if training.cp_comm == "p2p":
         step = links.seconds("cp", "send_recv", 2 * tokens * kv_heads * hd * act, n=2)

@@ -45,6 +45,10 @@ def compare_run(run: measured.MeasuredRun, hardware: str | Path | None = None,
 
 
 def comparison(run: measured.MeasuredRun, profile: Profile, note: str) -> Comparison:
+    """``run`` predicted with ``profile`` beside what it measured, leaf by leaf; a CPU run at the
+    host peak the profile was fitted at (:func:`measured.at_host_peak`)."""
+    if peak := profile.provenance.get(measured.HOST_PEAK):
+        run = measured.at_host_peak(run, float(peak))
     p = run.predict(profile)
     leaves = run.typical_leaves()  # the median step, split as the traced steps split theirs
     names = sorted(set(leaves) | {k for k, v in p.leaves.items() if v > 0},

@@ -283,6 +283,9 @@ class Training:
     them does not, unless the forward is recomputed); ``cp_grad_collective``: what carries their
     gradients back (the reference trainer's all-gather is undone by an all-to-all) -- both for
     ``cp_comm`` ``all_gather`` (``CP_COMMS``: or a ``p2p`` ring, or ``a2a`` Ulysses).
+    ``cp_overlap``: the K/V exchange runs behind attention that does not need it yet (a ring's next
+    step, an all-gather issued while the local chunk's attention runs); an implementation that
+    gathers before any attention and waits for it (the reference trainer's) exposes all of it.
     ``cp_load_balance``: each context-parallel rank holds two chunks of the sequence, i and
     2cp-1-i, so causal attention's work is even (Megatron-Core's and torchtitan's); without it the
     last rank's queries see every key and the ring waits for it.  ``attention_kernel``: the flash
@@ -323,6 +326,7 @@ class Training:
     cp_regather: bool = True
     cp_grad_collective: str = "reduce_scatter"
     cp_comm: str = "all_gather"
+    cp_overlap: bool = True
     cp_load_balance: bool = True
     attention_kernel: str = "fa2"
     moe_overlap: str = "none"
@@ -382,7 +386,8 @@ class Training:
                    reshard_after_forward=opts.reshard_after_forward,
                    grad_bucket_bytes=opts.ddp_bucket_mb * 2**20 if opts.ddp_bucket_mb else None,
                    keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")),
-                   async_tp=opts.async_tp, cp_regather=False, cp_grad_collective="all_to_all")
+                   async_tp=opts.async_tp, cp_regather=False, cp_grad_collective="all_to_all",
+                   cp_overlap=False)
 
     @property
     def activation_bytes(self) -> int:

@@ -67,6 +67,25 @@ def _global_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.cat([by_chunk[c] for c in range(2 * cp)], dim=2)
 
 
+def kv_group(mesh, dims):
+    """The process group the K/V exchange runs on: the mesh's cp group, or one of its own over the
+    same ranks where every other data-parallel degree is 1.  There the mesh's cp group is also the
+    flattened ``dp_shard_cp`` and ``dp_cp`` (one group, one name), so FSDP's gathers and the K/V
+    gathers would carry one label and context parallelism's traffic would show as data
+    parallelism's.  Megatron-Core likewise keeps its cp and dp-cp communicators apart.  Every rank
+    creates every such group (``new_group`` is collective over the world) and keeps its own."""
+    from mfuscope.layout import MESH_DIMS
+
+    if dims.dp_shard * dims.dp_replicate > 1:
+        return mesh["cp"].get_group()
+    rank, mine = dist.get_rank(), None
+    for ranks in mesh.mesh.movedim(MESH_DIMS.index("cp"), -1).reshape(-1, dims.cp).tolist():
+        group = dist.new_group(ranks, group_desc="mesh_cp")
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 def make_attention(group, cp: int, seq_len: int, cp_rank: int):
     """An ``attention_fn`` for :class:`Attention` that attends over the whole sequence."""
     # Imported here, not at the top: torch.nn.attention.bias imports TorchDynamo (1.7 s a process),

@@ -99,11 +99,13 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
         # The balance loss counts the tokens of every rank that routes different ones: data, context
         # and (each on its own sequence shard) tensor-parallel ranks.  Labelled as what it is.
         extra_groups["moe_aux"] = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("moe_aux").get_group()
+    if dims.cp > 1:
+        extra_groups["cp"] = context_parallel.kv_group(mesh, dims)
     for m in modules:
         if dims.tp > 1:
             tensor_parallel.apply_tp(m, dims, cfg.sequence_parallel)
         if dims.cp > 1:
-            context_parallel.apply_cp(m, mesh["cp"].get_group(), dims.cp, coords["cp"], cfg.seq_len)
+            context_parallel.apply_cp(m, extra_groups["cp"], dims.cp, coords["cp"], cfg.seq_len)
         m.balance_group = extra_groups.get("moe_aux")
     if cfg.model.n_experts and dims.ep > 1:
         ep_group, ep_rank, edp_group = expert_parallel.expert_groups(dims, rank)
@@ -305,7 +307,7 @@ def _groups_by_dim(dims: ParallelDims, extra_groups: dict) -> dict[str, list]:
             return None
     return {"dp": [group(n) for n in ("dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp")]
                   + [extra_groups.get("ep_dp")],
-            "pp": [group("pp")], "cp": [group("cp")], "ep": [extra_groups.get("ep")]}
+            "pp": [group("pp")], "cp": [extra_groups.get("cp")], "ep": [extra_groups.get("ep")]}
 
 
 def _sync(device: torch.device) -> None:

@@ -113,6 +113,45 @@ def test_a_slow_run_beside_the_one_rank_run_leaves_its_groups_fitted(real_runs):
     assert quiet <= set(calibrate.fit_runs([one, slow]).provenance["fields"])
 
 
+def test_context_parallel_k_v_exchange_is_labelled_cp(real_runs):
+    """On cp=2 alone the mesh's cp group is also FSDP's (``dp_shard_cp``): the trainer gives the K/V
+    exchange a group of its own so that it shows as cp's traffic, not dp's.  Hand count for the
+    four traced steps of a rank: K and V gathered apart (2) in each of 4 layers for each of 2
+    microbatches is 16 all-gathers a step, 64 in all, and as many all-to-alls carry their
+    gradients back."""
+    comm = json.loads((real_runs["cp=2"] / "report.json").read_text())["comm"]
+    cp = {row["op"]: row["count"] for row in comm if row["dim"] == "cp"}
+    assert cp == {"all_gather": 64, "all_to_all": 64}, comm
+    assert not [row for row in comm if row["dim"].startswith("dp") and row["op"] == "all_to_all"], comm
+
+
+def test_cpu_runs_are_predicted_at_the_calibrations_host_peak(real_runs, tmp_path):
+    """Each CPU run's rank 0 times a few matmuls for the host's peak (best of 5), and a loaded host
+    moves that number between runs.  ``calibrate`` keeps the best its runs measured and ``predict``
+    holds every CPU run to it: a copy of the ddp=2 run whose report claims twice the peak is
+    predicted exactly as the run itself."""
+    hw = tmp_path / "hw.json"
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "calibrate",
+                           *[str(real_runs[n]) for n in real_compute.CALIBRATE_ON], "--out", str(hw)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    peaks = [json.loads((real_runs[n] / "report.json").read_text())["summary"]["peak_flops"]
+             for n in real_compute.CALIBRATE_ON]
+    assert json.loads(hw.read_text())["provenance"]["cpu_peak_flops"] == max(peaks)
+
+    twin = tmp_path / "ddp2-claims-twice-the-peak"
+    twin.mkdir()
+    report = json.loads((real_runs["ddp=2"] / "report.json").read_text())
+    report["summary"]["peak_flops"] *= 2
+    (twin / "report.json").write_text(json.dumps(report))
+    (twin / "manifest.json").write_text((real_runs["ddp=2"] / "manifest.json").read_text())
+    done = subprocess.run([sys.executable, "-m", "mfuscope", "predict", str(real_runs["ddp=2"]), str(twin),
+                           "--hardware", str(hw), "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    original, claimed = (row["predicted_step_s"] for row in json.loads(done.stdout))
+    assert claimed == original
+
+
 def _prediction_errors(runs: dict[str, Path], out: Path) -> dict[str, float]:
     """predicted / measured - 1 for each of ``runs``, the profile calibrated (``mfuscope
     calibrate``) on :data:`real_compute.CALIBRATE_ON` and each run predicted (``mfuscope predict
