@@ -150,10 +150,11 @@ def fit_run(run: MeasuredRun, start: Profile | None = None) -> Profile:
 
     A paced run's compute is known: the host time per microbatch is fitted to what the run spent
     beyond its paced time, and the links where the run exposes communication, starting from their
-    ratio of predicted to measured time."""
+    ratio of predicted to measured time.  Both start from the published profile (or ``start``), as
+    ``plan``, ``predict`` and the CI gate do."""
     if run.known_phases is None:
         return fit_runs([run], start)
-    profile = start or Profile()
+    profile = start or default_profile()
     prediction = run.predict(profile)
     pred, meas = groups(prediction.leaves), groups(run.leaves)
     fields: list[str] = []

@@ -32,7 +32,8 @@
 
 Hidden communication is not free: the compute it hides behind is slowed by
 ``profile.overlap_slowdown`` x the hidden time (SM and HBM sharing), booked to
-``compute/gemm``.  Each prediction lists the assumptions it made.
+``compute/gemm`` -- except known (paced) compute, a sleep nothing slows.  Each prediction lists
+the assumptions it made.
 """
 from __future__ import annotations
 
@@ -176,7 +177,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     if dtensor_params(layout):
         tensors = model.parameter_tensors(layout.stage_layers(model), first=layout.pp == 1, last=True)
         ledger.add("compute/optimizer", tensors * profile.dtensor_param_s)
-    ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
+    if known_phases is None:  # known (paced) compute sleeps: what runs beside it slows nothing
+        ledger.add("compute/gemm", profile.overlap_slowdown * ledger.hidden_s)
     if training.checkpoint_s:
         ledger.add("checkpoint", training.checkpoint_s)
 
