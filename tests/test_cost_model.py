@@ -408,3 +408,18 @@ def test_memory_of_a_prediction_is_the_memory_model():
     p = predict(TOY, layout, Training(seq_len=1024), system("H100"))
     assert p.memory.total_bytes == memory.estimate(TOY, layout, 1024, device_bytes=80e9).total_bytes
     assert math.isclose(p.tokens_per_s_per_gpu * p.step_s * layout.gpus, layout.data_ranks * 2 * 2 * 1024)
+
+
+def test_paced_compute_takes_no_overlap_slowdown():
+    """Hidden communication slows the compute it runs beside (``overlap_slowdown`` x the hidden
+    seconds, booked to compute/gemm) -- but a paced run's compute is a sleep, which nothing slows:
+    FSDP on 8 ranks with its gathers hidden, known phases, books no GEMM time at all, and the same
+    layout with its compute modelled books the slowdown on top of the GEMMs."""
+    s = ideal_system()
+    layout = Layout(dp_shard=8, micro_batch=1, microbatches=1)
+    slowed = replace(IDEAL, overlap_slowdown=0.5)
+    paced = predict(TOY, layout, Training(seq_len=1024), s, slowed, known_phases=(0.01, 0.02, 0.0))
+    assert paced.leaves.get("compute/gemm", 0.0) == 0.0
+    modelled, plain = (predict(TOY, layout, Training(seq_len=1024), s, p) for p in (slowed, IDEAL))
+    assert modelled.leaves["compute/gemm"] > plain.leaves["compute/gemm"]  # the gathers hide: the slowdown shows
+

@@ -23,7 +23,7 @@ import pytest
 from mfuscope.optimizers import calibrate, measured
 from mfuscope.optimizers.model import predict
 from mfuscope.optimizers.spec import Layout, ModelSpec
-from mfuscope.optimizers.system import Profile
+from mfuscope.optimizers.system import Profile, default_profile
 
 from . import real_compute
 from .helpers import WAKE_S
@@ -58,6 +58,9 @@ def test_mechanism_pipeline_schedules_on_paced_runs(paced_pipelines):
         if profile is None:
             profile = calibrate.fit_run(run)
             assert profile.provenance["fields"] == ["microbatch_overhead_s"]
+            # What it does not fit is the published profile's, as in plan, predict and the CI gate.
+            published = default_profile()
+            assert all(getattr(profile, f) == getattr(published, f) for f in Profile.FITTED)
         pred = predict(model, layout, run.training, run.system, profile, known_phases=phases)
         step = report["summary"]["step_time_s"]
         bubble = report["bubbles"][0]["bubble_fraction"]
