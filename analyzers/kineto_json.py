@@ -842,10 +842,12 @@ def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, grou
     communication.
     """
     host = ~on_device
-    orphans = np.flatnonzero(host & gloo & (kind == "comm") & np.array([d is None for d in dim], dtype=bool))
-    labelled = np.flatnonzero(host & np.array([d is not None for d in dim], dtype=bool)
-                              & np.array([o is not None for o in op], dtype=bool))
-    if len(orphans) == 0 or len(labelled) == 0:
+    work = np.flatnonzero(host & gloo & (kind == "comm"))  # none at all in an NCCL trace
+    orphans = work[np.equal(dim[work], None)]
+    if len(orphans) == 0:
+        return
+    labelled = np.flatnonzero(host & np.not_equal(dim, None) & np.not_equal(op, None))
+    if len(labelled) == 0:
         return
     labelled = labelled[np.argsort(ts_ns[labelled], kind="stable")]
     starts = ts_ns[labelled]
