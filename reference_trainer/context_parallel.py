@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mfuscope.layout import MESH_DIMS
+
 
 def chunk_ids(cp: int, cp_rank: int) -> tuple[int, int]:
     """The two global chunk numbers ``cp_rank`` holds (of ``2 x cp``)."""
@@ -74,8 +76,6 @@ def kv_group(mesh, dims):
     gathers would carry one label and context parallelism's traffic would show as data
     parallelism's.  Megatron-Core likewise keeps its cp and dp-cp communicators apart.  Every rank
     creates every such group (``new_group`` is collective over the world) and keeps its own."""
-    from mfuscope.layout import MESH_DIMS
-
     if dims.dp_shard * dims.dp_replicate > 1:
         return mesh["cp"].get_group()
     rank, mine = dist.get_rank(), None

@@ -18,6 +18,8 @@ import shutil
 import signal
 from pathlib import Path
 
+from .lanes import quiet
+
 #: Dimensions a 2-core host trains in ~100 ms a step on one rank, so that GEMMs, elementwise work,
 #: the optimizer, host time and gloo's collectives all show: d=192 with grouped-query attention
 #: and SwiGLU, 128-token sequences, 8 sequences a step.
@@ -112,8 +114,6 @@ def _run_twin(train_forked, out: Path, config_path: str) -> None:
 def train_all(root: Path, names=None, say=print) -> dict[str, Path]:
     """Layouts ``names`` (all of them by default) trained in turn, under make test with the machine
     to themselves (tests/lanes.py, ``quiet``): what a step of real compute costs is the point."""
-    from .lanes import quiet
-
     out = {}
     with quiet():
         for name in names or LAYOUTS:
