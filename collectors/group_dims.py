@@ -21,7 +21,15 @@ import torch.distributed as dist
 
 def mesh_groups(mesh: Any, extra: dict | None = None) -> list[dict]:
     """[{name, dim, ranks}] for every dimension of ``mesh`` (or ``ParallelDims``), its flattened
-    dimensions, and ``extra`` {dim: ProcessGroup} groups."""
+    dimensions, and ``extra`` {dim: ProcessGroup} groups.
+
+    One process group may serve several of them: DeviceMesh hands a dimension that spans the whole
+    world the default group, and a flattened dimension over the same ranks gets it too.  A later
+    entry for the same group names it (``GroupDims`` keeps the last), so a flattened mesh dimension
+    names the group of the dimension it covers (FSDP's ``dp_shard_cp`` over cp's ranks on cp=2
+    alone: its traffic is data-parallel), but an ``extra`` group never renames a mesh's: the MoE
+    balance loss's counts over every data rank ride on FSDP's own group when the data ranks are
+    the world, and FSDP's gathers must stay ``dp_shard``'s, not become the balance loss's."""
     mesh = getattr(mesh, "mesh", mesh)  # ParallelDims holds its DeviceMesh
     groups = {d: mesh.get_group(d) for d in (mesh.mesh_dim_names or ())}
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
@@ -30,7 +38,8 @@ def mesh_groups(mesh: Any, extra: dict | None = None) -> list[dict]:
             groups[flat] = root[flat].get_group()
         except (KeyError, RuntimeError, ValueError):
             pass
-    groups.update(extra or {})
+    named = {str(g.group_name) for g in groups.values() if g is not None}
+    groups.update({dim: g for dim, g in (extra or {}).items() if g is not None and str(g.group_name) not in named})
     return [{"name": str(g.group_name), "dim": dim, "ranks": dist.get_process_group_ranks(g)}
             for dim, g in groups.items() if g is not None]
 

@@ -128,6 +128,26 @@ def test_context_parallel_k_v_exchange_is_labelled_cp(real_runs):
     assert not [row for row in comm if row["dim"].startswith("dp") and row["op"] == "all_to_all"], comm
 
 
+def test_fsdp_traffic_of_the_moe_run_is_data_parallel(real_runs):
+    """On dp_shard=2,ep=2 the MoE balance loss counts tokens over every data rank -- the world,
+    which DeviceMesh serves with the default group, FSDP's own -- so its extra group used to rename
+    FSDP's gathers ``moe_aux`` and the model's ``comm/dp`` leaves had nothing measured beside them.
+    Hand count for both FSDP runs of the table: five FSDP units (four layers and the root) gather
+    in forward and again in backward and reduce-scatter once, for each of 2 microbatches, in 4
+    traced steps: 80 all-gathers and 40 reduce-scatters, all on the data-parallel group."""
+    def fsdp_calls(name: str) -> dict[tuple[str, str], int]:
+        calls: dict[tuple[str, str], int] = {}
+        for row in json.loads((real_runs[name] / "report.json").read_text())["comm"]:
+            if row["op"] in ("all_gather", "reduce_scatter"):
+                key = ("dp" if row["dim"].startswith("dp") else row["dim"], row["op"])
+                calls[key] = calls.get(key, 0) + row["count"]
+        return calls
+
+    expected = {("dp", "all_gather"): 80, ("dp", "reduce_scatter"): 40}
+    assert fsdp_calls("dp_shard=2") == expected
+    assert fsdp_calls("ep=2 (moe)") == expected
+
+
 def test_cpu_runs_are_predicted_at_the_calibrations_host_peak(real_runs, tmp_path):
     """Each CPU run's rank 0 times a few matmuls for the host's peak (best of 5), and a loaded host
     moves that number between runs.  ``calibrate`` keeps the best its runs measured and ``predict``
