@@ -29,21 +29,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _calls(n: int) -> dict:
+    """Each op on buffers of ``n`` float32 elements of output."""
+    full, out, half, gathered = torch.randn(n), torch.empty(n), torch.randn(n // 2), torch.empty(n)
+    return {
+        "all_gather": lambda: dist.all_gather_into_tensor(gathered, half),
+        "all_to_all": lambda: dist.all_to_all_single(out, full),
+        "all_to_all (splits)": lambda: dist.all_to_all_single(out, full, [n // 2] * 2, [n // 2] * 2),
+        "all_reduce": lambda: dist.all_reduce(full),
+    }
+
+
 def _rank(rank: int, port: int, sizes: list[int], calls: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)  # one core a rank, as the real-compute runs
     rows = []
     for nbytes in sizes:
-        n = nbytes // 4  # float32 elements of the output
-        full, out, half, gathered = torch.randn(n), torch.empty(n), torch.randn(n // 2), torch.empty(n)
-        ops = {
-            "all_gather": lambda: dist.all_gather_into_tensor(gathered, half),
-            "all_to_all": lambda: dist.all_to_all_single(out, full),
-            "all_to_all (splits)": lambda: dist.all_to_all_single(out, full, [n // 2] * 2, [n // 2] * 2),
-            "all_reduce": lambda: dist.all_reduce(full),
-        }
-        for name, call in ops.items():
+        for name, call in _calls(nbytes // 4).items():
             for _ in range(5):
                 call()
             times = []
