@@ -11,7 +11,7 @@
    and their gradients reduce-scattered backward, hidden behind the attention
    core; a ring's per-step sends hidden behind its steps; Ulysses'
    all-to-alls, exposed), expert parallelism (dispatch and combine
-   all-to-alls, exposed).
+   all-to-alls, and forward's exchange of token counts before them, exposed).
    Async TP hides TP behind the layer's GEMMs.
 2. **The pipeline**: m microbatches of F + B, plus the schedule's bubble from
    ``analyzers.bubbles.theory`` (GPipe/1F1B (p-1)T, interleaved (p-1)T/v,
@@ -246,10 +246,11 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         f_total += layers * ledger.expose("cp", f_ops, f_window, layers * m)
         b_total += layers * ledger.expose("cp", b_ops, b_window, layers * m)
     if layout.ep > 1:
-        ops = {"all_to_all": expert_exchange_s(model, layout, training, links)}
+        exchange = expert_exchange_s(model, layout, training, links)
+        f_ops = {"all_to_all": exchange + expert_counts_s(model, links)}
         f_window, b_window = _expert_overlap_windows(stage, training)
-        f_total += layers * ledger.expose("ep", ops, f_window, layers * m)
-        b_total += layers * ledger.expose("ep", ops, b_window, layers * m)
+        f_total += layers * ledger.expose("ep", f_ops, f_window, layers * m)
+        b_total += layers * ledger.expose("ep", {"all_to_all": exchange}, b_window, layers * m)
     return f_total, b_total
 
 
@@ -311,6 +312,15 @@ def expert_exchange_s(model: ModelSpec, layout: Layout, training: Training, link
     one = links.expert_dispatch_seconds(token_bytes, model.top_k, model.n_experts, model.router_groups,
                                         model.router_group_topk, training.moe_dispatch == "deepep")
     return 2 * training.expert_load * one
+
+
+def expert_counts_s(model: ModelSpec, links: Links) -> float:
+    """The exchange of token counts before each forward dispatch: every rank learns how many rows
+    each expert-parallel peer sends it -- the all-to-all's split sizes -- by an all-to-all of one
+    int64 count per expert, and copies them to the host (torchtitan's token dispatch, Megatron-Core's
+    all-to-all dispatcher, the reference trainer's ``expert_parallel.dispatch``).  A few hundred
+    bytes: latency-bound, once a layer and microbatch; backward reuses the split sizes."""
+    return links.seconds("ep", "all_to_all", 8 * model.n_experts)
 
 
 def _amax_reductions(layout: Layout, training: Training, links: Links, ledger: _Ledger, stage: StageCompute,

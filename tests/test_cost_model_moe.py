@@ -274,9 +274,10 @@ def test_expert_all_to_alls_hide_behind_the_shared_expert_or_another_microbatch(
     the compute.  Hidden behind the shared expert: its SwiGLU GEMMs, 2 x 1,024 x 1,024 x (2 x 2,048)
     + 2 x 1,024 x 2,048 x 1,024 FLOPs at H100's bf16 MAMF (794.5 TFLOP/s) forward, twice that
     backward; the all-to-alls stick out by the rest.  Behind another microbatch: the layer's GEMMs
-    and attention -- more than the shared expert alone, so less sticks out."""
+    and attention -- more than the shared expert alone, so less sticks out.  Forward's exchange
+    first sends its token counts, one int64 per expert (32 bytes, an all-to-all's latency)."""
     from mfuscope.optimizers.cost.comm import Links
-    from mfuscope.optimizers.model import expert_exchange_s
+    from mfuscope.optimizers.model import expert_counts_s, expert_exchange_s
     from mfuscope.optimizers.spec import Training
     from mfuscope.optimizers.system import Profile, system
 
@@ -285,23 +286,35 @@ def test_expert_all_to_alls_hide_behind_the_shared_expert_or_another_microbatch(
     none, layout = _moe_predict(slow)
     shared, _ = _moe_predict(slow, moe_overlap="shared_experts")
     other, _ = _moe_predict(slow, moe_overlap="microbatches")
-    a2a = expert_exchange_s(SHARED_MOE, layout, Training(seq_len=1024), Links(layout, system("H100"), slow))
+    links = Links(layout, system("H100"), slow)
+    a2a = expert_exchange_s(SHARED_MOE, layout, Training(seq_len=1024), links)
+    counts = expert_counts_s(SHARED_MOE, links)
+    assert counts == links.seconds("ep", "all_to_all", 4 * 8) and 0 < counts < a2a / 100
     shared_f = (2 * 1024 * 1024 * 4096 + 2 * 1024 * 2048 * 1024) / 794.5e12
     assert a2a > 2 * shared_f  # the premise: the exchange outlasts what hides it
-    assert none.leaves["comm/ep/all_to_all"] == pytest.approx(2 * a2a, rel=1e-9)
-    assert shared.leaves["comm/ep/all_to_all"] == pytest.approx((a2a - shared_f) + (a2a - 2 * shared_f), rel=1e-9)
+    assert none.leaves["comm/ep/all_to_all"] == pytest.approx(2 * a2a + counts, rel=1e-9)
+    assert shared.leaves["comm/ep/all_to_all"] == pytest.approx((a2a + counts - shared_f) + (a2a - 2 * shared_f),
+                                                                rel=1e-9)
     assert other.leaves["comm/ep/all_to_all"] < shared.leaves["comm/ep/all_to_all"]
 
 
 def test_an_imbalanced_router_slows_the_busiest_rank_unless_capacity_drops_tokens():
     """The busiest ep rank's routed tokens at 1.3x the mean: its expert GEMMs and the exchange
-    take 1.3x; a capacity factor of 1.1 drops what is past 1.1x, so 1.1x."""
+    take 1.3x; a capacity factor of 1.1 drops what is past 1.1x, so 1.1x.  The token counts sent
+    ahead of the exchange are one per expert whatever the load."""
+    from mfuscope.optimizers.cost.comm import Links
+    from mfuscope.optimizers.model import expert_counts_s
     from mfuscope.optimizers.spec import Training
+    from mfuscope.optimizers.system import Profile, system
 
-    base, _ = _moe_predict()
+    base, layout = _moe_predict()
+    ideal = Profile(gemm=1.0, gemm_knee=0.0, attention=1.0, memory=1.0, scale_up=1.0, scale_out=1.0,
+                    overlap_slowdown=0.0)
+    counts = expert_counts_s(SHARED_MOE, Links(layout, system("H100"), ideal))  # one layer, one microbatch
+    tokens = base.leaves["comm/ep/all_to_all"] - counts
     for kw, factor in (({"moe_imbalance": 1.3}, 1.3), ({"moe_imbalance": 1.3, "moe_capacity_factor": 1.1}, 1.1)):
         skewed, _ = _moe_predict(**kw)
-        assert skewed.leaves["comm/ep/all_to_all"] == pytest.approx(factor * base.leaves["comm/ep/all_to_all"])
+        assert skewed.leaves["comm/ep/all_to_all"] == pytest.approx(factor * tokens + counts)
     gemms = {g.name: g for g in layer_gemms(SHARED_MOE, Layout(ep=2, dp_shard=2), 1024, expert_load=1.3)}
     assert gemms["expert_up"].m == pytest.approx(1024 * 1 * 2 / 4 * 1.3)  # tokens x top-k x ep / E x load
     with pytest.raises(ValueError, match="1 or more"):

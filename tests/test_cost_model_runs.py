@@ -148,6 +148,20 @@ def test_fsdp_traffic_of_the_moe_run_is_data_parallel(real_runs):
     assert fsdp_calls("ep=2 (moe)") == expected
 
 
+def test_the_expert_exchange_sends_its_counts_first_as_the_model_has_it(real_runs):
+    """What the model's expert parallelism counts (``model.expert_exchange_s``,
+    ``expert_counts_s``), against the trainer's calls: in each of 4 layers, for each of 2
+    microbatches, forward exchanges the token counts (4 experts, one int64 each: 32 bytes), then
+    dispatches and combines the tokens; backward sends the two exchanges' gradients back with the
+    same split sizes.  4 traced steps: 32 count exchanges of 32 bytes and 128 of tokens."""
+    comm = json.loads((real_runs["ep=2 (moe)"] / "report.json").read_text())["comm"]
+    ep = [row for row in comm if row["dim"] == "ep"]
+    assert {row["op"] for row in ep} == {"all_to_all"}
+    small = [row for row in ep if row["median_bytes"] == 32]
+    assert sum(row["count"] for row in small) == 32 and sum(row["bytes"] for row in small) == 32 * 32
+    assert sum(row["count"] for row in ep) - 32 == 128
+
+
 def test_cpu_runs_are_predicted_at_the_calibrations_host_peak(real_runs, tmp_path):
     """Each CPU run's rank 0 times a few matmuls for the host's peak (best of 5), and a loaded host
     moves that number between runs.  ``calibrate`` keeps the best its runs measured and ``predict``
