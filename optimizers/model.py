@@ -316,10 +316,11 @@ def expert_exchange_s(model: ModelSpec, layout: Layout, training: Training, link
 
 def expert_counts_s(model: ModelSpec, links: Links) -> float:
     """The exchange of token counts before each forward dispatch: every rank learns how many rows
-    each expert-parallel peer sends it -- the all-to-all's split sizes -- by an all-to-all of one
-    int64 count per expert, and copies them to the host (torchtitan's token dispatch, Megatron-Core's
-    all-to-all dispatcher, the reference trainer's ``expert_parallel.dispatch``).  A few hundred
-    bytes: latency-bound, once a layer and microbatch; backward reuses the split sizes."""
+    each expert-parallel peer sends it -- the all-to-all's split sizes -- from one int64 count per
+    expert, and copies them to the host: an all-to-all in torchtitan's token dispatch and the
+    reference trainer's ``expert_parallel.dispatch``, a gather in Megatron-Core's all-to-all
+    dispatcher, modelled as the all-to-all.  A few hundred bytes: latency-bound, once a layer and
+    microbatch; backward reuses the split sizes."""
     return links.seconds("ep", "all_to_all", 8 * model.n_experts)
 
 
