@@ -148,7 +148,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"comma-separated shapes to run on a GPU (default: all of {', '.join(MODELS)})")
     args = ap.parse_args()
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -163,7 +168,7 @@ def main() -> int:
     if cuda:
         acc = hardware.lookup(torch.cuda.get_device_name())
         peak_bw = acc.memory_tbps * 1e12 if acc else None
-    models = MODELS if cuda else {"tiny": 256}
+    models = {m: MODELS[m] for m in args.models.split(",")} if cuda else {"tiny": 256}
     tokens, vocab, rounds = (TOKENS, VOCAB, args.rounds) if cuda else (64, 1000, 2)
     rows = []
     for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_ce", "moe_permute"):
@@ -183,9 +188,9 @@ def main() -> int:
                 bw = f"{row['gb_per_s']:8.1f} GB/s" if row["gb_per_s"] else f"{'–':>13}"
                 print(f"{op:<13} {model:<5} {provider:<14} {seconds * 1e3:9.3f} ms  {bw}  HBM {frac:>4}  "
                       f"peak {peak / 2**20:9.1f} MiB")
-    if args.json:
-        from mfuscope.atomic import write_json
-        write_json(args.json, rows)
+                if args.json:  # after every row: a machine lent for minutes may be taken back mid-table
+                    from mfuscope.atomic import write_json
+                    write_json(args.json, rows)
     return 0
 
 
