@@ -23,6 +23,7 @@ import sys
 import time
 
 MODELS = {"8b": 4096, "70b": 8192, "405b": 16384}
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_ce", "moe_permute")
 TOKENS, VOCAB = 8192, 128256
 #: The MoE permute's routing: each token to 8 of 64 experts (DeepSeek-V3's top-8).
 TOP_K, EXPERTS = 8, 64
@@ -75,12 +76,28 @@ def _providers(op: str):
              "linear_ce": kernels.fused_linear_cross_entropy,
              "moe_permute": lambda x, p, w: kernels.moe_unpermute(kernels.moe_permute(x, p), p, w)}[op]
     out = {"eager": eager, "mfuscope": fused}
+    if op == "linear_ce" and torch.cuda.is_available():
+        out["mfuscope (atomic grads)"] = _with_grad_path("atomic", fused)
     if torch.cuda.is_available():
         out["torch.compile"] = torch.compile(eager)
         liger = _liger(op)
         if liger:
             out["liger"] = liger
     return out
+
+
+def _with_grad_path(path: str, fn):
+    """``fn`` with the fused LM head taking its gradients the other way (``GRAD_PATH``): they are
+    taken in the forward, so the setting only needs to hold for the call."""
+    from mfuscope.kernels import linear_cross_entropy as module
+
+    def call(*args):
+        saved, module.GRAD_PATH = module.GRAD_PATH, path
+        try:
+            return fn(*args)
+        finally:
+            module.GRAD_PATH = saved
+    return call
 
 
 def _liger(op: str):
@@ -150,10 +167,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--models", default=",".join(MODELS),
                     help=f"comma-separated shapes to run on a GPU (default: all of {', '.join(MODELS)})")
+    ap.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
     args = ap.parse_args()
-    unknown = set(args.models.split(",")) - set(MODELS)
-    if unknown:
-        ap.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
+    for flag, given, known in (("--models", args.models, MODELS), ("--ops", args.ops, OPS)):
+        unknown = set(given.split(",")) - set(known)
+        if unknown:
+            ap.error(f"{flag}: unknown {', '.join(sorted(unknown))} (known: {', '.join(known)})")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -171,7 +190,7 @@ def main() -> int:
     models = {m: MODELS[m] for m in args.models.split(",")} if cuda else {"tiny": 256}
     tokens, vocab, rounds = (TOKENS, VOCAB, args.rounds) if cuda else (64, 1000, 2)
     rows = []
-    for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_ce", "moe_permute"):
+    for op in args.ops.split(","):
         for model, hidden in models.items():
             for provider, fn in _providers(op).items():
                 inputs = _inputs(op, hidden, tokens, vocab, device, dtype)

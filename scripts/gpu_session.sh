@@ -14,10 +14,12 @@
 #   fused_report.json    the same dense run with --kernels fused, analyzed (the fix, re-measured)
 #   bench_kernels.json   benchmarks/bench_kernels.py: each kernel against eager, torch.compile, Liger
 #   dense_run.tar.gz     the dense run directory (its Kineto trace of a real CUDA job, when under 15 MiB)
+#   (lm_head_profile.log, in logs.tar.gz: the fused LM head's kernels, for each way of taking its gradients)
 #   logs.tar.gz          every step's log, and env.txt: GPU, driver, python, torch, triton, NCCL
 #
 #   OUT=artifacts/gpu bash scripts/gpu_session.sh          # on the GPU machine (python3 = its CUDA torch)
 #   DEVICE=cpu OUT=/tmp/g bash scripts/gpu_session.sh      # a dry run of the whole sequence on a CPU
+#   BENCH_OPS=linear_ce ...                                # bench_kernels on these ops only
 #
 # Exit status: 0 when every step passed, else the number of failed steps (setup failure: 100).
 set -u
@@ -72,10 +74,10 @@ else
   CHECK=(--timeout 240 --path-timeout 60)
   KCHECK=()
   TRAIN=(--config gpu_dense_1b --steps 14 --window 11:2 --nproc 1)
-  BENCH=(--rounds 10 --models 8b,70b)
+  BENCH=(--rounds 5 --models 8b,70b)
 fi
 
-step gpu_check 330 "$PY" scripts/gpu_check.py "${CHECK[@]}" --run-dir "$WORK/runs" --json "$OUT/gpu_check.json"
+step gpu_check 300 "$PY" scripts/gpu_check.py "${CHECK[@]}" --run-dir "$WORK/runs" --json "$OUT/gpu_check.json"
 DENSE=$WORK/runs/dense
 if [ -f "$DENSE/manifest.json" ]; then
   step analyze_dense 90 "$PY" -m mfuscope analyze "$DENSE" --force
@@ -86,12 +88,35 @@ if [ -f "$DENSE/manifest.json" ]; then
   step predict_dense 45 bash -c '"$0" -m mfuscope predict "$1" --json > "$2"' "$PY" "$DENSE" "$OUT/predict.json"
 fi
 step kernels_check 150 "$PY" scripts/gpu_kernels_check.py "${KCHECK[@]}" --json "$OUT/kernels_check.json"
-step train_fused 200 "$PY" -m mfuscope train "${TRAIN[@]}" --kernels fused --out "$WORK/runs/fused" --force
+step bench_kernels 150 "$PY" benchmarks/bench_kernels.py "${BENCH[@]}" --ops "${BENCH_OPS:-rms_norm,add_rms_norm,swiglu,rope,linear_ce,moe_permute}" --json "$OUT/bench_kernels.json"
+# Where the fused LM head's time goes, kernel by kernel, for each way of taking its gradients.
+step lm_head_profile 120 "$PY" - "$DEVICE" <<'PYEOF'
+import sys, torch
+from torch.profiler import ProfilerActivity, profile
+from mfuscope.kernels import fused_linear_cross_entropy, linear_cross_entropy as module
+cuda = sys.argv[1] == "cuda"
+dev, dt, (n, h, v) = ("cuda", torch.bfloat16, (8192, 4096, 128256)) if cuda else ("cpu", torch.float32, (64, 64, 1000))
+g = torch.Generator(device=dev).manual_seed(0)
+x = torch.randn(n, h, generator=g, device=dev).to(dt).requires_grad_()
+w = (0.02 * torch.randn(v, h, generator=g, device=dev)).to(dt).requires_grad_()
+t = torch.randint(0, v, (n,), generator=g, device=dev)
+for path in ("gemm", "atomic"):
+    module.GRAD_PATH = path
+    for _ in range(2):
+        fused_linear_cross_entropy(x, w, t).backward()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fused_linear_cross_entropy(x, w, t).backward()
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"== GRAD_PATH={path}")
+    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12))
+PYEOF
+step train_fused 180 "$PY" -m mfuscope train "${TRAIN[@]}" --kernels fused --out "$WORK/runs/fused" --force
 if [ -f "$WORK/runs/fused/manifest.json" ]; then
   step analyze_fused 60 "$PY" -m mfuscope analyze "$WORK/runs/fused" --force
   cp "$WORK/runs/fused/report.json" "$OUT/fused_report.json" 2>/dev/null
 fi
-step bench_kernels 180 "$PY" benchmarks/bench_kernels.py "${BENCH[@]}" --json "$OUT/bench_kernels.json"
 
 echo "gpu_session: $failed step(s) failed; results in $OUT"
 exit $failed

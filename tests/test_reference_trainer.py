@@ -317,6 +317,25 @@ def test_text_data_is_the_shipped_text():
     assert torch.equal(batch, global_batch(cfg, 0)) and not torch.equal(batch, global_batch(cfg, 1))
 
 
+
+@pytest.mark.parametrize("name", ["gpu_dense_1b", "gpu_moe"])
+def test_rows_longer_than_the_text_wrap_around_it(name):
+    """The GPU configs' rows (4,097 tokens) are longer than the shipped text (1,803 bytes): each row is
+    the text read on past its end from where it starts, as a loader cycling over a small corpus reads it."""
+    from mfuscope.reference_trainer.data import TEXT, global_batch
+
+    cfg = load_config(name)
+    text = TEXT.read_bytes()
+    assert cfg.seq_len + 1 > len(text)
+    batch = global_batch(cfg, 0)
+    assert batch.shape == (cfg.global_batch, cfg.seq_len + 1)
+    looped = text * (-(-(cfg.seq_len + 1) // len(text)) + 1)  # long enough for a row from any start
+    starts = []
+    for row in batch.tolist():
+        starts.append(looped.find(bytes(row[:64])))
+        assert bytes(row) == looped[starts[-1]:starts[-1] + len(row)]
+    assert len(set(starts)) > 1  # not every row the same window
+
 # ----------------------------------------------------------------------------- refused up front
 
 REFUSED = [
