@@ -77,7 +77,7 @@ def _providers(op: str):
              "moe_permute": lambda x, p, w: kernels.moe_unpermute(kernels.moe_permute(x, p), p, w)}[op]
     out = {"eager": eager, "mfuscope": fused}
     if op == "linear_ce" and torch.cuda.is_available():
-        out["mfuscope (atomic grads)"] = _with_grad_path("atomic", fused)
+        out["mfuscope (triton lse)"] = _with_lse_path("triton", fused)
     if torch.cuda.is_available():
         out["torch.compile"] = torch.compile(eager)
         liger = _liger(op)
@@ -86,17 +86,17 @@ def _providers(op: str):
     return out
 
 
-def _with_grad_path(path: str, fn):
-    """``fn`` with the fused LM head taking its gradients the other way (``GRAD_PATH``): they are
-    taken in the forward, so the setting only needs to hold for the call."""
+def _with_lse_path(path: str, fn):
+    """``fn`` with the fused LM head taking its log-sum-exp the other way (``LSE_PATH``); its
+    gradients are taken in the forward too, so the setting only needs to hold for the call."""
     from mfuscope.kernels import linear_cross_entropy as module
 
     def call(*args):
-        saved, module.GRAD_PATH = module.GRAD_PATH, path
+        saved, module.LSE_PATH = module.LSE_PATH, path
         try:
             return fn(*args)
         finally:
-            module.GRAD_PATH = saved
+            module.LSE_PATH = saved
     return call
 
 

@@ -63,6 +63,9 @@ DW_SLICE_BYTES = 32 * 2**20
 #: gradients by float32 atomic adds).  The atomic adds moved N V H / 16 bytes: 574 ms at 8k tokens,
 #: hidden 4096 and a 128k vocabulary on an H200, against eager's 50 ms (benchmarks/bench_kernels.py).
 GRAD_PATH = "gemm"
+#: How it takes each row's log-sum-exp: "gemm" (``_vocab_slice_lse``) or "triton" (``_lse_kernel``: no
+#: logits; 41 ms of the 87 at the shape above, 2 N V H FLOPs at 210 TFLOP/s).
+LSE_PATH = "gemm"
 GRAD_SLICE_BYTES = 256 * 2**20
 #: The CPU path: extra memory a chunk's float32 logits may take where the vocabulary leaves room
 #: for more rows than ``MIN_ROWS``, the fewest rows its GEMMs run well at (module docstring).
@@ -195,15 +198,18 @@ def _triton_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore
         return losses, dh.to(h.dtype), dw.zero_()
     # 8k tokens are 64 blocks of rows, fewer than an H100's 132 SMs: the vocabulary is split too,
     # into enough parts for two programs an SM.
-    splits = min(word_blocks, triton.cdiv(2 * multiprocessors(h.device), row_blocks))
-    per_split = triton.cdiv(word_blocks, splits)
-    splits = triton.cdiv(word_blocks, per_split)
-    m, d, picked = (torch.zeros(splits, n, dtype=f32, device=h.device) for _ in range(3))  # skipped rows: 0
-    launch(_lse_kernel, (row_blocks, splits), h, w, t, active, m, d, picked, n, values=WARPS_VALUES, VOCAB=vocab,
-           HIDDEN=hidden, SPLIT_BLOCKS=per_split, **blocks)
-    top = m.max(dim=0).values
-    lse = top + (d * torch.exp(m - top)).sum(dim=0).log()
-    losses = torch.where(t != ignore_index, lse - picked.sum(dim=0), losses)
+    if LSE_PATH == "gemm":
+        lse, picked = _vocab_slice_lse(h, w, t, ignore_index, upcast)
+    else:
+        splits = min(word_blocks, triton.cdiv(2 * multiprocessors(h.device), row_blocks))
+        per_split = triton.cdiv(word_blocks, splits)
+        splits = triton.cdiv(word_blocks, per_split)
+        m, d, picks = (torch.zeros(splits, n, dtype=f32, device=h.device) for _ in range(3))  # skipped rows: 0
+        launch(_lse_kernel, (row_blocks, splits), h, w, t, active, m, d, picks, n, values=WARPS_VALUES,
+               VOCAB=vocab, HIDDEN=hidden, SPLIT_BLOCKS=per_split, **blocks)
+        top = m.max(dim=0).values
+        lse, picked = top + (d * torch.exp(m - top)).sum(dim=0).log(), picks.sum(dim=0)
+    losses = torch.where(t != ignore_index, lse - picked, losses)
     if GRAD_PATH == "gemm":
         _vocab_slice_grads(h, w, t, lse, scale, ignore_index, dh, dw, upcast)
         return losses, dh.to(h.dtype), dw
@@ -216,6 +222,30 @@ def _triton_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore
         if w.dtype != f32:
             dw[v0:v1].copy_(acc)
     return losses, dh.to(h.dtype), dw
+
+
+def _vocab_slice_lse(h: Tensor, w: Tensor, t: Tensor, ignore_index: int, upcast: bool) -> tuple[Tensor, Tensor]:
+    """Each row's log-sum-exp and target logit (float32; rows whose target is ignored: 0 and 0), a
+    slice of the vocabulary at a time by the GEMM library, the slices' log-sum-exps combined as they
+    come.  The logits as :func:`_vocab_slice_grads` makes them; extra memory ``GRAD_SLICE_BYTES``."""
+    keep = t != ignore_index
+    rows = keep.nonzero()[:, 0]
+    like = torch.float32 if upcast else h.dtype
+    hk, tk = h[rows].to(like), t[rows]
+    lse_k = torch.full((rows.numel(),), -float("inf"), dtype=torch.float32, device=h.device)
+    picked_k = torch.zeros(rows.numel(), dtype=torch.float32, device=h.device)
+    step = max(128, GRAD_SLICE_BYTES // (8 * max(1, rows.numel())) // 128 * 128)
+    at = torch.arange(rows.numel(), device=h.device)
+    for v0 in range(0, w.shape[0], step):
+        v1 = min(w.shape[0], v0 + step)
+        logits = _mm_float32(hk, w[v0:v1].to(like).t())
+        lse_k = torch.logaddexp(lse_k, torch.logsumexp(logits, dim=1))
+        hit = (tk >= v0) & (tk < v1)
+        picked_k[hit] = logits[at[hit], tk[hit] - v0]
+    lse = torch.zeros(t.numel(), dtype=torch.float32, device=h.device)
+    picked = torch.zeros_like(lse)
+    lse[rows], picked[rows] = lse_k, picked_k
+    return lse, picked
 
 
 def _vocab_slice_grads(h: Tensor, w: Tensor, t: Tensor, lse: Tensor, scale: float, ignore_index: int,
@@ -372,4 +402,8 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, i
     if hidden.shape[-1] != weight.shape[1] or hidden.shape[:-1] != target.shape:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and "
                          f"target {tuple(target.shape)} do not fit (hidden (..., H), weight (V, H), target (...))")
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # as autocast runs F.linear: both in its dtype (an fp32
+        dtype = torch.get_autocast_dtype(device)  # master weight's gradient flows back through the cast)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
     return torch.ops.mfuscope.linear_cross_entropy(hidden, weight, target, int(ignore_index), reduction)[0]

@@ -12,14 +12,16 @@
 #   predict.json         `mfuscope predict` of that run with the published profile (never fitted on it)
 #   kernels_check.json   scripts/gpu_kernels_check.py: every fused kernel in bf16 and float32 on CUDA
 #   fused_report.json    the same dense run with --kernels fused, analyzed (the fix, re-measured)
+#   fused_run.tar.gz     its run directory, as dense_run.tar.gz
 #   bench_kernels.json   benchmarks/bench_kernels.py: each kernel against eager, torch.compile, Liger
 #   dense_run.tar.gz     the dense run directory (its Kineto trace of a real CUDA job, when under 15 MiB)
-#   (lm_head_profile.log, in logs.tar.gz: the fused LM head's kernels, for each way of taking its gradients)
+#   (lm_head_profile.log, in logs.tar.gz: the fused LM head's kernels, for each way of taking its log-sum-exp)
 #   logs.tar.gz          every step's log, and env.txt: GPU, driver, python, torch, triton, NCCL
 #
 #   OUT=artifacts/gpu bash scripts/gpu_session.sh          # on the GPU machine (python3 = its CUDA torch)
 #   DEVICE=cpu OUT=/tmp/g bash scripts/gpu_session.sh      # a dry run of the whole sequence on a CPU
 #   BENCH_OPS=linear_ce ...                                # bench_kernels on these ops only
+#   STEPS=kernels_check,bench_kernels ...                  # these steps only (default: all)
 #
 # Exit status: 0 when every step passed, else the number of failed steps (setup failure: 100).
 set -u
@@ -35,6 +37,7 @@ failed=0
 step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $WORK/logs/NAME.log
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
+  case ",${STEPS:-all}," in *",all,"*|*",$name,"*) ;; *) echo "gpu_session: $name: skipped (STEPS=$STEPS)"; return 0;; esac
   timeout -k 15 "$limit" "$@" > "$WORK/logs/$name.log" 2>&1
   rc=$?
   echo "gpu_session: $name: exit $rc in $((SECONDS - t0)) s (limit $limit s)"
@@ -89,7 +92,7 @@ if [ -f "$DENSE/manifest.json" ]; then
 fi
 step kernels_check 150 "$PY" scripts/gpu_kernels_check.py "${KCHECK[@]}" --json "$OUT/kernels_check.json"
 step bench_kernels 150 "$PY" benchmarks/bench_kernels.py "${BENCH[@]}" --ops "${BENCH_OPS:-rms_norm,add_rms_norm,swiglu,rope,linear_ce,moe_permute}" --json "$OUT/bench_kernels.json"
-# Where the fused LM head's time goes, kernel by kernel, for each way of taking its gradients.
+# Where the fused LM head's time goes, kernel by kernel, for each way of taking its log-sum-exp.
 step lm_head_profile 120 "$PY" - "$DEVICE" <<'PYEOF'
 import sys, torch
 from torch.profiler import ProfilerActivity, profile
@@ -100,8 +103,8 @@ g = torch.Generator(device=dev).manual_seed(0)
 x = torch.randn(n, h, generator=g, device=dev).to(dt).requires_grad_()
 w = (0.02 * torch.randn(v, h, generator=g, device=dev)).to(dt).requires_grad_()
 t = torch.randint(0, v, (n,), generator=g, device=dev)
-for path in ("gemm", "atomic"):
-    module.GRAD_PATH = path
+for path in ("gemm", "triton"):
+    module.LSE_PATH = path
     for _ in range(2):
         fused_linear_cross_entropy(x, w, t).backward()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -109,13 +112,16 @@ for path in ("gemm", "atomic"):
         fused_linear_cross_entropy(x, w, t).backward()
         if cuda:
             torch.cuda.synchronize()
-    print(f"== GRAD_PATH={path}")
+    print(f"== LSE_PATH={path}")
     print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12))
 PYEOF
 step train_fused 180 "$PY" -m mfuscope train "${TRAIN[@]}" --kernels fused --out "$WORK/runs/fused" --force
 if [ -f "$WORK/runs/fused/manifest.json" ]; then
   step analyze_fused 60 "$PY" -m mfuscope analyze "$WORK/runs/fused" --force
   cp "$WORK/runs/fused/report.json" "$OUT/fused_report.json" 2>/dev/null
+  tar -czf "$OUT/fused_run.tar.gz" -C "$WORK/runs" fused
+  [ "$(stat -c %s "$OUT/fused_run.tar.gz")" -lt 15000000 ] \
+    || tar -czf "$OUT/fused_run.tar.gz" -C "$WORK/runs" --exclude=traces --exclude=views fused
 fi
 
 echo "gpu_session: $failed step(s) failed; results in $OUT"

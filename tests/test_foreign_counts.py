@@ -50,14 +50,53 @@ def test_a_one_step_trace_keeps_the_device_work_its_step_launched(tmp_path):
 
 
 def test_with_more_steps_the_windows_stay_on_the_markers(tmp_path):
-    """Two steps; the second's kernel runs past its marker.  Each CPU window holds a step's worth of
-    device work in the steady state, so the last is not stretched: 2 x 1,000 us."""
+    """Two steps on markers that follow one another, the host running ahead: the first step's
+    kernel (900-1,300 us) spills into the second's window, and the second's (1,950-2,450 us) runs
+    past its marker.  The second window holds a step's worth of device work (the first's tail in
+    place of its own), so it is not stretched: 2 x 1,000 us."""
+    events = [_op("ProfilerStep#3", 0.0, 1000.0, "user_annotation"), _launch(850.0, 1),
+              _kernel("ampere_sgemm_128x64_nn", 900.0, 400.0, 1),
+              _op("ProfilerStep#4", 1000.0, 1000.0, "user_annotation"), _launch(1900.0, 2),
+              _kernel("ampere_sgemm_128x64_nn", 1950.0, 500.0, 2)]
+    report, _ = _report(tmp_path, "two.json", events)
+    assert report["breakdown"]["seconds"] == pytest.approx(1000e-6)  # the mean of two 1,000 us steps
+
+
+def test_the_last_step_keeps_its_tail_when_nothing_spilled_into_it(tmp_path):
+    """As above, but the first step's work (120-420 us) ended before the second began: the second
+    window holds only its own work, so it runs to its kernel's end.  By hand: 1,000 and 1,450 us."""
     events = [_op("ProfilerStep#3", 0.0, 1000.0, "user_annotation"), _launch(100.0, 1),
               _kernel("ampere_sgemm_128x64_nn", 120.0, 300.0, 1),
               _op("ProfilerStep#4", 1000.0, 1000.0, "user_annotation"), _launch(1900.0, 2),
               _kernel("ampere_sgemm_128x64_nn", 1950.0, 500.0, 2)]
     report, _ = _report(tmp_path, "two.json", events)
-    assert report["breakdown"]["seconds"] == pytest.approx(1000e-6)  # the mean of two 1,000 us steps
+    assert report["breakdown"]["seconds"] == pytest.approx((1000e-6 + 1450e-6) / 2)
+
+
+def test_markers_with_host_time_between_them_keep_each_steps_device_tail(tmp_path):
+    """Markers that end before the step's synchronization (the reference trainer's, until an H200
+    run lost a third of each step to it): 0-400 us and 800-1,200 us, each launching a kernel that
+    runs past its marker (120-700 us, 920-1,500 us).  By hand: each window runs to its kernel's end,
+    700 us, not past the next marker; each step's 580 us of GEMM all in it."""
+    events = [_op("ProfilerStep#3", 0.0, 400.0, "user_annotation"), _launch(100.0, 1),
+              _kernel("ampere_sgemm_128x64_nn", 120.0, 580.0, 1),
+              _op("ProfilerStep#4", 800.0, 400.0, "user_annotation"), _launch(900.0, 2),
+              _kernel("ampere_sgemm_128x64_nn", 920.0, 580.0, 2)]
+    report, _ = _report(tmp_path, "gaps.json", events)
+    assert report["breakdown"]["seconds"] == pytest.approx(700e-6)  # the mean of two 700 us steps
+    leaves = {r["leaf"]: r["seconds"] for r in report["breakdown_by_rank"]}
+    assert leaves["compute/gemm"] == pytest.approx(580e-6)
+
+
+def test_a_stretched_window_stops_at_the_next_marker(tmp_path):
+    """The first step's kernel (100-1,000 us) runs on past the next marker's start (800 us): its
+    window ends at 800 us, where the second step's begins.  By hand: windows 800 and 400 us."""
+    events = [_op("ProfilerStep#3", 0.0, 400.0, "user_annotation"), _launch(90.0, 1),
+              _kernel("ampere_sgemm_128x64_nn", 100.0, 900.0, 1),
+              _op("ProfilerStep#4", 800.0, 400.0, "user_annotation"), _launch(900.0, 2),
+              _kernel("ampere_sgemm_128x64_nn", 1010.0, 100.0, 2), _op("aten::empty", 1190.0, 10.0)]
+    report, _ = _report(tmp_path, "cap.json", events)
+    assert report["breakdown"]["seconds"] == pytest.approx((800e-6 + 400e-6) / 2)
 
 
 def test_the_operation_the_trace_states_wins_over_the_kernel_name(tmp_path):
