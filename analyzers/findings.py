@@ -91,6 +91,7 @@ class Evidence:
     blocking_calls: list[dict] = field(default_factory=list)
     allocator_calls: list[dict] = field(default_factory=list)
     elementwise_kernels: list[dict] = field(default_factory=list)
+    elementwise_fused_share: float = 0.0   # of the norm/elementwise kernel time, in already fused kernels
     fp32_math: dict[str, Any] = field(default_factory=dict)   # share of GEMM/conv kernel time in FP32 SIMT
     launches: dict[str, Any] = field(default_factory=dict)
     host: dict[str, Any] = field(default_factory=dict)       # what the host did while the device waited on it
@@ -261,11 +262,16 @@ def _pipeline(bubbles: dict | None, add) -> None:
 
 
 def _compute(leaves: dict[str, float], step_s: float, add, share, ev: Evidence) -> None:
-    elementwise = leaves.get("compute/norm_elementwise", 0.0)
+    # Kernels that already fuse (torch.compile's, a library's fused norm) are left out: fusing
+    # them again gains nothing, and a compiled job's elementwise time is mostly theirs.
+    fused = ev.elementwise_fused_share
+    elementwise = leaves.get("compute/norm_elementwise", 0.0) * (1 - fused)
     if elementwise and FIXES["fuse_elementwise"].applies(elementwise / step_s):
-        add("fuse_elementwise", f"norm/elementwise kernels take {elementwise / step_s:.0%} of the step",
-            elementwise, {**share(elementwise), "kernels": ev.elementwise_kernels},
-            "the kernels' time (what-if: fused away; fusion keeps one read and one write of each chain)")
+        already = f" ({fused:.0%} of that kind's time is in kernels already fused)" if fused >= 0.05 else ""
+        add("fuse_elementwise", f"{'unfused ' if already else ''}norm/elementwise kernels take "
+            f"{elementwise / step_s:.0%} of the step{already}",
+            elementwise, {**share(elementwise), "kernels": ev.elementwise_kernels, "already_fused_share": fused},
+            "the unfused kernels' time (what-if: fused away; fusion keeps one read and one write of each chain)")
     math = leaves.get("compute/conv", 0.0) + leaves.get("compute/gemm", 0.0)
     fp32 = math * ev.fp32_math.get("share", 0.0)
     if fp32 and FIXES["mixed_precision"].applies(fp32 / step_s):
@@ -388,6 +394,8 @@ class EvidenceParts:
     short_kernels: int = 0
     math_ns: float = 0.0                  # GEMM/conv (and FP32 SIMT) kernel time
     fp32_ns: float = 0.0                  # of it, FP32 SIMT
+    elementwise_ns: float = 0.0           # norm/elementwise kernel time
+    fused_elementwise_ns: float = 0.0     # of it, in kernels that already fuse (kernel_kinds.is_fused_kernel)
     host_ops_ns: dict[str, float] | None = None
     after_sync_ns: int = 0
     sync_calls: int = 0
@@ -440,7 +448,11 @@ def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidencePart
     if len(kernels):
         kinds = pd.Series(per_name(kernels["name"], breakdown.kernel_kind), index=kernels.index)
         simt = pd.Series(per_name(kernels["name"], kernel_kinds.is_fp32_simt, default=False), index=kernels.index)
-        ev.named["elementwise_kernels"] = sums(kernels[kinds == "norm_elementwise"])
+        elementwise = kernels[kinds == "norm_elementwise"]
+        ev.named["elementwise_kernels"] = sums(elementwise)
+        fused = per_name(elementwise["name"], kernel_kinds.is_fused_kernel, default=False).astype(bool)
+        ev.elementwise_ns, ev.fused_elementwise_ns = (float(elementwise["dur_ns"].sum()),
+                                                      float(elementwise["dur_ns"][fused].sum()))
         math = kernels[kinds.isin(["gemm", "conv"]) | simt]
         fp32 = simt[math.index]
         ev.math_ns, ev.fp32_ns = float(math["dur_ns"].sum()), float(math["dur_ns"][fp32].sum())
@@ -465,7 +477,7 @@ def combine_parts(parts: list[EvidenceParts]) -> EvidenceParts:
             longest[b["name"]] = b
     out.blocking_longest = list(longest.values())
     for name in ("launch_calls", "launch_host_ns", "kernels", "short_kernels", "math_ns", "fp32_ns",
-                 "after_sync_ns", "sync_calls"):
+                 "elementwise_ns", "fused_elementwise_ns", "after_sync_ns", "sync_calls"):
         setattr(out, name, sum(getattr(p, name) for p in parts))
     hosts = [p.host_ops_ns for p in parts if p.host_ops_ns is not None]
     if hosts:
@@ -523,6 +535,9 @@ def merge_evidence(parts: list[EvidenceParts], ranks_meta: Mapping[int, dict]) -
                    "sync_calls_per_step": sum(p.sync_calls for p in hosts) / n}
     ev.copies = top("copies")
     ev.elementwise_kernels = top("elementwise_kernels")
+    elementwise_ns = sum(p.elementwise_ns for p in parts)
+    if elementwise_ns > 0:
+        ev.elementwise_fused_share = sum(p.fused_elementwise_ns for p in parts) / elementwise_ns
     fp32_ns = sum(p.fp32_ns for p in parts)
     if fp32_ns > 0 or any(len(p.named.get("fp32_kernels", ())) for p in parts):
         ev.fp32_math = {"share": fp32_ns / max(sum(p.math_ns for p in parts), 1), "kernels": top("fp32_kernels")}

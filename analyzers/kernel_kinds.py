@@ -186,6 +186,18 @@ def is_fp32_simt(name: str) -> bool:
     return bool(_FP32_MATH.search(text)) and not _TENSOR_CORES.search(text)
 
 
+#: Kernels that already fuse a chain of elementwise work: Inductor's (``triton_poi_fused_...``: every
+#: kernel torch.compile generates is one), any library kernel that says so (apex's, Megatron's,
+#: Transformer Engine's ``fused``), and the norm/activation/RoPE kernels of mfuscope and Liger.
+_FUSED = re.compile(r"^triton_|fused|^_(add_)?(rms_norm|layer_norm|swiglu|geglu|rope)\w*_kernel$|^_triton_rope", re.I)
+
+
+def is_fused_kernel(name: str) -> bool:
+    """Whether ``name`` is a kernel that already fuses elementwise work: fusing it again gains
+    nothing (an Inductor-compiled H200 run had 87 of its 105 ms of elementwise time in them)."""
+    return bool(_FUSED.search(name))
+
+
 def is_copy_kernel(name: str) -> bool:
     """Device work that is a copy though its category says kernel: MTIA's ``dma_request``."""
     return bool(_COPY.match(name))

@@ -334,6 +334,8 @@ def format_text(report: dict[str, Any]) -> str:
         lines += ["", "top findings (what-if gain per step: the cause's time on each rank's timeline):"]
         for f in per_step[:5]:
             lines.append(f"  {f['gain_s'] * 1e3:8.1f} ms  {f['gain_fraction']:6.1%}  {f['title']}  [fix: {f['fix']}]")
+    elif not s.get("findings_note") and report.get("breakdown"):
+        lines += ["", "top findings: none (no cause reaches its threshold; docs/analyzers.md lists them)"]
     for f in report.get("findings") or []:
         if not f.get("per_step", True):
             lines.append(f"  {f['title']}  [{f['fix']}]")

@@ -2,10 +2,9 @@
 ``fused_linear_cross_entropy``, on CPU, at the issue's size by default (4,096 tokens, hidden
 4,096, vocabulary 128,256, float32).
 
-Three ways: ``eager``; ``fused``, the op on CPU tensors as a user gets it (its PyTorch path,
-chunks of tokens); ``triton``, the op's logits-free Triton kernels (the GPU path) run by Triton's
-interpreter -- its arithmetic is slow, so ``--ways eager,triton`` at a small size, e.g.
-``--tokens 256 --hidden 64 --vocab 32003`` (about 15 s).
+Three ways: ``eager``; ``fused``, the op on CPU tensors as a user gets it (its CPU path,
+chunks of tokens); ``sliced``, the op's GPU path (slices of the vocabulary, ``--slice-mib`` of
+logits at a time) run on the CPU.
 
 Each way runs in a fresh process that allocates the inputs, warms both paths up on a tiny
 problem, resets the kernel's resident-memory peak (``/proc/self/clear_refs``), then runs
@@ -14,7 +13,7 @@ the gradients the call returns (hidden's and weight's, which any implementation 
 produce).
 
     python benchmarks/bench_ce_memory.py [--tokens 4096 --hidden 4096 --vocab 128256]
-        [--ways eager,fused,triton] [--json out.json]
+        [--ways eager,fused,sliced] [--slice-mib 256] [--json out.json]
 
 At the default size each way does about 13 TFLOP of matmuls: minutes on 2 cores.
 """
@@ -28,9 +27,12 @@ import sys
 _SCRIPT = r'''
 import sys, torch, torch.nn.functional as F
 from mfuscope.kernels import fused_linear_cross_entropy
+from mfuscope.kernels import linear_cross_entropy as module
 def kib(key):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
-how, n, h, v = sys.argv[1], *map(int, sys.argv[2:5])
+how, n, h, v, slice_bytes = sys.argv[1], *map(int, sys.argv[2:6])
+module._takes_gpu_path = lambda hidden: how == "sliced"
+module.GRAD_SLICE_BYTES = slice_bytes
 torch.manual_seed(0)
 hidden = torch.randn(n, h, requires_grad=True)
 weight = (0.02 * torch.randn(v, h)).requires_grad_()
@@ -54,12 +56,10 @@ print(kib("VmHWM") * 1024 - base - grads, grads, float(loss))
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def measure(how: str, tokens: int, hidden: int, vocab: int, timeout: float = 3600) -> dict:
+def measure(how: str, tokens: int, hidden: int, vocab: int, slice_bytes: int, timeout: float = 3600) -> dict:
     """``{"extra_bytes", "gradient_bytes", "loss"}`` of one way, from a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if how == "triton":
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, how, str(tokens), str(hidden), str(vocab)],
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, how, str(tokens), str(hidden), str(vocab), str(slice_bytes)],
                           capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"{how} run failed:\n{done.stderr[-2000:]}")
@@ -72,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--ways", default="eager,fused", help="eager, fused and/or triton, comma-separated "
-                    "(default eager,fused: triton through the interpreter takes minutes at the default size)")
+    ap.add_argument("--ways", default="eager,fused,sliced", help="eager, fused and/or sliced, comma-separated")
+    ap.add_argument("--slice-mib", type=float, default=256, help="the sliced way's working set (GRAD_SLICE_BYTES)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args(argv)
     ways = args.ways.split(",")
-    if "eager" not in ways or any(w not in ("eager", "fused", "triton") for w in ways):
-        print(f"bench_ce_memory: --ways {args.ways}: eager and any of fused, triton", file=sys.stderr)
+    if "eager" not in ways or any(w not in ("eager", "fused", "sliced") for w in ways):
+        print(f"bench_ce_memory: --ways {args.ways}: eager and any of fused, sliced", file=sys.stderr)
         return 2
     if not os.path.exists("/proc/self/clear_refs"):
         print("bench_ce_memory: peak resident memory is read from Linux's /proc (clear_refs, VmHWM)", file=sys.stderr)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{logits / 2**20:,.0f} MiB", file=sys.stderr)
     out = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "logits_bytes": logits}
     for how in ways:
-        out[how] = measure(how, args.tokens, args.hidden, args.vocab)
+        out[how] = measure(how, args.tokens, args.hidden, args.vocab, int(args.slice_mib * 2**20))
         print(f"{how:6s} extra {out[how]['extra_bytes'] / 2**20:10,.1f} MiB   loss {out[how]['loss']:.6f}",
               file=sys.stderr, flush=True)
     for how in ways[1:]:

@@ -76,28 +76,12 @@ def _providers(op: str):
              "linear_ce": kernels.fused_linear_cross_entropy,
              "moe_permute": lambda x, p, w: kernels.moe_unpermute(kernels.moe_permute(x, p), p, w)}[op]
     out = {"eager": eager, "mfuscope": fused}
-    if op == "linear_ce" and torch.cuda.is_available():
-        out["mfuscope (triton lse)"] = _with_lse_path("triton", fused)
     if torch.cuda.is_available():
         out["torch.compile"] = torch.compile(eager)
         liger = _liger(op)
         if liger:
             out["liger"] = liger
     return out
-
-
-def _with_lse_path(path: str, fn):
-    """``fn`` with the fused LM head taking its log-sum-exp the other way (``LSE_PATH``); its
-    gradients are taken in the forward too, so the setting only needs to hold for the call."""
-    from mfuscope.kernels import linear_cross_entropy as module
-
-    def call(*args):
-        saved, module.LSE_PATH = module.LSE_PATH, path
-        try:
-            return fn(*args)
-        finally:
-            module.LSE_PATH = saved
-    return call
 
 
 def _liger(op: str):

@@ -52,7 +52,6 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int = 128
-    vocab: int = 128256
     tokens: int = 8192  # one 8k sequence
 
 
@@ -91,7 +90,6 @@ class Result:
 def record(shape: Shape, multiprocessors: int):
     """The launches the ops make at ``shape`` on a GPU of ``multiprocessors`` SMs (bf16 activations)."""
     from ._dispatch import recording
-    from .linear_cross_entropy import _triton_loss_and_grads
     from .moe_routing import permute, unpermute, unpermute_backward
     from .rms_norm import norm_backward, norm_forward
     from .rope import rotate
@@ -116,10 +114,6 @@ def record(shape: Shape, multiprocessors: int):
             q = torch.empty(1, heads, t, shape.head_dim, dtype=bf16, **meta)
             for interleaved in (False, True):
                 rotate(q, cos, cos, interleaved, 1.0)
-        head = torch.empty(shape.vocab, h, dtype=bf16, **meta)
-        target = torch.empty(t, dtype=torch.int64, **meta)
-        _triton_loss_and_grads(x, head, target, 1.0, -100)
-        _triton_loss_and_grads(x.float(), head.float(), target, 1.0, -100)  # float32 training's tiles
         positions = torch.empty(t, TOP_K, dtype=torch.int64, **meta)  # MoE routing, top-8 at the model's width
         rows, weight = torch.empty(t * TOP_K, h, dtype=bf16, **meta), torch.empty(t, TOP_K, dtype=bf16, **meta)
         permute(x, positions)

@@ -1,43 +1,39 @@
-"""The LM head and the loss, fused: ``cross_entropy(hidden @ weight.T, target)`` without the logits.
+"""The LM head and the loss, fused: ``cross_entropy(hidden @ weight.T, target)`` without the whole logits.
 
-A 128k vocabulary makes the logits of 4k tokens 2 GiB in float32, and eager
-PyTorch keeps them and their gradient.  Two ways here never hold them:
+A 128k vocabulary makes the logits of 8k tokens 4 GiB in float32, and eager
+PyTorch keeps them, their float32 copy and their gradient (14 GiB at its peak
+on an H200 at 8k tokens and hidden 4096).  Both paths here hold a slice of
+them at a time and take both gradients in the forward (as Liger and Cut
+Cross-Entropy do), scaling them by the incoming gradient in the backward.
 
-**Triton (CUDA, or the interpreter under ``TRITON_INTERPRET=1``): no logits at
-all**, as Cut Cross-Entropy (Wijmans et al. 2024) computes them.
-``_lse_kernel`` walks each block of 128 rows through (a split of) the vocabulary
-one 128 x 128 tile of logits at a time, computed on chip by ``tl.dot`` and
-folded into an online max and sum of exp; it stores those and the target's
-logit, three floats a row and split, which the host combines into the
-log-sum-exp and the loss.  ``_grad_kernel`` recomputes each tile, turns it into
-its gradient ``(softmax - onehot) x scale`` and adds the tile's share of both
-input gradients, ``g @ W`` and ``g.T @ h``, into float32 accumulators with
-atomic adds (float32, never 16-bit).  Extra memory: 8 + 12 x splits bytes a
-token (splits: enough for two programs an SM, 9 at 4k tokens on an H100: 464
-KiB), plus -- for 16-bit inputs, whose gradients are returned in their own
-dtype -- the float32 accumulators: the hidden gradient's (4 bytes a hidden
-element) and the weight's in vocabulary slices of ``DW_SLICE_BYTES``, each cast
-into the gradient when done.  At 4k tokens, hidden 4096 and a 128k vocabulary
-that is a few hundred KiB in float32 and about 96 MiB in bf16, against eager's
-4 GiB and more.
-The price is FLOPs: the logits are computed three times (forward, and per tile
-for each gradient), 8 N V H in all against eager's 6 N V H; blocks of rows whose
-targets are all ignored are left out of both grids.
+**GPU: slices of the vocabulary through the GEMM library.**  A first pass takes
+each row's log-sum-exp and target logit a slice of ``GRAD_SLICE_BYTES`` at a
+time (logits from 16-bit products kept in float32, the slices' log-sum-exps
+combined as they come); a second pass makes each slice's logits again, turns
+them into their gradient ``(softmax - onehot) x scale`` rounded to the inputs'
+dtype, writes ``dW[slice] = g.T @ h`` once and adds ``g @ W[slice]`` into a
+float32 ``dh``.  8 N V H FLOPs against eager's 6.  Measured on an H200 (bf16,
+8k tokens, hidden 4096, 128k vocabulary; ``benchmarks/bench_kernels.py``, one
+run): 90 ms and 3.6 GiB at its peak, against eager's 49 ms and 14.2 GiB,
+torch.compile's 40 ms and 5.3 GiB and Liger's 56 ms and 3.3 GiB.  Two Triton
+kernels that never held logits (Cut Cross-Entropy's design) ran there first and
+lost: the log-sum-exp kernel at 210 TFLOP/s (96 against 90 ms overall), and the
+gradient kernel's float32 atomic adds -- N V H / 16 bytes into both gradients --
+took 533 ms.
 
-**PyTorch on CPU (the reference path): chunks of tokens.**  Each chunk's logits
-(``chunk x vocab`` float32) are computed, turned into the rows' loss and, in
-place, their gradient, and the chunk's share of the hidden and weight
-gradients is taken right away.  A CPU's GEMMs slow at a few rows: the loss of
-256 tokens at hidden 4096 and a 128k vocabulary took 34 s in chunks of 8 rows,
-8.4 s in chunks of 64 (eager: 8.0 s), so a chunk is at least 64 tokens (31 MiB
-of logits, ``MIN_ROWS``); small vocabularies fill ``CHUNK_BYTES`` with more.
+**CPU: chunks of tokens.**  Each chunk's logits (``chunk x vocab`` float32) are
+computed, turned into the rows' loss and, in place, their gradient, and the
+chunk's share of the hidden and weight gradients is taken right away.  A CPU's
+GEMMs slow at a few rows: the loss of 256 tokens at hidden 4096 and a 128k
+vocabulary took 34 s in chunks of 8 rows, 8.4 s in chunks of 64 (eager: 8.0 s),
+so a chunk is at least 64 tokens (31 MiB of logits, ``MIN_ROWS``); small
+vocabularies fill ``CHUNK_BYTES`` with more.
 
-Both take the gradients in the forward (as Liger and Cut Cross-Entropy do) and
-scale them by the incoming gradient in the backward.  Rows whose target is
-``ignore_index`` contribute no loss and no gradient; ``mean`` divides by the
-rows that count (all ignored: loss 0, gradients 0, where ``F.cross_entropy``
-gives NaN).  Float32 accumulation throughout; on a GPU the tiles' products run
-in the inputs' dtype (bf16 tensor cores), in the interpreter in float32.
+Rows whose target is ``ignore_index`` contribute no loss and no gradient, and
+the GPU path leaves them out of its GEMMs; ``mean`` divides by the rows that
+count (all ignored: loss 0, gradients 0, where ``F.cross_entropy`` gives NaN).
+Under autocast the op takes its inputs in autocast's dtype, as ``F.linear``
+would (in float32 a training step's head ran on the CUDA cores: 577 ms a step).
 """
 from __future__ import annotations
 
@@ -45,131 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dispatch import HAVE_TRITON, INTERPRET, launch, multiprocessors, use_triton
+from ._dispatch import INTERPRET
 
-#: The Triton path's tiles: (rows, vocabulary words) of logits a program holds and the hidden width
-#: its products step through.  16-bit inputs run on the tensor cores in 128 x 128 tiles: a tile's
-#: products do rows x words / (rows + words) multiply-adds per element read, 64 here against 43 at
-#: 64 x 128, as large GEMMs tile to stay off the L2's bandwidth (no spills on sm_80/90/100; at
-#: 128 x 256 both kernels spill).  Float32 ones (exact float32 products, not TF32) take smaller
-#: tiles, which the compiler otherwise spills (7 KB a thread at 64 x 128 on sm_90).  Both at 8 warps.
-TILES = {"half": (128, 128, 32), "float": (64, 64, 32)}
-WARPS_VALUES = 8 * 512  # ``_dispatch.launch`` sizes warps by values a program holds: this gives 8
-#: The float32 weight-gradient accumulator for 16-bit weights is this large at most: the vocabulary
-#: is reduced a slice of words at a time.
-DW_SLICE_BYTES = 32 * 2**20
-#: How the Triton path takes the gradients after ``_lse_kernel``: "gemm" (``_vocab_slice_grads``, a
-#: slice of logits at a time through the GEMM library) or "atomic" (``_grad_kernel``: no logits, both
-#: gradients by float32 atomic adds).  The atomic adds moved N V H / 16 bytes: 574 ms at 8k tokens,
-#: hidden 4096 and a 128k vocabulary on an H200, against eager's 50 ms (benchmarks/bench_kernels.py).
-GRAD_PATH = "gemm"
-#: How it takes each row's log-sum-exp: "gemm" (``_vocab_slice_lse``) or "triton" (``_lse_kernel``: no
-#: logits; 41 ms of the 87 at the shape above, 2 N V H FLOPs at 210 TFLOP/s).
-LSE_PATH = "gemm"
+#: The GPU path's working set: a slice of logits in float32 and its 16-bit gradient take this much
+#: at most (budgeted at 8 bytes a logit; at least 128 words a slice).
 GRAD_SLICE_BYTES = 256 * 2**20
 #: The CPU path: extra memory a chunk's float32 logits may take where the vocabulary leaves room
 #: for more rows than ``MIN_ROWS``, the fewest rows its GEMMs run well at (module docstring).
 CHUNK_BYTES = 4 * 2**20
 MIN_ROWS = 64
-
-if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _logits_tile(h_ptr, w_ptr, row_at, col_at, row_ok, col_ok, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-        # A (BLOCK_M x BLOCK_V) tile of logits, h[rows] @ W[words].T, on chip in float32 (inlined
-        # into both kernels; row_at / col_at: the rows' and words' 64-bit offsets).
-        acc = tl.zeros((BLOCK_M, BLOCK_V), tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < HIDDEN
-            a = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptr + col_at[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        return acc
-
-    @triton.jit
-    def _lse_kernel(h_ptr, w_ptr, target_ptr, blocks_ptr, m_ptr, d_ptr, picked_ptr, n_rows, VOCAB: tl.constexpr,
-                    HIDDEN: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-        # BLOCK_M rows over SPLIT_BLOCKS tiles of the vocabulary (this program's split): each
-        # (BLOCK_M x BLOCK_V) tile of logits computed on chip and folded into an online max m and
-        # sum of exp d; the target's logit picked on the way.  Only m, d and the pick are stored,
-        # a float each per row and split; the host combines the splits into the log-sum-exp.
-        # blocks_ptr lists the row blocks that have a row to learn from (the grid's first axis).
-        rows = tl.load(blocks_ptr + tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_at = rows.to(tl.int64) * HIDDEN  # 64-bit: 128k words x 16k wide passes 2^31
-        row_ok = rows < n_rows
-        target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-        m = tl.full((BLOCK_M,), -float("inf"), tl.float32)
-        d = tl.zeros((BLOCK_M,), tl.float32)
-        picked = tl.zeros((BLOCK_M,), tl.float32)
-        for i in range(0, SPLIT_BLOCKS):
-            cols = (tl.program_id(1) * SPLIT_BLOCKS + i) * BLOCK_V + tl.arange(0, BLOCK_V)
-            col_ok = cols < VOCAB
-            col_at = cols.to(tl.int64) * HIDDEN
-            acc = _logits_tile(h_ptr, w_ptr, row_at, col_at, row_ok, col_ok, HIDDEN, BLOCK_M, BLOCK_V, BLOCK_K,
-                               UPCAST)
-            logits = tl.where(col_ok[None, :], acc, -float("inf"))
-            m_new = tl.maximum(m, tl.max(logits, axis=1))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(logits - m_new[:, None]), axis=1)
-            m = m_new
-            picked += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
-        out = tl.program_id(1) * n_rows + rows
-        tl.store(m_ptr + out, m, mask=row_ok)
-        tl.store(d_ptr + out, d, mask=row_ok)
-        tl.store(picked_ptr + out, picked, mask=row_ok)
-
-    @triton.jit
-    def _grad_kernel(h_ptr, w_ptr, target_ptr, blocks_ptr, lse_ptr, dh_ptr, dw_ptr, n_rows, v_start, v_end,
-                     ignore_index, scale, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
-                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-        # One (BLOCK_M rows x BLOCK_V words) tile of the logits, recomputed on chip, turned into its
-        # gradient g = (softmax - onehot) x scale; then its share of both input gradients, added
-        # into float32 accumulators: dh[rows] += g @ W[words], dW[words] += g.T @ h[rows].  dw_ptr
-        # points at the accumulator of words v_start .. v_end; blocks_ptr lists the row blocks.
-        rows = tl.load(blocks_ptr + tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_at = rows.to(tl.int64) * HIDDEN  # 64-bit: 128k words x 16k wide passes 2^31
-        cols = v_start + tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_ok = rows < n_rows
-        col_ok = cols < v_end
-        col_at = cols.to(tl.int64) * HIDDEN
-        target = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        acc = _logits_tile(h_ptr, w_ptr, row_at, col_at, row_ok, col_ok, HIDDEN, BLOCK_M, BLOCK_V, BLOCK_K, UPCAST)
-        keep = row_ok & (target != ignore_index)
-        g = tl.exp(acc - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
-        g = tl.where(keep[:, None] & col_ok[None, :], g * scale, 0.0)
-        if not UPCAST:
-            g = g.to(h_ptr.dtype.element_ty)  # the tensor cores' format, as the forward's GEMM
-        # Two passes over the hidden width, one a gradient: fewer values live at once (Triton 3.9
-        # spilled on sm_80 with both products in one loop).
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < HIDDEN
-            w_tile = tl.load(w_ptr + col_at[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-            if UPCAST:
-                dh = tl.dot(g, w_tile.to(tl.float32), input_precision="ieee")
-            else:
-                dh = tl.dot(g, w_tile)
-            tl.atomic_add(dh_ptr + row_at[:, None] + ks[None, :], dh, mask=row_ok[:, None] & k_ok[None, :])
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < HIDDEN
-            h_tile = tl.load(h_ptr + row_at[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-            if UPCAST:
-                dw = tl.dot(tl.trans(g), h_tile.to(tl.float32), input_precision="ieee")
-            else:
-                dw = tl.dot(tl.trans(g), h_tile)
-            tl.atomic_add(dw_ptr + (col_at - v_start * HIDDEN)[:, None] + ks[None, :], dw,
-                          mask=col_ok[:, None] & k_ok[None, :])
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
@@ -178,49 +58,20 @@ def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tenso
     return F.cross_entropy(hidden.float() @ weight.float().t(), target, ignore_index=ignore_index, reduction=reduction)
 
 
-def _triton_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore_index: int
+def _sliced_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore_index: int
                            ) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's loss, d loss / d h and d loss / d w (``scale`` folded in) by the two kernels;
-    ``h`` (N, H), ``w`` (V, H) contiguous, ``t`` (N,)."""
-    n, hidden = h.shape
-    vocab = w.shape[0]
+    """Each row's loss, d loss / d h and d loss / d w (``scale`` folded in), a slice of the
+    vocabulary at a time; ``h`` (N, H), ``w`` (V, H) contiguous, ``t`` (N,).  Off a GPU (the tests,
+    under ``TRITON_INTERPRET=1``) and for float32 or mixed inputs the products are float32."""
     f32 = torch.float32
-    upcast = INTERPRET or h.dtype == f32 or h.dtype != w.dtype
-    dh = torch.zeros(n, hidden, dtype=f32, device=h.device)
+    upcast = INTERPRET or h.device.type != "cuda" or h.dtype == f32 or h.dtype != w.dtype
+    lse, picked = _vocab_slice_lse(h, w, t, ignore_index, upcast)
+    losses = torch.where(t != ignore_index, lse - picked, torch.zeros_like(lse))
+    dh = torch.zeros(h.shape, dtype=f32, device=h.device)
     dw = torch.zeros(w.shape, dtype=f32, device=w.device) if w.dtype == f32 else torch.empty_like(w)
-    block_m, block_v, block_k = TILES["float" if f32 in (h.dtype, w.dtype) else "half"]
-    blocks = dict(BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_K=block_k, UPCAST=upcast)
-    word_blocks = triton.cdiv(vocab, block_v)
-    active = _active_row_blocks(t, ignore_index, block_m)
-    row_blocks = active.numel()
-    losses = torch.zeros(n, dtype=f32, device=h.device)
-    if row_blocks == 0:  # every target ignored: no loss, no gradient
+    if not bool((t != ignore_index).any()):  # every target ignored: no loss, no gradient
         return losses, dh.to(h.dtype), dw.zero_()
-    # 8k tokens are 64 blocks of rows, fewer than an H100's 132 SMs: the vocabulary is split too,
-    # into enough parts for two programs an SM.
-    if LSE_PATH == "gemm":
-        lse, picked = _vocab_slice_lse(h, w, t, ignore_index, upcast)
-    else:
-        splits = min(word_blocks, triton.cdiv(2 * multiprocessors(h.device), row_blocks))
-        per_split = triton.cdiv(word_blocks, splits)
-        splits = triton.cdiv(word_blocks, per_split)
-        m, d, picks = (torch.zeros(splits, n, dtype=f32, device=h.device) for _ in range(3))  # skipped rows: 0
-        launch(_lse_kernel, (row_blocks, splits), h, w, t, active, m, d, picks, n, values=WARPS_VALUES,
-               VOCAB=vocab, HIDDEN=hidden, SPLIT_BLOCKS=per_split, **blocks)
-        top = m.max(dim=0).values
-        lse, picked = top + (d * torch.exp(m - top)).sum(dim=0).log(), picks.sum(dim=0)
-    losses = torch.where(t != ignore_index, lse - picked, losses)
-    if GRAD_PATH == "gemm":
-        _vocab_slice_grads(h, w, t, lse, scale, ignore_index, dh, dw, upcast)
-        return losses, dh.to(h.dtype), dw
-    step = vocab if w.dtype == f32 else max(block_v, DW_SLICE_BYTES // (4 * hidden) // block_v * block_v)
-    for v0 in range(0, vocab, step):
-        v1 = min(vocab, v0 + step)
-        acc = dw[v0:v1] if w.dtype == f32 else torch.zeros(v1 - v0, hidden, dtype=f32, device=w.device)
-        launch(_grad_kernel, (row_blocks, triton.cdiv(v1 - v0, block_v)), h, w, t, active, lse, dh, acc, n, v0, v1,
-               int(ignore_index), float(scale), values=WARPS_VALUES, HIDDEN=hidden, **blocks)
-        if w.dtype != f32:
-            dw[v0:v1].copy_(acc)
+    _vocab_slice_grads(h, w, t, lse, scale, ignore_index, dh, dw, upcast)
     return losses, dh.to(h.dtype), dw
 
 
@@ -239,9 +90,10 @@ def _vocab_slice_lse(h: Tensor, w: Tensor, t: Tensor, ignore_index: int, upcast:
     for v0 in range(0, w.shape[0], step):
         v1 = min(w.shape[0], v0 + step)
         logits = _mm_float32(hk, w[v0:v1].to(like).t())
-        lse_k = torch.logaddexp(lse_k, torch.logsumexp(logits, dim=1))
         hit = (tk >= v0) & (tk < v1)
         picked_k[hit] = logits[at[hit], tk[hit] - v0]
+        top = logits.max(dim=1).values  # in place from here: no second slice-sized buffer
+        lse_k = torch.logaddexp(lse_k, top + logits.sub_(top[:, None]).exp_().sum(dim=1).log())
     lse = torch.zeros(t.numel(), dtype=torch.float32, device=h.device)
     picked = torch.zeros_like(lse)
     lse[rows], picked[rows] = lse_k, picked_k
@@ -250,12 +102,11 @@ def _vocab_slice_lse(h: Tensor, w: Tensor, t: Tensor, ignore_index: int, upcast:
 
 def _vocab_slice_grads(h: Tensor, w: Tensor, t: Tensor, lse: Tensor, scale: float, ignore_index: int,
                        dh: Tensor, dw: Tensor, upcast: bool) -> None:
-    """Both gradients a slice of the vocabulary at a time, by the GEMM library, with the kernels'
-    roundings: the slice's logits of the rows that count in float32 (from 16-bit products, as
-    ``tl.dot`` makes them), their gradient rounded to the inputs' dtype, then ``dW[slice] = g.T @ h``
-    (written once) and ``dh += g @ W[slice]`` (float32).  ``upcast`` (the interpreter, float32 or
-    mixed inputs): every product in float32.  Extra memory: ``GRAD_SLICE_BYTES`` for a slice's logits
-    and gradient."""
+    """Both gradients a slice of the vocabulary at a time, by the GEMM library: the slice's logits of
+    the rows that count in float32 (from 16-bit products: :func:`_mm_float32`), their gradient
+    rounded to the inputs' dtype (the tensor cores' format), then ``dW[slice] = g.T @ h`` (written
+    once) and ``dh += g @ W[slice]`` (float32).  ``upcast``: every product in float32.  Extra memory:
+    ``GRAD_SLICE_BYTES`` for a slice's logits and gradient."""
     keep = t != ignore_index
     rows = keep.nonzero()[:, 0]
     every = rows.numel() == t.numel()
@@ -302,18 +153,6 @@ def _mm_float32(a: Tensor, b: Tensor) -> Tensor:
     return (a @ b).float()
 
 
-def _active_row_blocks(target: Tensor, ignore_index: int, block_m: int) -> Tensor:
-    """The blocks of ``block_m`` rows with a target that counts (int32), the kernels' grid: a
-    fine-tuning batch whose prompts are masked leaves whole blocks ignored, and their tiles are
-    skipped, not computed as zeros.  ``meta`` tensors (the compile check) hold no targets: every
-    block."""
-    blocks = triton.cdiv(target.numel(), block_m)
-    if target.device.type == "meta":
-        return torch.arange(blocks, dtype=torch.int32, device=target.device)
-    kept = F.pad(target != ignore_index, (0, blocks * block_m - target.numel())).view(blocks, block_m)
-    return kept.any(dim=1).nonzero().flatten().to(torch.int32)
-
-
 def _rows_loss_and_grad(logits: Tensor, target: Tensor, scale: float, ignore_index: int) -> Tensor:
     """Each row's loss; ``logits`` (float32) overwritten with the rows' gradients."""
     keep = target != ignore_index
@@ -333,7 +172,7 @@ def chunk_rows(n_rows: int, vocab: int) -> int:
 
 def _chunked_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore_index: int
                             ) -> tuple[Tensor, Tensor, Tensor]:
-    """What :func:`_triton_loss_and_grads` returns, by PyTorch a chunk of tokens at a time."""
+    """What :func:`_sliced_loss_and_grads` returns, a chunk of tokens at a time."""
     n = h.shape[0]
     chunk = chunk_rows(n, w.shape[0])
     losses = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -349,6 +188,12 @@ def _chunked_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignor
     return losses, dh, dw.to(w.dtype)
 
 
+def _takes_gpu_path(h: Tensor) -> bool:
+    """CUDA tensors take the GPU path; so do CPU ones under ``TRITON_INTERPRET=1``, as every kernel's
+    do (the test suite's setting)."""
+    return h.device.type == "cuda" or INTERPRET
+
+
 @torch.library.custom_op("mfuscope::linear_cross_entropy", mutates_args=())
 def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str
              ) -> tuple[Tensor, Tensor, Tensor]:
@@ -357,8 +202,10 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, 
     t = target.reshape(-1)
     valid = int((t != ignore_index).sum())
     scale = 1.0 / valid if reduction == "mean" and valid else 1.0
-    how = _triton_loss_and_grads if use_triton(h) else _chunked_loss_and_grads
-    losses, dh, dw = how(h.contiguous(), weight.contiguous(), t.contiguous(), scale, ignore_index)
+    how = _sliced_loss_and_grads if _takes_gpu_path(h) else _chunked_loss_and_grads
+    # its products in the dtypes it chose (the inputs arrive in autocast's: fused_linear_cross_entropy)
+    with torch.autocast(h.device.type, enabled=False):
+        losses, dh, dw = how(h.contiguous(), weight.contiguous(), t.contiguous(), scale, ignore_index)
     loss = losses.sum() * scale if reduction in ("mean", "sum") else losses
     return loss, dh.reshape(hidden.shape), dw
 

@@ -189,7 +189,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     model_flops, _ = train_flops_per_token(spec_dict(model, training.causal), training.seq_len, layout.recompute)
     peak = system.accelerator.peak_flops("bf16")
     mem = memory or memory_model.estimate(model, layout, training.seq_len, dtype=training.dtype,
-                                          device_bytes=system.device_bytes, flash_attention=training.flash_attention)
+                                          device_bytes=system.device_bytes, flash_attention=training.flash_attention,
+                                          compiled=training.compiled)
     assumptions += list(mem.assumptions)
     return Prediction(step_s=step, tokens_per_s_per_gpu=tps, mfu=model_flops * tps / peak if peak else None,
                       memory=mem, leaves=ledger.leaves, assumptions=assumptions,

@@ -148,7 +148,8 @@ def _search(model: ModelSpec, gpus: int, system: System, global_batch: int, trai
             _reject(out, "fewer microbatches than pipeline stages", layout, f"m={layout.microbatches} < pp={layout.pp}")
             continue
         mem = memory_model.estimate(model, layout, training.seq_len, dtype=training.dtype,
-                                    device_bytes=system.device_bytes, flash_attention=training.flash_attention)
+                                    device_bytes=system.device_bytes, flash_attention=training.flash_attention,
+                                    compiled=training.compiled)
         if mem.fits is False:
             _reject(out, "does not fit in memory", layout,
                     f"{mem.total_bytes / memory_model.GiB:.0f} GiB > {system.device_bytes / memory_model.GiB:.0f} GiB")

@@ -66,7 +66,8 @@ def per_rank(path: str | Path) -> tuple[dict[int, dict[str, int]] | None, str]:
             try:
                 stages[stage] = memory_model.estimate(
                     model, layout, int(train["seq_len"]), dtype=train.get("dtype", "bf16"), stage=stage,
-                    reshard_after_forward=opts.reshard_after_forward, optimizer_states=states)
+                    reshard_after_forward=opts.reshard_after_forward, optimizer_states=states,
+                    compiled=bool(train.get("compile")))
             except ValueError as e:
                 return None, f"no prediction: {e}"
         out[rank] = {k: int(round(v)) for k, v in stages[stage].categories().items()}

@@ -327,7 +327,7 @@ def _memory_check(cfg, measured_gb: float | None) -> dict:
     model = ModelSpec.from_manifest(cfg.model.spec())
     layout = Layout(micro_batch=cfg.global_batch // cfg.grad_accum, microbatches=cfg.grad_accum,
                     recompute=cfg.recompute)
-    predicted = estimate(model, layout, cfg.seq_len, dtype=cfg.dtype).total_bytes / GiB
+    predicted = estimate(model, layout, cfg.seq_len, dtype=cfg.dtype, compiled=cfg.compile).total_bytes / GiB
     ratio = measured_gb / predicted if measured_gb else None
     return {"predicted_gib": predicted, "measured_gib": measured_gb, "measured_over_predicted": ratio,
             "within_15pct": abs(ratio - 1) <= 0.15 if ratio else None}

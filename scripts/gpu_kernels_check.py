@@ -1,9 +1,9 @@
 """The fused kernels on a GPU against their float32 references: what the interpreter cannot check.
 
 ``make test`` runs every kernel through Triton's interpreter, in float32 inside
-(the interpreter's bf16 arithmetic is broken), so on a GPU the bf16 tensor-core
-paths -- the logits-free LM head's ``tl.dot`` on bf16 tiles above all -- have
-never run.  This runs each op forward and backward on CUDA in bf16 at a Llama 3
+(the interpreter's bf16 arithmetic is broken), and the LM head's GPU path (bf16
+GEMMs on vocabulary slices) in float32 on the CPU: the bf16 tensor-core paths
+run only here.  This runs each op forward and backward on CUDA in bf16 at a Llama 3
 8B shape (hidden 4096, 8k tokens, vocabulary 128,256; the MoE permute routing
 top-8 of 64 experts) and in float32 at a small one, compares the output and
 every gradient with the op's PyTorch reference in float32 on the same rounded

@@ -15,7 +15,7 @@
 #   fused_run.tar.gz     its run directory, as dense_run.tar.gz
 #   bench_kernels.json   benchmarks/bench_kernels.py: each kernel against eager, torch.compile, Liger
 #   dense_run.tar.gz     the dense run directory (its Kineto trace of a real CUDA job, when under 15 MiB)
-#   (lm_head_profile.log, in logs.tar.gz: the fused LM head's kernels, for each way of taking its log-sum-exp)
+#   (lm_head_profile.log, in logs.tar.gz: the fused LM head's kernels, one forward and backward)
 #   logs.tar.gz          every step's log, and env.txt: GPU, driver, python, torch, triton, NCCL
 #
 #   OUT=artifacts/gpu bash scripts/gpu_session.sh          # on the GPU machine (python3 = its CUDA torch)
@@ -92,28 +92,25 @@ if [ -f "$DENSE/manifest.json" ]; then
 fi
 step kernels_check 150 "$PY" scripts/gpu_kernels_check.py "${KCHECK[@]}" --json "$OUT/kernels_check.json"
 step bench_kernels 150 "$PY" benchmarks/bench_kernels.py "${BENCH[@]}" --ops "${BENCH_OPS:-rms_norm,add_rms_norm,swiglu,rope,linear_ce,moe_permute}" --json "$OUT/bench_kernels.json"
-# Where the fused LM head's time goes, kernel by kernel, for each way of taking its log-sum-exp.
+# Where the fused LM head's time goes, kernel by kernel.
 step lm_head_profile 120 "$PY" - "$DEVICE" <<'PYEOF'
 import sys, torch
 from torch.profiler import ProfilerActivity, profile
-from mfuscope.kernels import fused_linear_cross_entropy, linear_cross_entropy as module
+from mfuscope.kernels import fused_linear_cross_entropy
 cuda = sys.argv[1] == "cuda"
 dev, dt, (n, h, v) = ("cuda", torch.bfloat16, (8192, 4096, 128256)) if cuda else ("cpu", torch.float32, (64, 64, 1000))
 g = torch.Generator(device=dev).manual_seed(0)
 x = torch.randn(n, h, generator=g, device=dev).to(dt).requires_grad_()
 w = (0.02 * torch.randn(v, h, generator=g, device=dev)).to(dt).requires_grad_()
 t = torch.randint(0, v, (n,), generator=g, device=dev)
-for path in ("gemm", "triton"):
-    module.LSE_PATH = path
-    for _ in range(2):
-        fused_linear_cross_entropy(x, w, t).backward()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        fused_linear_cross_entropy(x, w, t).backward()
-        if cuda:
-            torch.cuda.synchronize()
-    print(f"== LSE_PATH={path}")
-    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12))
+for _ in range(2):
+    fused_linear_cross_entropy(x, w, t).backward()
+acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+with profile(activities=acts) as prof:
+    fused_linear_cross_entropy(x, w, t).backward()
+    if cuda:
+        torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12))
 PYEOF
 step train_fused 180 "$PY" -m mfuscope train "${TRAIN[@]}" --kernels fused --out "$WORK/runs/fused" --force
 if [ -f "$WORK/runs/fused/manifest.json" ]; then

@@ -222,3 +222,46 @@ def test_hfu_of_a_real_inference_trace_is_the_hand_count_of_its_shapes():
     assert s["hfu"] == pytest.approx(flops / (s["step_time_s"] * 989.4e12), rel=1e-6)
     assert s["step_time_s"] == pytest.approx(34.892421e-3)  # the trace's gpu_user_annotation
     assert s["hfu"] == pytest.approx(0.174, abs=0.002)
+
+
+# ----------------------------------------------------------------------------- elementwise already fused
+def _elementwise_step(tmp_path, name, kernels):
+    """One 100 ms step, three steps traced (the first is warm-up); ``kernels`` (name, ms) run back to
+    back from 1 ms, each launched by its own call."""
+    events = []
+    for step in range(3):
+        t0 = step * 100_000.0
+        events.append(_op(f"ProfilerStep#{step}", t0, 100_000.0, "user_annotation"))
+        at = t0 + 1000.0
+        for i, (kernel, ms) in enumerate(kernels):
+            corr = step * 100 + i + 1
+            events += [_launch(t0 + 10.0 * (i + 1), corr), _kernel(kernel, at, ms * 1000.0, corr)]
+            at += ms * 1000.0
+        events.append(_op("aten::empty", t0 + 99_990.0, 10.0))  # the trace runs to the step's end
+    report, _ = _report(tmp_path, name, events, world=1)
+    return {f["id"]: f for f in report["findings"]}
+
+
+EAGER_ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, float*)"
+
+
+def test_elementwise_kernels_torch_compile_already_fused_are_no_finding(tmp_path):
+    """A compiled job: 30 ms of Inductor kernels and 5 ms of an eager add in a 100 ms step.  By
+    hand: 5 ms (5%) is left to fuse, under the 10% threshold -- no finding, where counting the
+    Inductor kernels too would name 35% of the step."""
+    found = _elementwise_step(tmp_path, "compiled.json", [
+        ("triton_poi_fused_add_mul_silu_0", 15.0), ("triton_red_fused__to_copy_mean_pow_rsqrt_1", 15.0),
+        (EAGER_ADD, 5.0), ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 60.0)])
+    assert "fuse_elementwise" not in found
+
+
+def test_only_the_unfused_elementwise_time_is_the_gain(tmp_path):
+    """20 ms of eager elementwise kernels beside 10 ms of a fused norm in a 100 ms step: by hand the
+    gain is the 20 ms (20% of the step), and a third of that kind's time is already fused."""
+    found = _elementwise_step(tmp_path, "mixed.json", [
+        (EAGER_ADD, 20.0), ("fused_rms_norm_kernel", 10.0),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 60.0)])
+    finding = found["fuse_elementwise"]
+    assert finding["gain_s"] == pytest.approx(20e-3, rel=1e-6)
+    assert finding["evidence"]["already_fused_share"] == pytest.approx(1 / 3)
+    assert finding["title"].startswith("unfused norm/elementwise kernels take 20% of the step")

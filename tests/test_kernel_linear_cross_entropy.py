@@ -1,9 +1,9 @@
 """``mfuscope.kernels.fused_linear_cross_entropy`` against ``F.cross_entropy(hidden @ weight.T)`` in
-float32: its logits-free Triton kernels (CPU tensors through the interpreter, CUDA ones where a GPU
-is visible) and its CPU path (chunks of tokens), the loss and both gradients per dtype, one row and
-many, odd hidden and vocabulary sizes, non-contiguous inputs, ignored targets, every target ignored,
-sum reduction; registrations; torch.compile; no access outside the tensors; the extra memory of both
-paths, measured."""
+float32: its GPU path (slices of the vocabulary; CPU tensors take it under the interpreter setting,
+CUDA ones where a GPU is visible) and its CPU path (chunks of tokens), the loss and both gradients per
+dtype, one row and many, odd hidden and vocabulary sizes, many slices, non-contiguous inputs, ignored
+targets left out of the GEMMs, every target ignored, sum reduction, autocast; registrations;
+torch.compile; the extra memory of both paths, measured."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +13,6 @@ pytest.importorskip("triton", reason="the kernels need triton (in the [torch] ex
 
 from mfuscope.kernels import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from mfuscope.kernels import linear_cross_entropy as module  # noqa: E402
-from mfuscope.kernels._dispatch import use_triton  # noqa: E402
-from mfuscope.tests.devices import interpreter_only  # noqa: E402
 from mfuscope.tests.kernel_checks import DTYPES, assert_close, tolerance  # noqa: E402
 
 
@@ -36,10 +34,8 @@ def _truth(hidden, weight, target, reduction="mean"):
 
 
 SHAPES = [(37, 24, 1003), (1, 24, 1003)]
-#: Each shape in each dtype; a long odd hidden size (many K steps, the last part-filled) in both,
-#: 4,095 in float32 and 1,023 in 16 bits (the interpreter's 16-bit tiles hold 4x the elements and
-#: convert each: the 4,095 case took 2 minutes of a loaded CI run); the odd 32k vocabulary (5 s of
-#: interpreted tiles) in float32 only.
+#: Each shape in each dtype; a long odd hidden size in both, 4,095 in float32 and 1,023 in 16 bits;
+#: the odd 32k vocabulary in float32 only.
 CASES = ([(d, s) for s in SHAPES for d in DTYPES]
          + [(d, (5, 4095 if d == torch.float32 else 1023, 300)) for d in DTYPES]
          + [(torch.float32, (33, 24, 32003))])
@@ -58,46 +54,55 @@ def _assert_like_the_reference(hidden, weight, target, rel, dw_rel=None):
 
 @pytest.mark.parametrize(("dtype", "shape"), CASES, ids=lambda c: str(c) if isinstance(c, torch.dtype)
                          else "rows{}_hidden{}_vocab{}".format(*c))
-def test_the_logits_free_kernels_match_the_reference(dtype, shape, device):
+def test_the_gpu_path_matches_the_reference(dtype, shape, device):
     n, h, v = shape
     hidden, weight, target = _case(dtype, n, h, v, ignored=(3, 20) if n > 20 else (), device=device)
-    assert use_triton(hidden)  # the Triton kernels run, not the PyTorch path
+    assert module._takes_gpu_path(hidden)  # the vocabulary slices run, not the CPU path's chunks
     # bf16 inputs: the gradients are rounded to bf16 once; the loss sums float32 products over h
     rel = tolerance(dtype, max(h, v)) * (4 if dtype == torch.bfloat16 else 1)
     _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
 
 
-def test_a_16_bit_weight_gradient_is_reduced_in_vocabulary_slices(monkeypatch, device):
-    """For bf16 weights the float32 weight-gradient accumulator covers a slice of the vocabulary at a
-    time; slices of one 128-word tile make 8 of them at vocabulary 1003, the last part-filled."""
-    monkeypatch.setattr(module, "DW_SLICE_BYTES", module.TILES["half"][1] * 4 * 24)
-    hidden, weight, target = _case(torch.bfloat16, device=device)
-    rel = 4 * tolerance(torch.bfloat16, 1003)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_vocabulary_is_taken_in_slices(dtype, monkeypatch, device):
+    """A slice budget of 128 words for the 35 rows that count: vocabulary 1,003 in 8 slices, the last
+    part-filled; the slices' log-sum-exps combine and each slice's weight gradient is written once."""
+    calls = []
+    mm = module._mm_float32
+    monkeypatch.setattr(module, "_mm_float32", lambda a, b: calls.append(b.shape) or mm(a, b))
+    hidden, weight, target = _case(dtype, ignored=(3, 20), device=device)
+    monkeypatch.setattr(module, "GRAD_SLICE_BYTES", 8 * 35 * 128)
+    rel = tolerance(dtype, 1003) * (4 if dtype == torch.bfloat16 else 1)
     _assert_like_the_reference(hidden, weight, target, rel, rel * 2)
+    # the log-sum-exp pass and the gradient pass (logits, then g @ W): 8 slices each
+    assert sorted({b[1] for b in calls if b[0] == 24}) == [107, 128]  # W slice transposed: (24, words)
+    assert len(calls) == 8 + 2 * 8
 
 
-def test_the_vocabulary_split_of_the_forward_combines_exactly(monkeypatch, device):
-    """On a GPU the forward splits the vocabulary so that a few blocks of rows still fill the SMs;
-    the splits' maxima and sums of exp are combined on the host.  The interpreter has one SM: as if
-    the device had 4, 37 rows (one block) take 8 splits of two float32 tiles of 64 words each."""
-    monkeypatch.setattr(module, "multiprocessors", lambda device: 4)
-    hidden, weight, target = _case(torch.float32, ignored=(3,), device=device)
-    _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 1003))
-
-
-def test_row_blocks_without_a_counted_target_are_skipped(device):
-    """A fine-tuning batch masks its prompts: a block of rows whose targets are all ``ignore_index``
-    is left out of both kernels' grids, and the result is what the reference gives.  150 float32 rows
-    in blocks of 64, the first 70 ignored: blocks 1 and 2 run, block 0 does not."""
-    from mfuscope.kernels._dispatch import recording
-
+def test_rows_without_a_counted_target_are_left_out_of_the_gemms(monkeypatch, device):
+    """A fine-tuning batch masks its prompts: rows whose targets are ``ignore_index`` take no part in
+    the GEMMs, and the result is what the reference gives.  150 rows, the first 70 ignored: every
+    product runs on 80 rows."""
+    rows = []
+    mm = module._mm_float32
+    monkeypatch.setattr(module, "_mm_float32", lambda a, b: rows.append(a.shape[0]) or mm(a, b))
     hidden, weight, target = _case(torch.float32, n=150, ignored=range(70), device=device)
     _assert_like_the_reference(hidden, weight, target, tolerance(torch.float32, 1003))
     assert not hidden.grad[:70].any()
-    with recording(multiprocessors=1) as launches:
-        module._triton_loss_and_grads(hidden.detach(), weight.detach(), target, 1.0, -100)
-    assert {launch.kernel.__name__: launch.grid[0] for launch in launches} == {"_lse_kernel": 2, "_grad_kernel": 2}
-    assert launches[0].args[3].tolist() == [1, 2]  # the blocks the grid runs
+    assert set(rows) == {80}
+
+
+def test_autocast_takes_the_inputs_in_its_dtype(device):
+    """Under autocast the op runs in autocast's dtype, as ``F.linear`` would: float32 master weights
+    and activations reach it rounded to bf16, and their gradients come back float32.  By hand: the
+    loss equals the op's on the bf16-rounded inputs exactly (same arithmetic)."""
+    hidden, weight, target = _case(torch.float32, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, weight, target)
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    rounded = fused_linear_cross_entropy(hidden.detach().bfloat16(), weight.detach().bfloat16(), target)
+    assert loss.item() == rounded.item()
 
 
 def test_non_contiguous_inputs(device):
@@ -114,7 +119,7 @@ def test_non_contiguous_inputs(device):
 def test_the_cpu_path_matches_the_reference(dtype, chunk_rows, monkeypatch):
     """CPU tensors outside the interpreter take the PyTorch path, a chunk of tokens at a time."""
     hidden, weight, target = _case(dtype, ignored=(3, 20))
-    monkeypatch.setattr(module, "use_triton", lambda *tensors: False)
+    monkeypatch.setattr(module, "_takes_gpu_path", lambda h: False)
     monkeypatch.setattr(module, "CHUNK_BYTES", chunk_rows * 4 * weight.shape[0])
     monkeypatch.setattr(module, "MIN_ROWS", 1)
     # bf16 inputs: the matmul rounds each logit to bf16 before the softmax, as eager bf16 does
@@ -159,35 +164,6 @@ def test_misuse_is_refused():
         fused_linear_cross_entropy(hidden, weight, target, reduction="none")
 
 
-def test_the_kernels_stay_inside_their_tensors(device):
-    """Every input inside a NaN guard (a read outside spreads NaN), every output inside a sentinel
-    guard (a write outside changes it); 3 rows, hidden 20 and vocabulary 70 leave every float32
-    tile -- 64 rows, 64 words, 32 wide -- part-filled."""
-    from mfuscope.kernels.linear_cross_entropy import _grad_kernel, _lse_kernel
-    from mfuscope.tests.kernel_checks import guarded, guards_intact
-
-    n, hidden, vocab = 3, 20, 70
-    blocks = dict(zip(("BLOCK_M", "BLOCK_V", "BLOCK_K"), module.TILES["float"]), UPCAST=True)
-    h, hb = guarded((n, hidden), torch.float32, torch.randn(n, hidden), device=device)
-    w, wb = guarded((vocab, hidden), torch.float32, torch.randn(vocab, hidden), device=device)
-    target = torch.tensor([5, -100, 69], device=device)
-    parts = [guarded((n,), torch.float32, device=device) for _ in range(3)]  # m, d, the pick: one split
-    first = torch.zeros(1, dtype=torch.int32, device=device)  # the grid's one row block
-    _lse_kernel[(1, 1)](h, w, target, first, *(p for p, _ in parts), n, VOCAB=vocab, HIDDEN=hidden, SPLIT_BLOCKS=1,
-                        **blocks)
-    assert all(guards_intact(buf, n) for _, buf in parts)
-    (m, _), (d, _), _ = parts
-    lse = m + d.log()
-    assert torch.isfinite(lse).all()
-    dh, db = guarded((n, hidden), torch.float32, device=device)
-    dw, dwb = guarded((vocab - 6, hidden), torch.float32, device=device)  # the accumulator of words 6..69
-    dh.zero_(), dw.zero_()
-    _grad_kernel[(1, 1)](h, w, target, first, lse, dh, dw, n, 6, vocab, -100, 1.0, HIDDEN=hidden, **blocks)
-    assert guards_intact(db, n * hidden) and guards_intact(dwb, (vocab - 6) * hidden)
-    assert torch.isfinite(dh).all() and torch.isfinite(dw).all() and not dh[1].any()  # row 1 is ignored
-    assert guards_intact(hb, n * hidden) and guards_intact(wb, vocab * hidden)
-
-
 def _memory(tmp_path, *args: str) -> dict:
     """``benchmarks/bench_ce_memory.py`` run with ``args``: its JSON."""
     import json
@@ -227,21 +203,19 @@ def test_extra_memory_of_the_cpu_path_is_a_chunk_not_the_logits(tmp_path):
     assert _same_loss(result["eager"]["loss"], result["fused"]["loss"], 128256)
 
 
-@interpreter_only
-def test_the_logits_free_kernels_take_no_memory_beyond_a_log_sum_exp_a_row(tmp_path):
-    """The GPU path (the Triton kernels, here through the interpreter) in float32 allocates one
-    log-sum-exp and one loss a row besides the gradients it returns: 512 bytes at 64 tokens, under
-    the one page resident memory grows by, where eager holds 2 x 4 MiB of logits and their gradient.
-    64 tokens and a 16k vocabulary: the interpreter runs each tile's arithmetic in numpy, 250 tiles
-    here; the kernels' extra memory does not grow with the vocabulary, eager's does.  Host memory is
-    the interpreter's stand-in for the GPU's: where a GPU is visible, scripts/gpu_kernels_check.py
-    measures the compiled kernels' device memory instead."""
-    result = _memory(tmp_path, "--tokens", "64", "--hidden", "64", "--vocab", "16001", "--ways", "eager,triton")
-    eager, triton_extra = result["eager"]["extra_bytes"], result["triton"]["extra_bytes"]
+def test_extra_memory_of_the_gpu_path_is_its_slice_budget(tmp_path):
+    """The GPU path (run on the CPU) with a 1 MiB slice budget, measured as above: 128 tokens and a
+    32k vocabulary, where eager holds 2 x 16 MiB of float32 logits and their gradient.  By hand the
+    sliced way holds a slice's float32 logits and gradient (1 MiB: 8 bytes a logit), a row's
+    log-sum-exp, pick and loss, and its float32 hidden gradient (32 KiB): under 2 MiB with the
+    allocator's slack, and at least 10x less than eager."""
+    result = _memory(tmp_path, "--tokens", "128", "--hidden", "64", "--vocab", "32003", "--ways", "eager,sliced",
+                     "--slice-mib", "1")
+    eager, sliced = result["eager"]["extra_bytes"], result["sliced"]["extra_bytes"]
     assert eager >= 2 * result["logits_bytes"]
-    assert triton_extra <= 2 * 2**20, result  # the interpreter's own numpy tiles stay far below a MiB or two
-    assert triton_extra * 10 <= eager, result
-    assert _same_loss(result["eager"]["loss"], result["triton"]["loss"], 16001)
+    assert sliced <= 4 * 2**20, result
+    assert sliced * 10 <= eager, result
+    assert _same_loss(result["eager"]["loss"], result["sliced"]["loss"], 32003)
 
 
 def test_cpu_chunks_are_wide_enough_for_their_gemms():

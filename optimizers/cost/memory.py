@@ -46,6 +46,18 @@ parallelism), hidden h, a heads, t = tp, e bytes an element (2 in 16-bit, 4 in f
   fp32 inverse RMS (2).  Selective recompute drops attention's output and log-sum-exp (the core
   is re-run); full recompute keeps the block input, e h (/t with sequence parallel), and holds
   one layer's activations again while that layer's backward runs.
+- the same block under torch.compile (``compiled=True``, no recompute), counted from what its
+  graph keeps (``python benchmarks/saved_activations.py``: one ``gpu_dense_1b`` block under bf16
+  autocast on the CPU, 66,636 bytes a token against eager's 111,688): the partitioner keeps the
+  block input (in the residual stream's dtype, r bytes: 4 under autocast over fp32 weights, else
+  e) and recomputes the two norms' weighted outputs and the residual sum from it; it keeps the
+  normalized inputs of attention and the MLP (2h), the rotated q, attention's output and its copy
+  laid out for the output projection (3h), k and v (2k), the MLP's gate, up and product (3f,
+  SwiGLU itself recomputed), the log-sum-exp (4a) and three fp32 inverse RMS values: per token
+  r h + e (2h + 3h + 2k + 3f) + 4 a + 12 bytes.  The 2h and r h are replicated over tp unless
+  sequence parallel.  An H200 run of ``gpu_dense_1b`` (one GPU, bf16 autocast, torch.compile)
+  peaked at 77.6 GiB (``torch.cuda.max_memory_allocated``): the compiled count gives 87.6 GiB,
+  eager's 99.2.
 
 The last stage also holds, while the loss is computed, the logits (e bytes each, s b V / t of
 them), their fp32 copy in 16-bit training and the fp32 log-probabilities the loss keeps; in
@@ -134,15 +146,23 @@ def params_per_gpu(model: ModelSpec, layout: Layout, stage: int | None = None) -
 
 
 def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, flash_attention: bool = True,
-                               element_bytes: int = 2) -> float:
+                               element_bytes: int = 2, compiled: bool = False,
+                               residual_bytes: int | None = None) -> float:
     """One layer, one microbatch (module docstring: Korthikanti et al.'s GPT block, or the Llama
-    block counted tensor by tensor).  Flash attention stores no s x s scores (it recomputes them in
-    backward), which drops the 5 a s / h term exactly as selective recomputation does."""
+    block counted tensor by tensor, eager or compiled).  Flash attention stores no s x s scores (it
+    recomputes them in backward), which drops the 5 a s / h term exactly as selective
+    recomputation does.  ``residual_bytes``: the residual stream's element size (the compiled
+    count keeps it; default ``element_bytes``)."""
     s, b, h, a, t = seq_len / layout.cp, layout.micro_batch, model.dim, model.n_heads, layout.tp
     sp = layout.sequence_parallel and t > 1
     e = element_bytes
     if layout.recompute == "full":
         return e * s * b * h / (t if sp else 1)
+    if compiled and model.mlp != "gelu" and layout.recompute == "none":
+        k, f, r = model.kv_heads * model.head_dim, model.ffn_dim, residual_bytes or e
+        replicated = r * h + e * 2 * h + 12
+        split = e * (3 * h + 2 * k + 3 * f) + 4 * a
+        return s * b * (replicated / (t if sp else 1) + split / t)
     if model.mlp == "gelu":
         scale = e / 2
         attention = 0.0 if layout.recompute == "selective" or flash_attention else 5 * a * s / h
@@ -185,10 +205,12 @@ def deferred_weight_grads(layout: Layout) -> float:
 
 def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf16",
              device_bytes: float | None = None, reshard_after_forward: bool | None = None,
-             flash_attention: bool = True, stage: int | None = None, optimizer_states: int = 2) -> Memory:
+             flash_attention: bool = True, stage: int | None = None, optimizer_states: int = 2,
+             compiled: bool = False) -> Memory:
     """Memory on the busiest GPU, or on a GPU of pipeline rank ``stage``.  ``device_bytes``: the
     device's memory, for the ``fits`` verdict; ``optimizer_states``: fp32 tensors the optimizer
-    keeps per parameter (Adam 2, SGD without momentum 0)."""
+    keeps per parameter (Adam 2, SGD without momentum 0); ``compiled``: torch.compile's blocks
+    (the activations their graphs keep)."""
     problems = layout.problems(model, seq_len)
     if problems:
         raise ValueError("; ".join(problems))
@@ -220,7 +242,11 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
         weights = weight_b * n
         grads = grad_b * n / (dp if layout.zero >= 2 else 1)
         optimizer = opt_b * n / (dp if layout.zero >= 1 else 1)
-    per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e)
+    # Under autocast the weights stay fp32 unless FSDP casts them, and so does the residual stream.
+    residual = 4 if mixed and layout.shard_ranks == 1 else e
+    per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e, compiled, residual)
+    if compiled and model.mlp != "gelu" and layout.recompute == "none":
+        assumptions[1] = "activations: what torch.compile's Llama block keeps (benchmarks/saved_activations.py)"
     tokens = seq_len / layout.cp * layout.micro_batch
     sp = layout.sequence_parallel and layout.tp > 1
     activations = per_layer * layers * (microbatches_in_flight(layout, stage) + deferred_weight_grads(layout))
