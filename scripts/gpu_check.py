@@ -284,7 +284,8 @@ def _dense_report(cfg, args, dense: dict) -> dict:
     device_s = timed["device_time_ns"].dropna() / 1e9
     host_s = (timed["end_ns"] - timed["start_ns"]) / 1e9
     out |= {"device": hardware["device_name"], "peak_source": hardware["peak_source"], "losses": dense["losses"],
-            "max_memory_gb": dense["max_memory_gb"], "collectors": _collector_checks(run),
+            "max_memory_gb": dense["max_memory_gb"],
+            "collectors": _collector_checks(run, int(timed["start_ns"].min()), int(timed["end_ns"].max())),
             "timing": {"basis": None, "timed_steps": [int(s) for s in timed["step"]],
                        "device_step_s_median": float(statistics.median(device_s)) if len(device_s) else None,
                        "host_step_s_median": float(statistics.median(host_s)),
@@ -333,23 +334,31 @@ def _memory_check(cfg, measured_gb: float | None) -> dict:
             "within_15pct": abs(ratio - 1) <= 0.15 if ratio else None}
 
 
-def _collector_checks(run: str) -> dict:
-    """What the collectors recorded: device step times, communication, NVML samples, kernels in the window."""
+def _collector_checks(run: str, timed_from_ns: int, timed_to_ns: int) -> dict:
+    """What the collectors recorded: device step times, communication, NVML samples (their medians
+    over the timed steps: a whole run's are mostly torch.compile's idle minutes -- an H200 run's
+    GPU utilization median was 0% over the run, 100% over its timed steps), kernels in the window."""
     from mfuscope import run_dir
     from mfuscope.analyzers import trace_set
 
     steps = run_dir.read_table(run, run_dir.STEPS).to_pandas()
     has_nvml = os.path.exists(os.path.join(run, run_dir.NVML))
     nvml = run_dir.read_table(run, run_dir.NVML).to_pandas() if has_nvml else None
+    if nvml is not None:
+        nvml = nvml[(nvml["ts_ns"] >= timed_from_ns) & (nvml["ts_ns"] <= timed_to_ns)]
     events = trace_set.load(run, use_cache=False).events.to_pandas()
+
+    def median(column):
+        return None if nvml is None or nvml.empty else float(nvml[column].median())
+
     return {
         "steps_rows": len(steps),
         "steps_with_device_time": int(steps["device_time_ns"].notna().sum()),
         "comm_ops": _comm_ops(run),
-        "nvml_rows": 0 if nvml is None else len(nvml),
-        "nvml_gpu_util_pct_median": None if nvml is None else float(nvml["gpu_util_pct"].median()),
-        "nvml_power_w_median": None if nvml is None else float(nvml["power_w"].median()),
-        "nvml_sm_clock_mhz_median": None if nvml is None else float(nvml["sm_clock_mhz"].median()),
+        "nvml_rows_in_timed_steps": 0 if nvml is None else len(nvml),
+        "nvml_gpu_util_pct_median": median("gpu_util_pct"),
+        "nvml_power_w_median": median("power_w"),
+        "nvml_sm_clock_mhz_median": median("sm_clock_mhz"),
         "window_kernels": int((events["kind"].astype(str) == "kernel").sum()),
         "window_events": len(events),
     }

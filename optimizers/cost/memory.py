@@ -46,7 +46,8 @@ parallelism), hidden h, a heads, t = tp, e bytes an element (2 in 16-bit, 4 in f
   fp32 inverse RMS (2).  Selective recompute drops attention's output and log-sum-exp (the core
   is re-run); full recompute keeps the block input, e h (/t with sequence parallel), and holds
   one layer's activations again while that layer's backward runs.
-- the same block under torch.compile (``compiled=True``, no recompute), counted from what its
+- the same block under torch.compile (``compiled=True``, no recompute, dense: a MoE block's
+  compiled graph is not measured and keeps eager's count), counted from what its
   graph keeps (``python benchmarks/saved_activations.py``: one ``gpu_dense_1b`` block under bf16
   autocast on the CPU, 66,636 bytes a token against eager's 111,688): the partitioner keeps the
   block input (in the residual stream's dtype, r bytes: 4 under autocast over fp32 weights, else
@@ -158,7 +159,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, f
     e = element_bytes
     if layout.recompute == "full":
         return e * s * b * h / (t if sp else 1)
-    if compiled and model.mlp != "gelu" and layout.recompute == "none":
+    if compiled and model.mlp != "gelu" and not model.n_experts and layout.recompute == "none":
         k, f, r = model.kv_heads * model.head_dim, model.ffn_dim, residual_bytes or e
         replicated = r * h + e * 2 * h + 12
         split = e * (3 * h + 2 * k + 3 * f) + 4 * a
@@ -245,7 +246,7 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
     # Under autocast the weights stay fp32 unless FSDP casts them, and so does the residual stream.
     residual = 4 if mixed and layout.shard_ranks == 1 else e
     per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e, compiled, residual)
-    if compiled and model.mlp != "gelu" and layout.recompute == "none":
+    if compiled and model.mlp != "gelu" and not model.n_experts and layout.recompute == "none":
         assumptions[1] = "activations: what torch.compile's Llama block keeps (benchmarks/saved_activations.py)"
     tokens = seq_len / layout.cp * layout.micro_batch
     sp = layout.sequence_parallel and layout.tp > 1
