@@ -204,17 +204,19 @@ def test_extra_memory_of_the_cpu_path_is_a_chunk_not_the_logits(tmp_path):
 
 
 def test_extra_memory_of_the_gpu_path_is_its_slice_budget(tmp_path):
-    """The GPU path (run on the CPU) with a 1 MiB slice budget, measured as above: 128 tokens and a
-    32k vocabulary, where eager holds 2 x 16 MiB of float32 logits and their gradient.  By hand the
-    sliced way holds a slice's float32 logits and gradient (1 MiB: 8 bytes a logit), a row's
-    log-sum-exp, pick and loss, and its float32 hidden gradient (32 KiB): under 2 MiB with the
-    allocator's slack, and at least 10x less than eager."""
-    result = _memory(tmp_path, "--tokens", "128", "--hidden", "64", "--vocab", "32003", "--ways", "eager,sliced",
-                     "--slice-mib", "1")
+    """The GPU path (run on the CPU) with a 4 MiB slice budget, measured as above: 512 tokens and a
+    32k vocabulary, where eager holds 2 x 62.5 MiB of float32 logits and their gradient.  By hand the
+    sliced way holds one slice's float32 logits at a time (2 MiB here: 1,024 words, their gradient
+    made in place), a row's log-sum-exp, pick and loss, and its float32 hidden gradient (128 KiB).
+    Each slice's buffer is freed and made again and glibc keeps freed ones a while (measured: 10.3
+    MiB), and resident memory can grow in 2 MiB huge pages (a loaded CI run measured 5.8 MiB at a 1
+    MiB budget): the bound is 4 budgets and two huge pages, and at least 5x less than eager."""
+    result = _memory(tmp_path, "--tokens", "512", "--hidden", "64", "--vocab", "32003", "--ways", "eager,sliced",
+                     "--slice-mib", "4")
     eager, sliced = result["eager"]["extra_bytes"], result["sliced"]["extra_bytes"]
     assert eager >= 2 * result["logits_bytes"]
-    assert sliced <= 4 * 2**20, result
-    assert sliced * 10 <= eager, result
+    assert sliced <= (4 * 4 + 2 * 2) * 2**20, result
+    assert sliced * 5 <= eager, result
     assert _same_loss(result["eager"]["loss"], result["sliced"]["loss"], 32003)
 
 

@@ -33,3 +33,13 @@ def test_wheel_imports_every_subpackage(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(site)], check=True, capture_output=True, text=True,
                          cwd=tmp_path).stdout
     assert out.strip().startswith(str(site))
+
+
+def test_the_kernels_folder_imported_by_its_own_name_is_the_package():
+    """From a checkout's root ``import kernels`` finds the top-level folder (Hugging Face's
+    transformers imports that name to look for its own ``kernels`` package): it must hand back
+    ``mfuscope.kernels``, not a second copy that registers every custom op again."""
+    code = ("import mfuscope.kernels, kernels, sys; assert kernels is mfuscope.kernels; "
+            "assert not [m for m in sys.modules if m.startswith('kernels.')]")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
