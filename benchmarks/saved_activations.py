@@ -13,7 +13,7 @@ the distinct storages it holds that are not parameters (nor autocast's bf16
 copies of them, which the model counts with the weights), per token, listed by
 shape and dtype.
 
-    python benchmarks/saved_activations.py [--config gpu_dense_1b] [--seq 256] [--json out.json]
+    python benchmarks/saved_activations.py [--config gpu_dense_1b] [--seq 256] [--backend inductor] [--json out.json]
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def saved_storages(output, params) -> list:
     return out
 
 
-def measure(cfg_name: str, seq: int, compiled: bool) -> dict:
+def measure(cfg_name: str, seq: int, compiled: bool, backend: str = "inductor") -> dict:
     import torch
 
     from mfuscope.reference_trainer.config import load_config
@@ -63,7 +63,7 @@ def measure(cfg_name: str, seq: int, compiled: bool) -> dict:
         raise ValueError(f"--seq {seq} equals one of the model's widths {sorted(widths)}: take another")
     torch.manual_seed(0)
     block = TransformerBlock(model)
-    run = torch.compile(block) if compiled else block
+    run = torch.compile(block, backend=backend) if compiled else block
     x = torch.randn(1, seq, model.dim, requires_grad=True)  # the residual stream: float32, as the embedding's
     positions = torch.arange(seq)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -84,11 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="gpu_dense_1b")
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--backend", default="inductor",
+                    help="torch.compile backend: inductor (the real one), or aot_eager_decomp_partition: the same "
+                         "partitioner, and so the same saved set, without Inductor's code generation (seconds)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out = {"config": args.config, "seq": args.seq}
     for mode in ("eager", "compiled"):
-        out[mode] = measure(args.config, args.seq, mode == "compiled")
+        out[mode] = measure(args.config, args.seq, mode == "compiled", args.backend)
         print(f"{mode:9s} {out[mode]['bytes_per_token']:10,.0f} B a token a layer")
         for shape, per_token in out[mode]["tensors"].items():
             print(f"    {per_token:10,.0f} B a token  {shape}")
