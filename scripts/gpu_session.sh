@@ -80,14 +80,19 @@ else
   BENCH=(--rounds 5 --models 8b,70b)
 fi
 
+keep_run() {  # keep_run NAME: $WORK/runs/NAME analyzed, its report and (under 15 MB) the directory in $OUT
+  local name=$1
+  step "analyze_$name" 90 "$PY" -m mfuscope analyze "$WORK/runs/$name" --force
+  cp "$WORK/runs/$name/report.json" "$OUT/${name}_report.json" 2>/dev/null
+  tar -czf "$OUT/${name}_run.tar.gz" -C "$WORK/runs" "$name"
+  [ "$(stat -c %s "$OUT/${name}_run.tar.gz")" -lt 15000000 ] \
+    || tar -czf "$OUT/${name}_run.tar.gz" -C "$WORK/runs" --exclude=traces --exclude=views "$name"
+}
+
 step gpu_check 300 "$PY" scripts/gpu_check.py "${CHECK[@]}" --run-dir "$WORK/runs" --json "$OUT/gpu_check.json"
 DENSE=$WORK/runs/dense
 if [ -f "$DENSE/manifest.json" ]; then
-  step analyze_dense 90 "$PY" -m mfuscope analyze "$DENSE" --force
-  cp "$DENSE/report.json" "$OUT/dense_report.json" 2>/dev/null
-  tar -czf "$OUT/dense_run.tar.gz" -C "$WORK/runs" dense
-  [ "$(stat -c %s "$OUT/dense_run.tar.gz")" -lt 15000000 ] \
-    || tar -czf "$OUT/dense_run.tar.gz" -C "$WORK/runs" --exclude=traces --exclude=views dense
+  keep_run dense
   step predict_dense 45 bash -c '"$0" -m mfuscope predict "$1" --json > "$2"' "$PY" "$DENSE" "$OUT/predict.json"
 fi
 step kernels_check 150 "$PY" scripts/gpu_kernels_check.py "${KCHECK[@]}" --json "$OUT/kernels_check.json"
@@ -113,13 +118,7 @@ with profile(activities=acts) as prof:
 print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12))
 PYEOF
 step train_fused 180 "$PY" -m mfuscope train "${TRAIN[@]}" --kernels fused --out "$WORK/runs/fused" --force
-if [ -f "$WORK/runs/fused/manifest.json" ]; then
-  step analyze_fused 60 "$PY" -m mfuscope analyze "$WORK/runs/fused" --force
-  cp "$WORK/runs/fused/report.json" "$OUT/fused_report.json" 2>/dev/null
-  tar -czf "$OUT/fused_run.tar.gz" -C "$WORK/runs" fused
-  [ "$(stat -c %s "$OUT/fused_run.tar.gz")" -lt 15000000 ] \
-    || tar -czf "$OUT/fused_run.tar.gz" -C "$WORK/runs" --exclude=traces --exclude=views fused
-fi
+[ -f "$WORK/runs/fused/manifest.json" ] && keep_run fused
 
 echo "gpu_session: $failed step(s) failed; results in $OUT"
 exit $failed
