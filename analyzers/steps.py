@@ -159,8 +159,8 @@ def _stretch_into_gaps(steps: Steps, rows: np.ndarray, kind: np.ndarray, on_devi
         return
     ends = ts_ns[work] + dur_ns[work]
     order = np.argsort(step[work], kind="stable")
-    numbers, first = np.unique(step[work][order], return_index=True)
-    device_end = dict(zip(numbers.tolist(), np.maximum.reduceat(ends[order], first).tolist()))
+    launched, first = np.unique(step[work][order], return_index=True)
+    device_end = dict(zip(launched.tolist(), np.maximum.reduceat(ends[order], first).tolist()))
     new_end = steps.end.copy()
     numbers = steps.number.tolist()
     for i, number in enumerate(numbers):
