@@ -34,7 +34,9 @@ stretch under a tenth of their span between them are one) or at least four slow 
 at one period (an intermittent fault, ``every=N``: one episode with its period, not N), lasting
 a second or more from onset to end.  Other slow steps are noise -- a loaded host's scheduling,
 whose bursts pass within a second -- and are not reported.  The onset is the
-first slow step of the episode; its what-if **cost** sums, over its slow steps, the part of the
+first step of the episode at its level: a run whose first (or last) slow steps exceed by under
+half its median excess is a lesser slowdown running into the fault (or out of it) and is split
+there.  Its what-if **cost** sums, over its slow steps, the part of the
 job's step-time excess that the episode's own signal accounts for: the run's time had it not
 happened.
 
@@ -234,8 +236,9 @@ def _explained(late: pd.DataFrame, xfer: pd.DataFrame, groups: pd.DataFrame, ran
 
 # ---------------------------------------------------------------- episodes
 
-def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int | None]]:
-    """(the slow steps' positions, period or None) of each episode in one entity's slow mask."""
+def _spans(slow: np.ndarray, excess: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int | None]]:
+    """(the slow steps' positions, period or None) of each episode in one entity's slow mask
+    (``excess``: its excess over the reference, each step)."""
     hits = np.flatnonzero(slow)
     if len(hits) == 0:
         return []
@@ -249,7 +252,8 @@ def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int
     runs.append(current)
     # A run: MIN_RUN slow steps, four in five of its steps slow (scattered noise chains otherwise).
     held = [len(r) >= MIN_RUN and len(r) >= 0.8 * (step_ids[r[-1]] - step_ids[r[0]] + 1) for r in runs]
-    out = [(np.arange(r[0], r[-1] + 1), None) for r in _joined([r for r, ok in zip(runs, held) if ok], step_ids)]
+    out = [(part, None) for r in _joined([r for r, ok in zip(runs, held) if ok], step_ids)
+           for part in _level_parts(np.arange(r[0], r[-1] + 1), excess)]
     isolated = np.array([i for r, ok in zip(runs, held) if not ok for i in r])
     if len(isolated) >= MIN_PERIODIC:
         gaps = np.diff(step_ids[isolated])
@@ -258,6 +262,31 @@ def _spans(slow: np.ndarray, step_ids: np.ndarray) -> list[tuple[np.ndarray, int
         if len(regular) >= MIN_PERIODIC and (gaps % period == 0).mean() >= 0.75:
             out.append((regular, period))
     return out
+
+
+def _level_parts(span: np.ndarray, excess: np.ndarray) -> list[np.ndarray]:
+    """A run made of two levels end to end is two causes -- a loaded host's lesser slowdown running
+    into a link fault, say: the fault begins where its level does, not at the first slow step.  The
+    run is cut where two flat levels fit it best (least squares), when the lower is under half the
+    higher and the signal jumps there (by half the levels' difference, over three steps each side:
+    a slowdown that ramps up is one episode), and each part is cut again the same way.  A lesser
+    part shorter than an episode (:data:`MIN_RUN` steps) is dropped; a greater one that short is no
+    level: the run stays whole."""
+    x = excess[span]
+    n = len(x)
+    if n < 2:
+        return [span]
+    k = np.arange(1, n)
+    c, c2 = np.cumsum(x), np.cumsum(x * x)
+    sse = (c2[k - 1] - c[k - 1] ** 2 / k) + ((c2[-1] - c2[k - 1]) - (c[-1] - c[k - 1]) ** 2 / (n - k))
+    cut = int(k[np.argmin(sse)])
+    left, right = span[:cut], span[cut:]
+    low, high = sorted((left, right), key=lambda p: float(np.mean(excess[p])))
+    gap = float(np.mean(excess[high]) - np.mean(excess[low]))
+    jump = abs(float(np.median(x[cut:cut + 3]) - np.median(x[max(cut - 3, 0):cut])))
+    if gap <= float(np.mean(excess[high])) / 2 or jump < gap / 2 or len(high) < MIN_RUN:
+        return [span]
+    return [q for p in (left, right) if p is high or len(p) >= MIN_RUN for q in _level_parts(p, excess)]
 
 
 def _joined(runs: list[list[int]], step_ids: np.ndarray) -> list[list[int]]:
@@ -295,7 +324,7 @@ def _rank_episodes(excess: pd.DataFrame, slow: pd.DataFrame, calls: pd.DataFrame
                    step_ids: np.ndarray) -> list[dict[str, Any]]:
     out = []
     for rank in slow.index[slow.to_numpy().any(axis=1)]:
-        for positions, period in _spans(slow.loc[rank].to_numpy(), step_ids):
+        for positions, period in _spans(slow.loc[rank].to_numpy(), excess.loc[rank].to_numpy(), step_ids):
             steps = set(step_ids[positions].tolist())
             mine = calls[(calls["rank"] == rank) & calls["step"].isin(steps)]
             by_dim = mine.groupby("dim")["own_s"].sum().sort_values(ascending=False)
@@ -312,7 +341,7 @@ def _group_episodes(excess: pd.DataFrame, slow: pd.DataFrame, groups: pd.DataFra
     found = []
     for pg in slow.index[slow.to_numpy().any(axis=1)]:
         members = [int(r) for r in str(groups.at[pg, "group_ranks"]).split(",")]
-        for positions, period in _spans(slow.loc[pg].to_numpy(), step_ids):
+        for positions, period in _spans(slow.loc[pg].to_numpy(), excess.loc[pg].to_numpy(), step_ids):
             found.append(_episode("comm_slow", positions, period, step_ids, excess.loc[pg].to_numpy(),
                                   groups=[{"pg": str(pg), "dim": str(groups.at[pg, "dim"]), "ranks": members}]))
     merged = _merge(found)
@@ -330,7 +359,7 @@ def _group_episodes(excess: pd.DataFrame, slow: pd.DataFrame, groups: pd.DataFra
 def _host_episodes(unexplained: pd.Series, slow: np.ndarray, step_ids: np.ndarray,
                    rank_step: pd.DataFrame) -> list[dict[str, Any]]:
     out = []
-    for positions, period in _spans(slow, step_ids):
+    for positions, period in _spans(slow, unexplained.to_numpy(), step_ids):
         out.append(_episode("host", positions, period, step_ids, unexplained.to_numpy(),
                             ranks=[int(r) for r in rank_step.index], dim=None,
                             why="every rank's step got longer with nobody late and no collective slower: "

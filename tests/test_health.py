@@ -124,6 +124,31 @@ def test_a_fault_with_a_short_reprieve_is_one_episode_and_two_faults_apart_are_t
     assert [(e["onset_step"], e["end_step"]) for e in h["episodes"]] == [(10, 44), (65, 99)], h["episodes"]
 
 
+def test_a_lesser_slowdown_running_into_a_fault_does_not_move_its_onset():
+    """Pair A's link adds 4 ms in steps 25-29 (a loaded host, as a CI runner once did just before
+    the shared run's injected fault) and 40 ms from step 30: both are slow steps end to end, but the
+    fault starts at 30 -- one comm-slow episode 30-99, costing 70 x 40 ms; the five lesser steps
+    (0.1 s) are no episode.  Pair B's link adds 6 ms in steps 10-59 (1.2 s: an episode's length) and 40 ms from 60:
+    two faults of their own, two episodes (10-59, costing 50 x 6 ms; 60-99)."""
+    lead_in = {s: 4 * MS for s in range(25, 30)} | {s: 40 * MS for s in range(30, 100)}
+    h = health.of_tables(*_job(link={"A": lead_in}))
+    link = _only(h["episodes"], "comm_slow")
+    assert (link["onset_step"], link["end_step"], link["ranks"]) == (30, 99, [0, 1])
+    assert link["cost_s"] == pytest.approx(70 * 40 * MS, rel=0.1)
+    two = {s: 6 * MS for s in range(10, 60)} | {s: 40 * MS for s in range(60, 100)}
+    h = health.of_tables(*_job(link={"B": two}))
+    assert [(e["onset_step"], e["end_step"]) for e in sorted(h["episodes"], key=lambda e: e["onset_step"])] == [
+        (10, 59), (60, 99)], h["episodes"]
+    lesser = min(h["episodes"], key=lambda e: e["onset_step"])
+    assert lesser["cost_s"] == pytest.approx(50 * 6 * MS, rel=0.1)
+    # a link that degrades steadily, 0 to 40 ms over steps 20-99, is one episode (no level shift),
+    # from where its excess passes the floor (~2 ms, 10% of a ~19 ms step: step 24) +- the draws
+    ramp = {s: (s - 20) / 80 * 40 * MS for s in range(20, 100)}
+    h = health.of_tables(*_job(link={"A": ramp}))
+    e = _only(h["episodes"], "comm_slow")
+    assert 22 <= e["onset_step"] <= 30 and e["end_step"] == 99, e
+
+
 def test_noise_and_isolated_spikes_make_no_episode():
     """A healthy job with one-off 40 ms stalls of single ranks at scattered steps (a loaded host):
     no episode, no flagged step."""
