@@ -75,29 +75,47 @@ def _sliced_loss_and_grads(h: Tensor, w: Tensor, t: Tensor, scale: float, ignore
     return losses, dh.to(h.dtype), dw
 
 
+class _Rows:
+    """What both passes take from the rows whose target counts: their positions, their hidden
+    states in the products' dtype and their targets (all rows: ``h`` and ``t`` themselves, no
+    copy), and the vocabulary slice width that keeps a slice's float32 logits and 16-bit gradient
+    within ``GRAD_SLICE_BYTES`` (8 bytes a logit, a multiple of 128 words)."""
+
+    def __init__(self, h: Tensor, t: Tensor, ignore_index: int, upcast: bool):
+        self.like = torch.float32 if upcast else h.dtype
+        self.rows = (t != ignore_index).nonzero()[:, 0]
+        self.every = self.rows.numel() == t.numel()
+        n = self.rows.numel()
+        self.h = (h if self.every else h[self.rows]).to(self.like)
+        self.t = t if self.every else t[self.rows]
+        self.at = torch.arange(n, device=h.device)
+        self.step = max(128, GRAD_SLICE_BYTES // (8 * max(1, n)) // 128 * 128)
+
+    def slices(self, vocab: int):
+        """(first, end) of each slice of the vocabulary, and where each row's target falls in it."""
+        for v0 in range(0, vocab, self.step):
+            v1 = min(vocab, v0 + self.step)
+            hit = (self.t >= v0) & (self.t < v1)
+            yield v0, v1, self.at[hit], self.t[hit] - v0
+
+
 def _vocab_slice_lse(h: Tensor, w: Tensor, t: Tensor, ignore_index: int, upcast: bool) -> tuple[Tensor, Tensor]:
     """Each row's log-sum-exp and target logit (float32; rows whose target is ignored: 0 and 0), a
     slice of the vocabulary at a time by the GEMM library, the slices' log-sum-exps combined as they
     come.  The logits as :func:`_vocab_slice_grads` makes them; extra memory ``GRAD_SLICE_BYTES``."""
-    keep = t != ignore_index
-    rows = keep.nonzero()[:, 0]
-    like = torch.float32 if upcast else h.dtype
-    hk, tk = h[rows].to(like), t[rows]
-    lse_k = torch.full((rows.numel(),), -float("inf"), dtype=torch.float32, device=h.device)
-    picked_k = torch.zeros(rows.numel(), dtype=torch.float32, device=h.device)
-    step = max(128, GRAD_SLICE_BYTES // (8 * max(1, rows.numel())) // 128 * 128)
-    at = torch.arange(rows.numel(), device=h.device)
-    for v0 in range(0, w.shape[0], step):
-        v1 = min(w.shape[0], v0 + step)
-        logits = _mm_float32(hk, w[v0:v1].to(like).t())
-        hit = (tk >= v0) & (tk < v1)
-        picked_k[hit] = logits[at[hit], tk[hit] - v0]
-        top = logits.max(dim=1).values  # in place from here: no second slice-sized buffer
-        lse_k = torch.logaddexp(lse_k, top + logits.sub_(top[:, None]).exp_().sum(dim=1).log())
-    lse = torch.zeros(t.numel(), dtype=torch.float32, device=h.device)
+    k = _Rows(h, t, ignore_index, upcast)
+    lse = torch.full((k.rows.numel(),), -float("inf"), dtype=torch.float32, device=h.device)
     picked = torch.zeros_like(lse)
-    lse[rows], picked[rows] = lse_k, picked_k
-    return lse, picked
+    for v0, v1, row, col in k.slices(w.shape[0]):
+        logits = _mm_float32(k.h, w[v0:v1].to(k.like).t())
+        picked[row] = logits[row, col]
+        top = logits.max(dim=1).values  # in place from here: no second slice-sized buffer
+        lse = torch.logaddexp(lse, top + logits.sub_(top[:, None]).exp_().sum(dim=1).log())
+    if k.every:
+        return lse, picked
+    out = torch.zeros(2, t.numel(), dtype=torch.float32, device=h.device)
+    out[0, k.rows], out[1, k.rows] = lse, picked
+    return out[0], out[1]
 
 
 def _vocab_slice_grads(h: Tensor, w: Tensor, t: Tensor, lse: Tensor, scale: float, ignore_index: int,
@@ -107,31 +125,23 @@ def _vocab_slice_grads(h: Tensor, w: Tensor, t: Tensor, lse: Tensor, scale: floa
     rounded to the inputs' dtype (the tensor cores' format), then ``dW[slice] = g.T @ h`` (written
     once) and ``dh += g @ W[slice]`` (float32).  ``upcast``: every product in float32.  Extra memory:
     ``GRAD_SLICE_BYTES`` for a slice's logits and gradient."""
-    keep = t != ignore_index
-    rows = keep.nonzero()[:, 0]
-    every = rows.numel() == t.numel()
-    like = torch.float32 if upcast else h.dtype
-    hk = (h if every else h[rows]).to(like)
-    tk, lse_k = (t, lse) if every else (t[rows], lse[rows])
-    acc = dh if every else torch.zeros(rows.numel(), h.shape[1], dtype=torch.float32, device=h.device)
-    step = max(128, GRAD_SLICE_BYTES // (8 * max(1, rows.numel())) // 128 * 128)
-    at = torch.arange(rows.numel(), device=h.device)
-    for v0 in range(0, w.shape[0], step):
-        v1 = min(w.shape[0], v0 + step)
-        wc = w[v0:v1].to(like)
-        p = _mm_float32(hk, wc.t())
+    k = _Rows(h, t, ignore_index, upcast)
+    lse_k = lse if k.every else lse[k.rows]
+    acc = dh if k.every else torch.zeros(k.rows.numel(), h.shape[1], dtype=torch.float32, device=h.device)
+    for v0, v1, row, col in k.slices(w.shape[0]):
+        wc = w[v0:v1].to(k.like)
+        p = _mm_float32(k.h, wc.t())
         p.sub_(lse_k[:, None]).exp_()
-        hit = (tk >= v0) & (tk < v1)
-        p[at[hit], tk[hit] - v0] -= 1.0
-        g = p.mul_(scale).to(like)
+        p[row, col] -= 1.0
+        g = p.mul_(scale).to(k.like)
         del p
-        if dw.dtype == like:
-            torch.mm(g.t(), hk, out=dw[v0:v1])
+        if dw.dtype == k.like:
+            torch.mm(g.t(), k.h, out=dw[v0:v1])
         else:
-            dw[v0:v1] = g.t() @ hk
+            dw[v0:v1] = g.t() @ k.h
         acc += _mm_float32(g, wc)
-    if not every:
-        dh[rows] = acc
+    if not k.every:
+        dh[k.rows] = acc
 
 
 #: Whether ``torch.mm(..., out_dtype=float32)`` runs on a device type (found on first use).
