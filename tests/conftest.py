@@ -29,6 +29,37 @@ def pytest_runtest_setup(item):
     lanes.wait_while_quiet()
 
 
+# --------------------------------------------------------------------------- CPU seconds a test
+# The suite's budget is CPU on 2 cores, and wall times in make test's lanes are mostly each other's
+# contention: each test's CPU seconds (this process and the children it reaped, which is every
+# rank and subprocess a test waits for) say what it really costs.
+_CPU: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = _cpu_now()
+    yield
+    _CPU[item.nodeid] = _cpu_now() - start
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU:
+        return
+    worst = sorted(_CPU.items(), key=lambda kv: -kv[1])[:20]
+    terminalreporter.write_sep("=", f"most CPU seconds (this process and its children; {sum(_CPU.values()):.0f} s "
+                                    f"in all)")
+    for nodeid, cpu in worst:
+        terminalreporter.write_line(f"{cpu:7.1f} s  {nodeid}")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
     """Tests never read or write the user's real cache."""
