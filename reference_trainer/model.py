@@ -78,6 +78,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+#: PyTorch's SDPA backends by the names the run manifest records (``train.attention_backend``).
+_SDPA_NAMES = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient",
+               "MATH": "math"}
+
+
+def attention_backend(heads: int, kv_heads: int, head_dim: int, seq_len: int, dtype: torch.dtype,
+                      device: torch.device) -> str | None:
+    """The kernel :func:`causal_attention` runs at one rank's shape on ``device``, as PyTorch's
+    dispatcher picks it (``cudnn``, ``flash``, ``efficient`` or ``math``), or None where this torch
+    cannot say.  The cost model's attention rate follows it: recent PyTorch prefers cuDNN's
+    attention on Hopper and datacenter Blackwell (``check_prefer_cudnn_attention`` in
+    ``sdp_utils.cpp``), an FA3-class kernel near twice FlashAttention-2's rate -- on an H200 the
+    trainer's attention took 104 ms a step where FA2's rate predicted 238."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        q = torch.empty(1, heads, seq_len, head_dim, dtype=dtype, device=device)
+        kv = torch.empty(1, kv_heads, seq_len, head_dim, dtype=dtype, device=device)
+        choice = int(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=True))
+        del q, kv
+    except (AttributeError, ImportError, RuntimeError, TypeError):
+        return None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's buffers are not kept reserved
+    name = next((n for n, v in SDPBackend.__members__.items() if int(v) == choice), None)
+    return _SDPA_NAMES.get(name or "", None)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -44,7 +44,7 @@ from .config import TrainConfig, load_config
 from .data import global_batch, shard_rows
 from .faults import parse_faults
 from .inject import Injector, apply_paced
-from .model import Experts, cross_entropy
+from .model import Experts, attention_backend, cross_entropy
 from .optimizers import PartOptimizers
 from .parallel_dims import ParallelDims
 
@@ -286,6 +286,10 @@ def manifest_sections(opts: TrainerOptions, cfg: TrainConfig, dims: ParallelDims
     model spec, the schedule as built, the resolved train settings, the launch options and each
     rank's coordinates -- what ``mfuscope optimize`` reads back to know what a run ran."""
     train = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
+    m = cfg.model
+    train["attention_backend"] = attention_backend(
+        max(1, m.n_heads // dims.tp), max(1, m.n_kv_heads // dims.tp), m.head_dim, max(1, cfg.seq_len // dims.cp),
+        torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, _device())
     schedule = ({"name": opts.schedule, "microbatches": cfg.microbatches,
                  "virtual_stages": virtual_stages(opts.schedule, opts.virtual_stages)} if dims.pp > 1 else None)
     return {"model": cfg.model.spec(), "schedule": schedule, "train": train, "trainer": opts.to_manifest(),

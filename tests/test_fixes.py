@@ -247,3 +247,24 @@ def test_every_fix_runs_what_it_predicted(fix, tmp_path):
         layout = measured.run_layout(new, recorded, tmp_path / "new" / "manifest.json")
         training = replace(Training.of_run(recorded, new.train, on_gpu), checkpoint_s=change.training.checkpoint_s)
         assert ran_otherwise(change, layout, training) == [], (change.summary, change.trainer)
+
+
+def test_the_attention_rate_follows_the_kernel_the_run_recorded(tmp_path):
+    """A GPU run whose trainer recorded PyTorch choosing cuDNN's attention (as SDPA does on Hopper
+    with cuDNN 9.15+: measured on an H200, 104 ms a step where FlashAttention-2's rate predicted
+    238) is predicted at the FA3-class rate: its attention leaf is FA2's over the published rates'
+    ratio, 620.7 / 335 TFLOP/s on H100 (Shah et al. 2024); every other leaf is unchanged."""
+    pytest.importorskip("torch", reason="the trainer's config and checks need torch ([dev] extra)")
+    config = tmp_path / "eight.toml"
+    config.write_text(EIGHT_LAYERS.replace('dtype = "fp32"', 'dtype = "bf16"'))
+    manifest = _trainer_manifest(config, 1, {}, {}, True)
+    assert manifest["train"]["attention_backend"] in ("flash", "cudnn", "efficient", "math")  # what this torch picks
+    report = {"summary": {"step_time_s": 1.0}, "breakdown": {"name": "step", "seconds": 1.0, "children": []}}
+    leaves = {}
+    for backend in ("flash", "cudnn"):
+        manifest["train"]["attention_backend"] = backend
+        leaves[backend] = measured.from_documents(report, manifest, tmp_path / backend).predict(None).leaves
+    flash, cudnn = leaves["flash"], leaves["cudnn"]
+    assert flash["compute/attention"] / cudnn["compute/attention"] == pytest.approx(620.7 / 335, rel=1e-6)
+    assert {k: v for k, v in flash.items() if k != "compute/attention"} == pytest.approx(
+        {k: v for k, v in cudnn.items() if k != "compute/attention"}, rel=1e-9)

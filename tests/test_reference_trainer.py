@@ -304,6 +304,31 @@ def test_default_data_is_learnable(tmp_path):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+#: The aten op each backend of ``scaled_dot_product_attention`` dispatches to (PyTorch's op names).
+SDPA_OPS = {"flash": "aten::_scaled_dot_product_flash_attention", "cudnn": "aten::_scaled_dot_product_cudnn_attention",
+            "efficient": "aten::_scaled_dot_product_efficient_attention",
+            "math": "aten::_scaled_dot_product_attention_math"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_backend_recorded_is_the_kernel_that_runs(dtype):
+    """``train.attention_backend`` (the manifest's; the cost model's attention rate follows it)
+    names the op the profiler sees the trainer's attention dispatch to, at one rank's shape, on each
+    device here (on a GPU: cuDNN's on Hopper with a recent PyTorch, FlashAttention-2's before)."""
+    from torch.profiler import profile
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        q = torch.randn(2, 4, 64, 16, dtype=dtype, device=device)
+        kv = torch.randn(2, 2, 64, 16, dtype=dtype, device=device)
+        with profile() as prof:
+            model_mod.causal_attention(q, kv, kv)
+        ran = {e.name for e in prof.events()}
+        recorded = model_mod.attention_backend(4, 2, 16, 64, dtype, torch.device(device))
+        assert recorded in SDPA_OPS, recorded
+        assert any(name.startswith(SDPA_OPS[recorded]) for name in ran), (device, recorded, sorted(ran))
+
+
 def test_text_data_is_the_shipped_text():
     from mfuscope.reference_trainer.data import TEXT, global_batch
 
