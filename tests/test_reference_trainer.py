@@ -38,7 +38,7 @@ STEPS = 3
 SGD = {"optimizer": "sgd", "lr": 1.0}
 
 
-def fp32_tolerance(config: str) -> float:
+def fp32_tolerance(config: str, **overrides) -> float:
     """Norm-wise relative tolerance between two float32 computations of one gradient that differ
     only in the order of their sums.
 
@@ -50,7 +50,7 @@ def fp32_tolerance(config: str) -> float:
     these orders (another CPU's SIMD kernels, too), nothing else; any real bug below moves a
     gradient by percents.
     """
-    cfg = load_config(config)
+    cfg = load_config(config, **overrides)
     u = 2.0 ** -24
     n = cfg.global_batch * cfg.seq_len
     depth = 2 * (cfg.model.n_layers + 1)
@@ -72,12 +72,19 @@ def _run(tmp_path, world, name, steps=STEPS, **kw):
 _reference_cache: dict = {}
 
 
-def _reference(tmp_path_factory, config, grad_accum=1):
-    key = (config, grad_accum)
+def _reference(tmp_path_factory, config, grad_accum=1, **shape):
+    """One process training ``config`` (``shape``: its batch and sequence overrides, as the run
+    compared with it has them)."""
+    key = (config, grad_accum, tuple(sorted(shape.items())))
     if key not in _reference_cache:
         _reference_cache[key] = _run(tmp_path_factory.mktemp("ref"), 1, "single", config=config,
-                                     overrides={"grad_accum": grad_accum})
+                                     overrides={"grad_accum": grad_accum, **shape})
     return _reference_cache[key]
+
+
+def _shape(opts: dict) -> dict:
+    """The batch and sequence overrides of a run's options: its reference takes the same."""
+    return {k: v for k, v in opts.get("overrides", {}).items() if k in ("global_batch", "seq_len")}
 
 
 def _merge_experts(grads):
@@ -112,19 +119,23 @@ def _worst_miss(ref, got, tol) -> tuple[float, str]:
     return worst, where
 
 
-def _assert_equivalent(ref, got, config):
-    worst, where = _worst_miss(ref, got, fp32_tolerance(config))
-    assert worst <= 1.0, f"{where}: {worst:.2f}x the float32 tolerance {fp32_tolerance(config):.2e}"
+def _assert_equivalent(ref, got, config, **shape):
+    tol = fp32_tolerance(config, **shape)
+    worst, where = _worst_miss(ref, got, tol)
+    assert worst <= 1.0, f"{where}: {worst:.2f}x the float32 tolerance {tol:.2e}"
 
 
-def _moe_reference(tmp_path_factory, layout: str):
+def _moe_reference(tmp_path_factory, layout: str, **shape):
     pipelined = "pp=" in layout
-    return _reference(tmp_path_factory, "tiny_moe", grad_accum=load_config("tiny_moe").microbatches if pipelined else 1)
+    return _reference(tmp_path_factory, "tiny_moe", grad_accum=load_config("tiny_moe").microbatches if pipelined else 1,
+                      **shape)
 
 
-#: The runs with the fused kernels compare two steps, not STEPS: each step runs every kernel through
-#: Triton's interpreter (seconds each), and the second already trains on updated weights.
-FUSED = {"steps": 2}
+#: The runs with the fused kernels compare two steps, not STEPS, of 4 sequences of 16 tokens, not 8 of
+#: 32, against a reference of the same shape: Triton's interpreter runs each kernel's programs one
+#: after another (a token's MoE unpermute took 2 ms), and the second step already trains on updated
+#: weights.
+FUSED = {"steps": 2, "overrides": {"global_batch": 4, "seq_len": 16}}
 DENSE = [
     # (id, world, layout, options)
     ("ddp", 2, "dp_shard=2", {"dp_mode": "ddp"}),
@@ -171,14 +182,16 @@ MOE = [("ep2_fused_kernels", 2, "dp_shard=2,ep=2", {"kernels": "fused", **FUSED}
 
 @pytest.mark.parametrize("name, world, layout, opts", DENSE + PIPELINED, ids=[x[0] for x in DENSE + PIPELINED])
 def test_dense_layout_matches_single_process(tmp_path, tmp_path_factory, name, world, layout, opts):
-    ref = _reference(tmp_path_factory, "tiny_dense")
-    _assert_equivalent(ref, _run(tmp_path, world, name, config="tiny_dense", layout=layout, **opts), "tiny_dense")
+    ref = _reference(tmp_path_factory, "tiny_dense", **_shape(opts))
+    _assert_equivalent(ref, _run(tmp_path, world, name, config="tiny_dense", layout=layout, **opts), "tiny_dense",
+                       **_shape(opts))
 
 
 @pytest.mark.parametrize("name, world, layout, opts", MOE, ids=[x[0] for x in MOE])
 def test_moe_layout_matches_single_process(tmp_path, tmp_path_factory, name, world, layout, opts):
-    ref = _moe_reference(tmp_path_factory, layout)
-    _assert_equivalent(ref, _run(tmp_path, world, name, config="tiny_moe", layout=layout, **opts), "tiny_moe")
+    ref = _moe_reference(tmp_path_factory, layout, **_shape(opts))
+    _assert_equivalent(ref, _run(tmp_path, world, name, config="tiny_moe", layout=layout, **opts), "tiny_moe",
+                       **_shape(opts))
 
 
 def test_four_chunks_per_rank_train_like_one_process(tmp_path, tmp_path_factory):
