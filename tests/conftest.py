@@ -23,6 +23,11 @@ def device(request) -> str:
     return request.param
 
 
+def pytest_runtestloop(session):
+    """make test's rest lane shares its test files with its tail (tests/lanes.py, ``run_claimed``)."""
+    return lanes.run_claimed(session)
+
+
 def pytest_runtest_setup(item):
     """make test's rest lane holds each test back while a paced test has the machine to itself
     (tests/lanes.py, ``quiet``)."""

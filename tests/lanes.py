@@ -19,15 +19,24 @@ steps, a browser over paced runs) spend most of theirs asleep.  So:
   moment to wait in gloo: a fresh-clone CI measured ddp=2's median step at 2.5x its quiet value,
   with single steps of 13 and 24 s, while the rest lane ran beside it.
 
-The paced lane streams its output; the rest lane's goes to ``artifacts/tests/rest.log`` and is
-printed when it ends.  The last line totals both lanes.  ``pytest`` alone still runs every test
-in one process (slower, same tests), and ``pytest FILE`` runs a file, whatever its lane.
+When the paced lane ends, a second rest process starts (the **tail**): the two share the rest of
+the work a test file at a time -- each claims a file before it runs it (:func:`run_claimed`), the
+first from the top of the list, the tail from the bottom, until they meet -- so the suite's last
+minutes use both cores, where one process left one idle.  A file's tests stay in one process, so
+its module fixtures run once.  (Two rest processes beside the paced lane slowed it and cost its
+fail-slow run an episode; the tail starts only when the machine is otherwise idle.)
+
+The paced lane streams its output; the rest lane's goes to ``artifacts/tests/rest.log`` (the tail's
+to ``rest-tail.log``) and is printed when it ends.  The last line totals the lanes.  ``pytest``
+alone still runs every test in one process (slower, same tests), and ``pytest FILE`` runs a file,
+whatever its lane.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +48,9 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--dur
 #: The file a paced test holds while it wants the machine alone (its pid inside), named to both
 #: lanes by make test; the rest lane's own processes carry :data:`LANE` = ``rest``.
 QUIET, LANE = "MFUSCOPE_TEST_QUIET", "MFUSCOPE_TEST_LANE"
+#: The directory in which the two rest processes claim test files, and which end of the list each
+#: starts from (``top`` or ``bottom``).
+CLAIMS, CLAIM_FROM = "MFUSCOPE_TEST_CLAIMS", "MFUSCOPE_TEST_CLAIM_FROM"
 #: The longest the rest lane waits for one quiet spell: a paced test that dies holding the flag
 #: leaves a dead pid, which ends the wait at once; this bounds the rest.
 QUIET_WAIT_S = 20 * 60
@@ -101,6 +113,44 @@ def _holder_alive(flag: Path) -> bool:
     return True
 
 
+def run_claimed(session) -> bool | None:
+    """pytest's test loop for a rest process that shares its work (conftest's
+    ``pytest_runtestloop``): each test file is run by whichever process claims it first (an
+    exclusive create in :data:`CLAIMS`); None (pytest's own loop) outside make test's rest lane.
+    The next file is claimed before the current one's last test, so that its fixtures are torn
+    down knowing what runs next, as pytest's own loop does."""
+    claims = os.environ.get(CLAIMS)
+    if not claims or session.config.option.collectonly:
+        return None
+    files: dict[str, list] = {}
+    for item in session.items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(files.items())
+    if os.environ.get(CLAIM_FROM) == "bottom":
+        order.reverse()
+    mine = (items for name, items in order if _claim(Path(claims), name))
+    current = next(mine, None)
+    while current is not None:
+        following = next(mine, None)
+        for i, item in enumerate(current):
+            nextitem = current[i + 1] if i + 1 < len(current) else (following[0] if following else None)
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            if session.shouldfail:
+                raise session.Failed(session.shouldfail)
+            if session.shouldstop:
+                raise session.Interrupted(session.shouldstop)
+        current = following
+    return True
+
+
+def _claim(claims: Path, name: str) -> bool:
+    try:
+        os.close(os.open(claims / (name.replace("/", "__") + ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _lane_seconds(log: str) -> str:
     """The duration pytest's closing line gives ("in 612.34s"), or "?"."""
     found = re.findall(r" in (\d+(?:\.\d+)?)s", log)
@@ -109,42 +159,61 @@ def _lane_seconds(log: str) -> str:
 
 def main(argv: list[str]) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
-    rest_log, flag = LOGS / "rest.log", LOGS / "quiet"
+    rest_log, tail_log, flag, claims = LOGS / "rest.log", LOGS / "rest-tail.log", LOGS / "quiet", LOGS / "claims"
     flag.unlink(missing_ok=True)
+    shutil.rmtree(claims, ignore_errors=True)
+    claims.mkdir()
+    tail_log.write_text("")
     env = {**os.environ, QUIET: str(flag)}
-    with open(rest_log, "w") as out:
-        rest = subprocess.Popen([*PYTEST, "-m", "not paced", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=_idle_priority, env={**env, LANE: "rest"})
-        try:
-            print(f"make test: the rest lane runs beside this one on idle cores only; its log: {rest_log}", flush=True)
-            paced_out: list[bytes] = []
-            paced = subprocess.Popen([*PYTEST, "-m", "paced", *argv], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, env={**env, LANE: "paced", "PYTHONUNBUFFERED": "1"})
-            while chunk := os.read(paced.stdout.fileno(), 4096):  # each test's dot as it passes
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                paced_out.append(chunk)
-            paced_rc = paced.wait()
-            if rest.poll() is None:
-                print("make test: the paced lane is done; waiting for the rest lane", flush=True)
-            rest_rc = rest.wait()
-        finally:  # interrupted: the rest lane does not go on alone
-            if rest.poll() is None:
-                rest.terminate()
-    paced_text, rest_text = b"".join(paced_out).decode(errors="replace"), rest_log.read_text(errors="replace")
-    print(f"---------- the rest lane ({rest_log}) ----------")
-    print(rest_text, end="" if rest_text.endswith("\n") else "\n")
+    rest_cmd = [*PYTEST, "-m", "not paced", *argv]
+    started: list[subprocess.Popen] = []
+    try:
+        with open(rest_log, "w") as out:
+            rest = subprocess.Popen(rest_cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_idle_priority,
+                                    env={**env, LANE: "rest", CLAIMS: str(claims), CLAIM_FROM: "top"})
+        started.append(rest)
+        print(f"make test: the rest lane runs beside this one on idle cores only; its log: {rest_log}", flush=True)
+        paced_out: list[bytes] = []
+        paced = subprocess.Popen([*PYTEST, "-m", "paced", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, env={**env, LANE: "paced", "PYTHONUNBUFFERED": "1"})
+        started.append(paced)
+        while chunk := os.read(paced.stdout.fileno(), 4096):  # each test's dot as it passes
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            paced_out.append(chunk)
+        paced_rc = paced.wait()
+        tail_rc = 0
+        if rest.poll() is None:
+            print(f"make test: the paced lane is done; the rest lane's tail shares what is left (log: {tail_log})",
+                  flush=True)
+            with open(tail_log, "w") as out:
+                tail = subprocess.Popen(rest_cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                        env={**env, LANE: "rest", CLAIMS: str(claims), CLAIM_FROM: "bottom"})
+            started.append(tail)
+            tail_rc = tail.wait()
+        rest_rc = rest.wait()
+    finally:  # interrupted: no lane goes on alone
+        for proc in started:
+            if proc.poll() is None:
+                proc.terminate()
+    paced_text = b"".join(paced_out).decode(errors="replace")
+    rest_text, tail_text = rest_log.read_text(errors="replace"), tail_log.read_text(errors="replace")
+    for what, log, text in (("the rest lane", rest_log, rest_text), ("its tail", tail_log, tail_text)):
+        if text:
+            print(f"---------- {what} ({log}) ----------")
+            print(text, end="" if text.endswith("\n") else "\n")
     total: dict[str, int] = {}
-    for lane in (_counts(paced_text), _counts(rest_text)):
+    for lane in (_counts(paced_text), _counts(rest_text), _counts(tail_text)):
         for k, v in lane.items():
             total[k] = total.get(k, 0) + v
     summary = f"{total.get('passed', 0)} passed, {total.get('failed', 0) + total.get('error', 0)} failed"
     if total.get("skipped"):
         summary += f", {total['skipped']} skipped"
+    tail_note = f", its tail {_lane_seconds(tail_text)} (exit {tail_rc})" if tail_text else ""
     print(f"lanes: paced {_lane_seconds(paced_text)} (exit {paced_rc}), rest {_lane_seconds(rest_text)} "
-          f"(exit {rest_rc})")
+          f"(exit {rest_rc}){tail_note}")
     print(summary)
-    return 0 if paced_rc == 0 and rest_rc == 0 else 1
+    return 0 if paced_rc == 0 and rest_rc == 0 and tail_rc == 0 else 1
 
 
 if __name__ == "__main__":

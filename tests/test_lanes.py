@@ -52,3 +52,51 @@ def test_a_flag_whose_holder_died_holds_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv(lanes.LANE)  # outside make test's rest lane: never waits
     flag.write_text(str(os.getpid()))
     assert lanes.wait_while_quiet() == 0.0
+
+
+def test_the_rest_lane_and_its_tail_run_each_test_file_once_and_whole(tmp_path):
+    """Two pytest processes claiming files as make test's rest lane and its tail do, started at
+    once over six files of three tests each (a module fixture in each): every test runs exactly
+    once, a file's tests all in one process with its module fixture set up once, and both
+    processes take part (both start before either runs a test, and each file's tests sleep, so
+    neither can finish the list alone)."""
+    runs = tmp_path / "ran.txt"
+    # both sessions start before either runs a test (a loaded machine may start one seconds late)
+    (tmp_path / "conftest.py").write_text(
+        "import os, pathlib, time\n"
+        "from mfuscope.tests import lanes\n\n"
+        "def pytest_runtestloop(session):\n"
+        "    here = pathlib.Path(os.environ[lanes.CLAIMS])\n"
+        "    (here / (os.environ[lanes.CLAIM_FROM] + '.started')).touch()\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while len(list(here.glob('*.started'))) < 2 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    return lanes.run_claimed(session)\n")
+    for f in range(6):
+        (tmp_path / f"test_f{f}.py").write_text(
+            "import os, time, pytest\n\n"
+            "@pytest.fixture(scope='module')\n"
+            "def once():\n"
+            f"    open({str(runs)!r}, 'a').write(f'setup f{f} {{os.getpid()}}\\n')\n\n"
+            + "".join(f"def test_{t}(once):\n"
+                      f"    time.sleep(0.15)\n"
+                      f"    open({str(runs)!r}, 'a').write(f'test f{f}::{t} {{os.getpid()}}\\n')\n\n"
+                      for t in range(3)))
+    claims = tmp_path.parent / f"{tmp_path.name}-claims"
+    claims.mkdir()
+    env = {**os.environ, lanes.CLAIMS: str(claims)}
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                              cwd=tmp_path, env={**env, lanes.CLAIM_FROM: end}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for end in ("top", "bottom")]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    lines = [line.split() for line in runs.read_text().splitlines()]
+    tests = [(what, pid) for kind, what, pid in lines if kind == "test"]
+    assert sorted(what for what, _ in tests) == sorted(f"f{f}::{t}" for f in range(6) for t in range(3))
+    by_file = {}
+    for what, pid in tests:
+        by_file.setdefault(what.split("::")[0], set()).add(pid)
+    assert all(len(pids) == 1 for pids in by_file.values()), by_file
+    setups = sorted(what for kind, what, _ in lines if kind == "setup")
+    assert setups == [f"f{f}" for f in range(6)]
+    assert len({pid for pids in by_file.values() for pid in pids}) == 2, by_file  # both took part
