@@ -22,11 +22,12 @@ import sys
 from collections import Counter
 
 
-def saved_storages(output, params) -> list:
-    """Distinct tensors (by storage) the autograd graph of ``output`` keeps, parameters left out."""
+def saved_storages(output, shared) -> list:
+    """Distinct tensors (by storage) the autograd graph of ``output`` keeps, ``shared`` left out
+    (the parameters, and the rotations every layer reads: the model's, not a layer's)."""
     import torch
 
-    skip = {p.untyped_storage().data_ptr() for p in params}
+    skip = {p.untyped_storage().data_ptr() for p in shared}
     seen, out, stack, visited = set(), [], [output.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -55,7 +56,7 @@ def measure(cfg_name: str, seq: int, compiled: bool, backend: str = "inductor") 
     import torch
 
     from mfuscope.reference_trainer.config import load_config
-    from mfuscope.reference_trainer.model import TransformerBlock
+    from mfuscope.reference_trainer.model import TransformerBlock, rotary_table
 
     model = load_config(cfg_name).model
     widths = {model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim, model.n_heads * model.head_dim}
@@ -65,12 +66,12 @@ def measure(cfg_name: str, seq: int, compiled: bool, backend: str = "inductor") 
     block = TransformerBlock(model)
     run = torch.compile(block, backend=backend) if compiled else block
     x = torch.randn(1, seq, model.dim, requires_grad=True)  # the residual stream: float32, as the embedding's
-    positions = torch.arange(seq)
+    rotary = rotary_table(torch.arange(seq), model.head_dim, model.rope_theta)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = run(x, positions)
+        y = run(x, rotary)
     weights = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape[::-1]) for p in block.parameters()}
     kept, total = Counter(), 0
-    for t in saved_storages(y, list(block.parameters())):
+    for t in saved_storages(y, [*block.parameters(), rotary]):
         if tuple(t.shape) in weights:  # autocast's bf16 copy of a weight: the model counts it with the weights
             continue
         nbytes = t.untyped_storage().nbytes()

@@ -13,8 +13,8 @@ rms_norm       a class named ``*RMSNorm`` with ``weight`` and    ``rms_norm(x, w
 swiglu         ``w1``/``w2``/``w3`` (reference trainer: w2(silu  ``w2(swiglu(w1 x, w3 x))``
                (w1 x) * w3 x)) or ``gate_proj``/``up_proj``/
                ``down_proj`` with a SiLU ``act_fn`` (Hugging Face)
-rope           an attention with ``rope_fn`` and ``theta``       ``apply_rope``'s kernel, interleaved
-               (the reference trainer's)                         pairs as the trainer's RoPE
+rope           an attention with ``rope_fn`` (the reference      ``apply_rope``'s kernel, interleaved
+               trainer's: ``rope_fn(x, rotary)``)                pairs as the trainer's RoPE
                an attention with ``q_proj`` whose module has     ``apply_rope``'s kernel, rotate-half
                ``apply_rotary_pos_emb`` (Hugging Face Llama,     (that module's function is swapped:
                Mistral, Qwen2/3, ...)                            every model of the family uses it)
@@ -45,7 +45,6 @@ from torch import nn
 from .linear_cross_entropy import fused_linear_cross_entropy
 from .moe_routing import moe_permute, moe_unpermute
 from .rms_norm import rms_norm
-from .rope import rope_angles
 from .swiglu import swiglu
 
 OPS = ("rms_norm", "swiglu", "rope", "linear_ce", "moe_permute")
@@ -87,7 +86,7 @@ def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> 
             applied.swap(m, "forward", _fused_norm(m))
         elif "swiglu" in applied.ops and _swiglu_parts(m):
             applied.swap(m, "forward", _fused_mlp(m, *_swiglu_parts(m)))
-        elif "rope" in applied.ops and callable(m.__dict__.get("rope_fn")) and hasattr(m, "theta"):
+        elif "rope" in applied.ops and callable(m.__dict__.get("rope_fn")):
             applied.swap(m, "rope_fn", _fused_rope)
         elif "rope" in applied.ops and isinstance(getattr(m, "q_proj", None), nn.Module):
             module = sys.modules.get(type(m).__module__)
@@ -105,12 +104,14 @@ def apply(model: nn.Module, ops=("rms_norm", "swiglu", "rope", "linear_ce")) -> 
     return applied
 
 
-def _fused_rope(x, positions, theta):
-    """The reference trainer's ``rope(x, positions, theta)`` for x (batch, seq, heads, head_dim):
-    the kernel reads it transposed in place and writes (batch, heads, seq, head_dim)."""
+def _fused_rope(x, rotary):
+    """The reference trainer's ``rope(x, rotary)`` for x (batch, seq, heads, head_dim) and its
+    complex (seq, head_dim/2) rotations: the kernel reads x transposed in place and writes (batch,
+    heads, seq, head_dim)."""
     import torch
 
-    cos, sin = rope_angles(positions, x.shape[-1], theta)
+    table = torch.view_as_real(rotary)
+    cos, sin = table[..., 0].contiguous(), table[..., 1].contiguous()
     return torch.ops.mfuscope.rope(x.transpose(1, 2), cos, sin, True, 1.0).transpose(1, 2)
 
 

@@ -66,6 +66,12 @@ class Manifest:
         return self._section("train")
 
     @property
+    def kernels(self) -> dict[str, Any]:
+        """Which kernels the run's operations dispatch to, where the trainer recorded it
+        (``attention``: the SDPA backend PyTorch picks); {} otherwise."""
+        return self._section("kernels")
+
+    @property
     def trainer(self) -> dict[str, Any]:
         """How the reference trainer was launched (:meth:`TrainerOptions.to_manifest
         <mfuscope.trainer_options.TrainerOptions.to_manifest>`); {} for any other job."""

@@ -207,7 +207,7 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
     train, pp = m.train, layout.pp
     summary = report.get("summary") or {}
     acc = hardware.lookup(m.device_name) if m.device_name not in (None, "x86_64", "cpu") else None
-    training = Training.of_run(opts, train, on_gpu=acc is not None)
+    training = Training.of_run(opts, train, on_gpu=acc is not None, attention=m.kernels.get("attention"))
     ranks = m.world_size
     if acc is not None:
         sys = system(acc.key)

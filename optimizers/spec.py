@@ -367,7 +367,8 @@ class Training:
         return []
 
     @classmethod
-    def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool) -> Training:
+    def of_run(cls, opts: TrainerOptions, train: dict[str, Any], on_gpu: bool, attention: str | None = None
+               ) -> Training:
         """What a reference-trainer run ran: its options and resolved train settings.  ``--kernels
         fused`` fuses on a GPU; on a CPU the kernels run their PyTorch reference (nothing fused).
 
@@ -376,9 +377,9 @@ class Training:
         collectives block the calling thread and share its cores: nothing overlaps, except FSDP's
         gathers with prefetch, which are issued async a block ahead (their reduce-scatters still
         block), and DDP's bucket all-reduces, which run async on gloo's worker threads (all but the
-        last bucket can overlap the backward).  The attention kernel is the one the trainer recorded
-        PyTorch picking (``train.attention_backend``): cuDNN's runs at the FA3-class rate, any other
-        (or none recorded) at FlashAttention-2's."""
+        last bucket can overlap the backward).  ``attention``: the SDPA backend the trainer recorded
+        PyTorch picking (the manifest's ``kernels.attention``): cuDNN's runs at the FA3-class rate,
+        any other (or none recorded) at FlashAttention-2's."""
         ddp = opts.dp_mode == "ddp"
         return cls(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
                    compiled=bool(train.get("compile")), fused_kernels=opts.kernels == "fused" and on_gpu,
@@ -389,7 +390,7 @@ class Training:
                    grad_bucket_bytes=opts.ddp_bucket_mb * 2**20 if opts.ddp_bucket_mb else None,
                    keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")),
                    async_tp=opts.async_tp, cp_regather=False, cp_grad_collective="all_to_all",
-                   cp_overlap=False, attention_kernel="fa3" if train.get("attention_backend") == "cudnn" else "fa2")
+                   cp_overlap=False, attention_kernel="fa3" if attention == "cudnn" else "fa2")
 
     @property
     def activation_bytes(self) -> int:

@@ -287,12 +287,13 @@ def manifest_sections(opts: TrainerOptions, cfg: TrainConfig, dims: ParallelDims
     rank's coordinates -- what ``mfuscope optimize`` reads back to know what a run ran."""
     train = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "model"}
     m = cfg.model
-    train["attention_backend"] = attention_backend(
-        max(1, m.n_heads // dims.tp), max(1, m.n_kv_heads // dims.tp), m.head_dim, max(1, cfg.seq_len // dims.cp),
-        torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, _device())
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    attention = attention_backend(max(1, m.n_heads // dims.tp), max(1, m.n_kv_heads // dims.tp), m.head_dim,
+                                  max(1, cfg.seq_len // dims.cp), dtype, _device())
     schedule = ({"name": opts.schedule, "microbatches": cfg.microbatches,
                  "virtual_stages": virtual_stages(opts.schedule, opts.virtual_stages)} if dims.pp > 1 else None)
     return {"model": cfg.model.spec(), "schedule": schedule, "train": train, "trainer": opts.to_manifest(),
+            "kernels": {"attention": attention},
             "rank_coords": {str(r): dims.coords(r) for r in range(dims.world_size)}}
 
 

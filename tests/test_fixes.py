@@ -245,7 +245,8 @@ def test_every_fix_runs_what_it_predicted(fix, tmp_path):
         new = Manifest.of(_trainer_manifest(config, world, launched, opts.overrides, on_gpu))
         recorded = TrainerOptions.from_manifest(new, config=str(config))
         layout = measured.run_layout(new, recorded, tmp_path / "new" / "manifest.json")
-        training = replace(Training.of_run(recorded, new.train, on_gpu), checkpoint_s=change.training.checkpoint_s)
+        training = replace(Training.of_run(recorded, new.train, on_gpu, new.kernels.get("attention")),
+                           checkpoint_s=change.training.checkpoint_s)
         assert ran_otherwise(change, layout, training) == [], (change.summary, change.trainer)
 
 
@@ -258,11 +259,11 @@ def test_the_attention_rate_follows_the_kernel_the_run_recorded(tmp_path):
     config = tmp_path / "eight.toml"
     config.write_text(EIGHT_LAYERS.replace('dtype = "fp32"', 'dtype = "bf16"'))
     manifest = _trainer_manifest(config, 1, {}, {}, True)
-    assert manifest["train"]["attention_backend"] in ("flash", "cudnn", "efficient", "math")  # what this torch picks
+    assert manifest["kernels"]["attention"] in ("flash", "cudnn", "efficient", "math")  # what this torch picks
     report = {"summary": {"step_time_s": 1.0}, "breakdown": {"name": "step", "seconds": 1.0, "children": []}}
     leaves = {}
     for backend in ("flash", "cudnn"):
-        manifest["train"]["attention_backend"] = backend
+        manifest["kernels"]["attention"] = backend
         leaves[backend] = measured.from_documents(report, manifest, tmp_path / backend).predict(None).leaves
     flash, cudnn = leaves["flash"], leaves["cudnn"]
     assert flash["compute/attention"] / cudnn["compute/attention"] == pytest.approx(620.7 / 335, rel=1e-6)

@@ -136,13 +136,15 @@ def test_a_swapped_block_compiles_as_one_graph(device):
     kernels.apply(model)
     block = model.layers["0"]
     x = torch.randn(2, cfg.seq_len, cfg.model.dim).to(device).requires_grad_()
-    positions = torch.arange(cfg.seq_len, device=device)
-    eager = block(x, positions)
+    from mfuscope.reference_trainer.model import rotary_table
+
+    rotary = rotary_table(torch.arange(cfg.seq_len, device=device), cfg.model.head_dim, cfg.model.rope_theta)
+    eager = block(x, rotary)
     eager.square().sum().backward()
     dx = x.grad.clone()
     x.grad = None
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    out = compiled(x, positions)
+    out = compiled(x, rotary)
     out.square().sum().backward()
     assert_close(out, eager.detach(), tolerance(torch.float32, cfg.model.ffn_dim), "block")
     assert_close(x.grad, dx, tolerance(torch.float32, cfg.model.ffn_dim * cfg.seq_len), "dx")

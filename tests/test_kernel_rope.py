@@ -50,11 +50,11 @@ def test_q_and_k_and_their_gradients_match_the_reference(dtype, interleaved, dev
 
 def test_interleaved_pairs_are_the_reference_trainers_rope(device):
     """Independent of rope_reference: the trainer's model.rope on (batch, seq, heads, head_dim), on the CPU."""
-    from mfuscope.reference_trainer.model import rope
+    from mfuscope.reference_trainer.model import rope, rotary_table
 
     x = torch.randn(2, 9, 3, 16)  # (batch, seq, heads, head_dim), as the trainer holds q
     positions = torch.arange(5, 14)
-    theirs = rope(x, positions, 500000.0)
+    theirs = rope(x, rotary_table(positions, 16, 500000.0))
     x, positions = x.to(device), positions.to(device)
     cos, sin = rope_angles(positions, 16, 500000.0)
     ours, _ = apply_rope(x.transpose(1, 2), x.transpose(1, 2)[:, :1], cos, sin, interleaved=True)

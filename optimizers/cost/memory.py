@@ -49,13 +49,14 @@ parallelism), hidden h, a heads, t = tp, e bytes an element (2 in 16-bit, 4 in f
 - the same block under torch.compile (``compiled=True``, no recompute, dense: a MoE block's
   compiled graph is not measured and keeps eager's count), counted from what its
   graph keeps (``python benchmarks/saved_activations.py``: one ``gpu_dense_1b`` block under bf16
-  autocast on the CPU, 66,636 bytes a token against eager's 111,688): the partitioner keeps the
+  autocast on the CPU, 66,632 bytes a token against eager's 110,664): the partitioner keeps the
   block input (in the residual stream's dtype, r bytes: 4 under autocast over fp32 weights, else
   e) and recomputes the two norms' weighted outputs and the residual sum from it; it keeps the
   normalized inputs of attention and the MLP (2h), the rotated q, attention's output and its copy
   laid out for the output projection (3h), k and v (2k), the MLP's gate, up and product (3f,
-  SwiGLU itself recomputed), the log-sum-exp (4a) and three fp32 inverse RMS values: per token
-  r h + e (2h + 3h + 2k + 3f) + 4 a + 12 bytes.  The 2h and r h are replicated over tp unless
+  SwiGLU itself recomputed), the log-sum-exp (4a) and the two norms' fp32 inverse RMS: per token
+  r h + e (2h + 3h + 2k + 3f) + 4 a + 8 bytes (the RoPE rotations are the model's, made once a
+  forward).  The 2h and r h are replicated over tp unless
   sequence parallel.  An H200 run of ``gpu_dense_1b`` (one GPU, bf16 autocast, torch.compile)
   peaked at 77.6 GiB (``torch.cuda.max_memory_allocated``): the compiled count gives 87.6 GiB,
   eager's 99.2.
@@ -161,7 +162,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, f
         return e * s * b * h / (t if sp else 1)
     if compiled and model.mlp != "gelu" and not model.n_experts and layout.recompute == "none":
         k, f, r = model.kv_heads * model.head_dim, model.ffn_dim, residual_bytes or e
-        replicated = r * h + e * 2 * h + 12
+        replicated = r * h + e * 2 * h + 8
         split = e * (3 * h + 2 * k + 3 * f) + 4 * a
         return s * b * (replicated / (t if sp else 1) + split / t)
     if model.mlp == "gelu":
