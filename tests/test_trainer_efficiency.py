@@ -24,7 +24,7 @@ from mfuscope.reference_trainer import expert_parallel, tensor_parallel  # noqa:
 from mfuscope.reference_trainer.config import load_config  # noqa: E402
 from mfuscope.reference_trainer.data_parallel import apply_fsdp  # noqa: E402
 from mfuscope.reference_trainer.launch import fork_ranks  # noqa: E402
-from mfuscope.reference_trainer.model import Experts, Transformer, cross_entropy  # noqa: E402
+from mfuscope.reference_trainer.model import Experts, Transformer, cross_entropy, rotary_table  # noqa: E402
 from mfuscope.reference_trainer.parallel_dims import ParallelDims  # noqa: E402
 from mfuscope.reference_trainer.pipeline_parallel import build_stage, layer_ranges  # noqa: E402
 
@@ -166,7 +166,8 @@ def test_a_compiled_moe_block_is_one_graph():
     block.feed_forward.routing = []
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        explained = torch._dynamo.explain(block)(torch.randn(2, cfg.seq_len, cfg.model.dim), model.positions)
+        rotary = rotary_table(model.positions, cfg.model.head_dim, cfg.model.rope_theta)
+        explained = torch._dynamo.explain(block)(torch.randn(2, cfg.seq_len, cfg.model.dim), rotary)
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
     assert len(block.feed_forward.routing) == 1
