@@ -21,10 +21,11 @@ steps, a browser over paced runs) spend most of theirs asleep.  So:
 
 When the paced lane ends, a second rest process starts (the **tail**): the two share the rest of
 the work a test file at a time -- each claims a file before it runs it (:func:`run_claimed`), the
-first from the top of the list, the tail from the bottom, until they meet -- so the suite's last
-minutes use both cores, where one process left one idle.  A file's tests stay in one process, so
-its module fixtures run once.  (Two rest processes beside the paced lane slowed it and cost its
-fail-slow run an episode; the tail starts only when the machine is otherwise idle.)
+first from the top of the list (:data:`HEAVY_FIRST` at its head), the tail from the bottom, until
+they meet -- so the suite's last minutes use both cores, where one process left one idle.  A
+file's tests stay in one process, so its module fixtures run once.  (Two rest processes beside the
+paced lane slowed it and cost its fail-slow run an episode; the tail starts only when the machine
+is otherwise idle.)
 
 The paced lane streams its output; the rest lane's goes to ``artifacts/tests/rest.log`` (the tail's
 to ``rest-tail.log``) and is printed when it ends.  The last line totals the lanes.  ``pytest``
@@ -51,6 +52,11 @@ QUIET, LANE = "MFUSCOPE_TEST_QUIET", "MFUSCOPE_TEST_LANE"
 #: The directory in which the two rest processes claim test files, and which end of the list each
 #: starts from (``top`` or ``bottom``).
 CLAIMS, CLAIM_FROM = "MFUSCOPE_TEST_CLAIMS", "MFUSCOPE_TEST_CLAIM_FROM"
+#: The rest lane's heaviest files (CPU seconds in a fresh-clone CI, 2026-12-04), run first, so that
+#: what is left when the paced lane ends is small files, which the tail can share (it never splits a file).
+HEAVY_FIRST = ("test_reference_trainer.py", "test_optimize.py", "test_map_reduce.py", "test_collectors.py",
+               "test_kernel_linear_cross_entropy.py", "test_gpu_check.py", "test_first_findings.py",
+               "test_gloo_traces.py", "test_cluster.py", "test_demo.py", "test_memory.py", "test_checkpoint.py")
 #: The longest the rest lane waits for one quiet spell: a paced test that dies holding the flag
 #: leaves a dead pid, which ends the wait at once; this bounds the rest.
 QUIET_WAIT_S = 20 * 60
@@ -125,7 +131,7 @@ def run_claimed(session) -> bool | None:
     files: dict[str, list] = {}
     for item in session.items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = list(files.items())
+    order = sorted(files.items(), key=lambda kv: _weight(kv[0]))  # stable: the rest in pytest's order
     if os.environ.get(CLAIM_FROM) == "bottom":
         order.reverse()
     mine = (items for name, items in order if _claim(Path(claims), name))
@@ -141,6 +147,11 @@ def run_claimed(session) -> bool | None:
                 raise session.Interrupted(session.shouldstop)
         current = following
     return True
+
+
+def _weight(nodeid_file: str) -> int:
+    name = Path(nodeid_file).name
+    return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
 
 
 def _claim(claims: Path, name: str) -> bool:
