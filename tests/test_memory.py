@@ -80,8 +80,16 @@ def test_the_windows_export_is_the_collectors_step_and_not_the_jobs(memory_runs)
     assert (export["collector_ns"] > 0).all() and (export["collector_ns"] / 1e9 <= export["seconds"]).all()
     kept = steps[steps["step"].isin([1, 2])]  # step 0 is warm-up
     assert export["collector_ns"].max() / 1e9 > 0.1 * kept.groupby("step")["seconds"].max().median()
+    # Left out: the steps where some rank's collectors worked over 10% of the job's median step --
+    # step 3 (the export) always; step 2 too where starting the profiler took that long (a loaded
+    # CI runner: 31 s of collectors' work in all, some of it in step 2).
+    job = steps.groupby("step")["seconds"].max()
+    theirs = steps.groupby("step")["collector_ns"].max() / 1e9
+    left_out = sorted(int(s) for s in theirs[theirs > 0.10 * job.median()].index)
+    assert 3 in left_out and set(left_out) <= {2, 3}, left_out
     summary = report["summary"]
-    assert "step 3 left out" in summary["step_time_source"], summary["step_time_source"]
+    named = ", ".join(map(str, left_out))
+    assert f"step{'s' if len(left_out) > 1 else ''} {named} left out" in summary["step_time_source"], summary
     assert summary["step_time_s"] <= kept["seconds"].max() * (1 + 1e-9)
 
 
