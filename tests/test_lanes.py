@@ -58,8 +58,7 @@ def test_the_rest_lane_and_its_tail_run_each_test_file_once_and_whole(tmp_path):
     """Two pytest processes claiming files as make test's rest lane and its tail do, started at
     once over six files of three tests each (a module fixture in each): every test runs exactly
     once, a file's tests all in one process with its module fixture set up once, and both
-    processes take part (both start before either runs a test, and each file's tests sleep, so
-    neither can finish the list alone)."""
+    processes take part (each claims a file, and the next, before any test runs)."""
     runs = tmp_path / "ran.txt"
     # both sessions start before either runs a test (a loaded machine may start one seconds late)
     (tmp_path / "conftest.py").write_text(
@@ -71,7 +70,11 @@ def test_the_rest_lane_and_its_tail_run_each_test_file_once_and_whole(tmp_path):
         "    deadline = time.monotonic() + 60\n"
         "    while len(list(here.glob('*.started'))) < 2 and time.monotonic() < deadline:\n"
         "        time.sleep(0.05)\n"
-        "    return lanes.run_claimed(session)\n")
+        "    return lanes.run_claimed(session)\n\n"
+        "def pytest_runtest_setup(item):  # each process has claimed its first two files before a test runs\n"
+        "    here, deadline = pathlib.Path(os.environ[lanes.CLAIMS]), time.monotonic() + 60\n"
+        "    while len(list(here.glob('*.claim'))) < 4 and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n")
     for f in range(6):
         (tmp_path / f"test_f{f}.py").write_text(
             "import os, time, pytest\n\n"
