@@ -358,7 +358,12 @@ def test_the_attention_backend_recorded_is_the_kernel_that_runs(dtype):
         q = torch.randn(2, 4, 64, 16, dtype=dtype, device=device)
         kv = torch.randn(2, 2, 64, 16, dtype=dtype, device=device)
         with profile() as prof:
-            model_mod.causal_attention(q, kv, kv)
+            try:
+                model_mod.causal_attention(q, kv, kv)
+            except RuntimeError as e:  # ATEN_CPU_CAPABILITY=default: "pack_vnni2 is only supported when avx512 ..."
+                if device == "cpu" and dtype == torch.bfloat16:
+                    pytest.skip(f"this CPU build of PyTorch cannot run bf16 attention here: {e}")
+                raise
         ran = {e.name for e in prof.events()}
         recorded = model_mod.attention_backend(4, 2, 16, 64, dtype, torch.device(device))
         assert recorded in SDPA_OPS, recorded
