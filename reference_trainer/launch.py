@@ -6,12 +6,14 @@ and torch import).  Each child gets the env:// variables torchrun would set.
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import queue
 import re
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -24,9 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) -> None:
+def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, crash_log: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    # A rank that dies in native code cannot report; its Python stacks at the fatal signal go to a
+    # file of its own (the file object must outlive the rank's work), read back into the parent's error.
+    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)  # noqa: SIM115
     try:
         import torch
         torch.set_num_threads(1)
@@ -51,10 +56,17 @@ def fork_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> li
     When ranks fail, the error raised puts the cause first: a rank that raised on its own before
     the ranks that lost their peer because of it, and a rank killed by a signal (the kernel's OOM
     killer sends 9) by its exit code, since it could not report."""
+    with tempfile.TemporaryDirectory(prefix="mfuscope-ranks-") as logs:
+        crash_logs = [os.path.join(logs, f"rank{r}.fatal") for r in range(world)]
+        return _fork_and_collect(fn, world, args, timeout, crash_logs)
+
+
+def _fork_and_collect(fn: Callable, world: int, args: tuple, timeout: float, crash_logs: list[str]) -> list[Any]:
     ctx = multiprocessing.get_context("fork")
     reports = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, reports), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, reports, crash_logs[r]), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -74,8 +86,8 @@ def fork_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> li
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if p.exitcode is not None and p.exitcode < 0 and r not in results and r not in errors:
-                        errors[r] = f"killed by signal {-p.exitcode}" + (" (SIGKILL: out of memory?)"
-                                                                        if p.exitcode == -9 else "")
+                        oom = " (SIGKILL: out of memory?)" if p.exitcode == -9 else ""
+                        errors[r] = f"killed by signal {-p.exitcode}{oom}{_fatal_stacks(crash_logs[r])}"
                         first_failure = first_failure or time.monotonic()
                 continue
             if error:
@@ -91,6 +103,19 @@ def fork_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> li
     if errors:
         raise RuntimeError(_failure_report(errors, world))
     return [results[r] for r in range(world)]
+
+
+def _fatal_stacks(path: str, lines: int = 80) -> str:
+    """What faulthandler wrote when the rank died of a fatal signal (its threads' Python stacks)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    if not text:
+        return ""
+    kept = text.splitlines()[:lines]
+    return "; faulthandler's stacks at the signal:\n" + "\n".join(kept)
 
 
 def _failure_report(errors: dict[int, str], world: int) -> str:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mfuscope.tests import devices, lanes
+from mfuscope.tests import devices, lanes, native_crash
 
 # The Triton kernels run through Triton's interpreter on a machine without a GPU, compiled on one
 # with a GPU.  Set before anything imports mfuscope.kernels: the kernels are built as interpreted
@@ -21,6 +21,12 @@ def device(request) -> str:
     """Each device whose tensors take the Triton kernels in this session: ``cpu`` through the
     interpreter, ``cuda`` where a GPU is visible."""
     return request.param
+
+
+def pytest_configure(config):
+    """A test whose rank crashed in native code runs once more (tests/native_crash.py)."""
+    if not config.pluginmanager.is_registered(native_crash):
+        config.pluginmanager.register(native_crash, "mfuscope-native-crash")
 
 
 def pytest_runtestloop(session):
