@@ -49,6 +49,8 @@ from . import collectives
 FOLDER = "flight_recorder"
 #: ...and their write-ahead records of every collective (collectors/collective_journal.py).
 RECORDS = "collectives"
+#: ...and each rank's Python stacks at a fatal signal (collectors/fatal_stacks.py).
+FATAL = "fatal"
 #: A dump's rank is the number its file name ends with (``nccl_trace_rank_3``, ``dump_rank_3.json``).
 _RANK = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 
@@ -79,6 +81,7 @@ class Dump:
     entries: list[Entry]
     completion_recorded: bool  # the backend records completion (NCCL), not gloo's "scheduled" forever
     died: bool = False  # records but no Flight Recorder dump, where its peers wrote theirs
+    fatal: dict[str, Any] | None = None  # it died of a fatal signal: :func:`read_fatal`'s entry
 
 
 def read_dumps(path: str | Path) -> tuple[list[Dump], int | None]:
@@ -145,8 +148,10 @@ def read_records(run: Path) -> tuple[list[Dump], int | None]:
                 raise UserInputError(f"line {n} is not a collective record", f) from None
         dumps.append(Dump(int(m.group(1)), f, list(calls.values()), True))
     stacks = _dump_stacks(run / FOLDER)
+    fatal = read_fatal(run)
     for d in dumps:  # a session that ended early writes its dump; a rank that did not was killed
-        d.died = bool(stacks) and d.rank not in stacks
+        d.died = (bool(stacks) and d.rank not in stacks) or d.rank in fatal
+        d.fatal = fatal.get(d.rank)
         _give_stacks(d.entries, stacks.get(d.rank) or [])
     world = None
     try:
@@ -155,6 +160,48 @@ def read_records(run: Path) -> tuple[list[Dump], int | None]:
     except (UserInputError, ValueError, TypeError):
         pass
     return dumps, world
+
+
+#: faulthandler's names of the signals it handles, as their SIG names.
+_SIGNALS = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
+            "Floating-point exception": "SIGFPE", "Floating point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
+
+
+def read_fatal(run: str | Path) -> dict[int, dict[str, Any]]:
+    """Each rank that died of a fatal signal, from what faulthandler wrote at it
+    (``RUN/fatal/rank<N>.txt``, collectors/fatal_stacks.py): ``{"signal": "SIGSEGV", "error":
+    faulthandler's words, "threads": [{"current": bool, "frames": ["file:line in function", ...]}]}``,
+    frames innermost first.  An empty file (a rank killed by SIGKILL, or still running) is no entry."""
+    out: dict[int, dict[str, Any]] = {}
+    folder = Path(run) / FATAL
+    if not folder.is_dir():
+        return out
+    for f in sorted(folder.glob("rank*.txt")):
+        m = re.fullmatch(r"rank(\d+)\.txt", f.name)
+        text = f.read_text(errors="replace") if m else ""
+        if not text.strip():
+            continue
+        error = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Fatal Python error:")),
+                     None)
+        threads: list[dict[str, Any]] = []
+        for line in text.splitlines():
+            if line.startswith(("Current thread ", "Thread ")) and line.rstrip().endswith("(most recent call first):"):
+                threads.append({"current": line.startswith("Current"), "frames": []})
+            elif threads and (frame := _FRAME.match(line)):
+                threads[-1]["frames"].append(f"{frame.group(1)}:{frame.group(2)} in {frame.group(3)}")
+        out[int(m.group(1))] = {"signal": _SIGNALS.get(error or "", error), "error": error, "threads": threads,
+                                "file": str(f)}
+    return out
+
+
+def fatal_frames(fatal: dict[str, Any]) -> list[str]:
+    """The frames of the thread the signal hit, else (a thread with no Python frame: native code)
+    of the first thread that has some (the training thread, usually)."""
+    current = [t for t in fatal["threads"] if t["current"]]
+    if current and current[0]["frames"]:
+        return current[0]["frames"]
+    return next((t["frames"] for t in fatal["threads"] if t["frames"]), [])
 
 
 def _dump_stacks(folder: Path) -> dict[int, list[Entry]]:
@@ -273,13 +320,16 @@ def diagnose(dumps: list[Dump], world: int | None = None, dims: dict[str, str] |
     completion = {d.rank: d.completion_recorded for d in dumps}
     groups = [_group(pg, ranks, descs.get(pg, ""), missing, completion, dims.get(pg))
               for pg, ranks in sorted(by_group.items())]
+    fatal = {d.rank: d.fatal for d in dumps if d.fatal}
     for g in groups:
         for c in g.get("culprits") or []:
             if c["rank"] in died:
                 c["died"] = True
+            if c["rank"] in fatal:
+                c["fatal"] = fatal[c["rank"]]["signal"]
     groups.sort(key=lambda g: (g["state"] == "ok", g["seq"] if g["seq"] is not None else 0))
     return {"ranks": sorted(present), "world_size": world, "missing": missing, "groups": groups,
-            "files": {d.rank: str(d.file) for d in dumps}}
+            "fatal": fatal, "files": {d.rank: str(d.file) for d in dumps}}
 
 
 def _group(pg: str, ranks: dict[int, dict[int, Entry]], desc: str, missing: list[int],
@@ -366,6 +416,12 @@ def format_text(result: dict[str, Any]) -> str:
     """What to look at first, then every group."""
     lines = []
     hung = [g for g in result["groups"] if g["state"] == "hung"]
+    # A crash is the story -- unless a desync explains it: gloo and NCCL abort a rank that receives
+    # a size it did not expect, so there the desync comes first and the abort after it.
+    desynced = any(c["class"] == "desync" for g in hung for c in g["culprits"])
+    crashes = _fatal_lines(result.get("fatal") or {}, desynced)
+    if not desynced:
+        lines += crashes
     if len(result["ranks"]) == 1:
         lines.append(f"one rank's dump ({result['ranks'][0]}): a hang is read across ranks, so there is nothing to "
                      "compare it with; give the directory of every rank's dump")
@@ -380,11 +436,30 @@ def format_text(result: dict[str, Any]) -> str:
         lines.append(head)
         for c in g["culprits"]:
             lines.append("  " + _culprit_text(c, g))
+    if desynced:
+        lines += crashes
     for g in result["groups"]:
         if g["state"] != "hung":
             lines.append(f"{_group_name(g)}: {g['state']} through #{g['last_seq']}"
                          + (f" -- {g['note']}" if g.get("note") else ""))
     return "\n".join(lines)
+
+
+#: How many frames of a crashed rank's stack the text shows (the file has them all).
+FATAL_FRAMES = 6
+
+
+def _fatal_lines(fatal: dict[int, dict[str, Any]], after_desync: bool) -> list[str]:
+    lines = []
+    for rank, f in sorted(fatal.items()):
+        frames = fatal_frames(f)
+        where = f" in {_user_frame(frames)}" if frames else " in a thread with no Python frame"
+        why = ("most likely the desync above (a rank that receives a size it did not expect is aborted)"
+               if after_desync and f["signal"] == "SIGABRT" else "a crash in native code or an abort, not a hang")
+        lines.append(f"rank {rank} died of {f['signal']} ({f['error']}){where}: {why}; "
+                     f"its threads' Python stacks: {f['file']}")
+        lines += [f"    {frame}" for frame in frames[:FATAL_FRAMES]]
+    return lines
 
 
 def _group_name(g: dict[str, Any]) -> str:
@@ -411,7 +486,8 @@ def _culprit_text(c: dict[str, Any], g: dict[str, Any]) -> str:
     frame = _user_frame(c.get("stack") or [])
     where = f", called at {frame}" if frame else ""
     if c["class"] == "never_entered":
-        died = " (it died: no Flight Recorder dump, where its peers wrote theirs)" if c.get("died") else ""
+        died = (f" (it died of {c['fatal']}: above)" if c.get("fatal") else
+                " (it died: no Flight Recorder dump, where its peers wrote theirs)" if c.get("died") else "")
         return f"rank {c['rank']} never entered it{died}{after}{where}"
     if c["class"] == "desync":
         step = f" in step {c['step']}" if c.get("step") is not None else ""

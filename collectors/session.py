@@ -46,6 +46,7 @@ from .collective_journal import CollectiveJournal
 from .comm_timer import COLUMNS as COMM_COLUMNS
 from .comm_timer import CommTimer
 from .cpu_peak import measured_matmul_peak
+from .fatal_stacks import FatalStacks
 from .group_dims import GroupDims, mesh_groups
 from .kineto_window import KinetoWindow
 from .memory_recorder import MemoryRecorder
@@ -100,6 +101,8 @@ class ProfileSession:
         self.steps = StepTimer(self.rank, self.clock)
         self.groups = GroupDims(mesh_groups(self.mesh, self.extra_groups) if self.mesh is not None else None)
         self.journal = CollectiveJournal(self.out, self.rank)
+        self.fatal = FatalStacks(self.out, self.rank)
+        self.fatal.install()
         self.comm = CommTimer(self.groups, lambda: self.steps.step, self.clock, self.journal)
         if self.rank == 0:
             run_dir.write_manifest(self.out, self._manifest("running"))
@@ -200,7 +203,8 @@ class ProfileSession:
         try:
             # Each stop on its own: the rows already captured are written even if one collector
             # fails to stop (a signal can land anywhere, e.g. inside a DDP comm hook).
-            stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall, self.journal.close]
+            stops = [self.nvml.stop, self.comm.uninstall, self.pipeline_labels.uninstall, self.journal.close,
+                     self.fatal.uninstall]
             stops += [self.memory.uninstall] if self.memory is not None else []
             for stop in ([self.kineto.stop] if self.kineto is not None else []) + stops:
                 _warn_on_failure(stop, f"rank {self.rank}: stopping {stop.__qualname__}")

@@ -487,9 +487,11 @@ def _why_training_failed(out: Path, rc: int) -> str:
         result = hang.diagnose(*hang.read_dumps(out), hang.run_group_dims(out))
     except UserInputError:
         return failed
+    lines = hang.format_text(result).splitlines()
+    if result["fatal"] and lines[0].startswith("rank "):  # a crash, no desync to explain it: the story
+        return f"{failed}: {lines[0]} -- `mfuscope hang {out}` has every group"
     if not any(g["state"] == "hung" for g in result["groups"]):
         return failed
-    lines = hang.format_text(result).splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("group "))
     where = lines[first] + (f"; {lines[first + 1].strip()}" if first + 1 < len(lines)
                             and lines[first + 1].startswith("  ") else "")

@@ -165,7 +165,7 @@ def mark_ended_early(run_dir: str | Path, reason: str) -> None:
 ENV_PREPARED = "MFUSCOPE_RUN_PREPARED"
 
 RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, MEMORY, CHECKPOINTS, TRACES, MEMORY_FILES, "collectives",
-               "flight_recorder", "nsys", REPORT, VIEWS, ".manifest.lock")
+               "flight_recorder", "fatal", "nsys", REPORT, VIEWS, ".manifest.lock")
 
 
 def prepare(run_dir: str | Path, force: bool = False) -> Path:

@@ -31,11 +31,13 @@ hang        rank, step                             the rank stops at the start o
                                                    next collective, and waits until it is killed (its
                                                    peers block in that collective: with
                                                    ``--collective-timeout`` they fail and the job ends)
-die         rank, step, at=step|checkpoint         the rank kills itself (SIGKILL) at the start of that
-                                                   step: no handler runs, nothing is flushed; with
+die         rank, step, at=step|checkpoint,        the rank kills itself (SIGKILL) at the start of that
+            signal=KILL|SEGV|ABRT|BUS              step: no handler runs, nothing is flushed; with
                                                    ``at=checkpoint``, in the checkpoint save made in that
                                                    step, after its shards are written and before the
-                                                   save is committed
+                                                   save is committed; with ``signal``, by that signal
+                                                   (SEGV: a crash in native code, whose Python stacks
+                                                   the collectors keep)
 desync      rank, step                             the rank's first all-reduce of that step sends one
                                                    element more than its peers' (gloo aborts the rank
                                                    that receives it: SIGABRT, size mismatch)
@@ -67,15 +69,17 @@ _KEYS = {  # kind -> (required keys, optional keys)
     "optimizer": ({"ms"}, {"rank"}),
     "sync": (set(), {"rank"}),
     "hang": ({"rank", "step"}, set()),
-    "die": ({"rank", "step"}, {"at"}),
+    "die": ({"rank", "step"}, {"at", "signal"}),
     "desync": ({"rank", "step"}, set()),
 }
 _COMMON = {"every", "jitter_ms", "from"}
 LINK_DIMS = ("dp", "pp", "cp", "ep")
+DIE_SIGNALS = ("KILL", "SEGV", "ABRT", "BUS")
 _EXAMPLES = ("e.g. compute:rank=3:ms=50, compute:rank=1:ms=30:pass=bwd, comm:dim=tp:ms=20, "
              "stage:stage=1:ms=30, link:dim=dp:gbps=1, link:rank=6:dim=dp:gbps=1, compute:rank=5:ms=50:from=60, "
              "loader:ms=200:every=4, gc:ms=80:rank=2, "
              "optimizer:ms=40, sync:rank=0, hang:rank=3:step=4, die:rank=1:step=2, die:rank=0:step=5:at=checkpoint, "
+             "die:rank=1:step=2:signal=SEGV, "
              "desync:rank=2:step=3")
 
 
@@ -93,6 +97,7 @@ class Fault:
     step: int | None = None    # hang/die/desync: the step it happens at
     start: int = 0             # ``from``: the first step it happens at
     at: str = "step"           # die: at the step's start, or in its checkpoint save
+    signal: str = "KILL"       # die: the signal it dies of (SIG<name>)
 
     def hits(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
@@ -127,11 +132,14 @@ def _parse_one(spec: str) -> Fault:
                       dim=kv.get("dim"), stage=int(kv["stage"]) if "stage" in kv else None, phase=kv.get("pass", "fwd"),
                       gbps=float(kv["gbps"]) if "gbps" in kv else None, every=int(kv.get("every", 1)),
                       jitter_ms=float(kv.get("jitter_ms", 0)), step=int(kv["step"]) if "step" in kv else None,
-                      start=int(kv.get("from", 0)), at=kv.get("at", "step"))
+                      start=int(kv.get("from", 0)), at=kv.get("at", "step"),
+                      signal=kv.get("signal", "KILL").upper().removeprefix("SIG"))
     except ValueError:
         raise UserInputError(f"--inject: cannot read the numbers in {spec!r}; {_EXAMPLES}") from None
     if fault.at not in ("step", "checkpoint"):
         raise UserInputError(f"--inject: {spec!r}: at is step or checkpoint")
+    if fault.signal not in DIE_SIGNALS:
+        raise UserInputError(f"--inject: {spec!r}: signal is one of {', '.join(DIE_SIGNALS)}")
     if fault.phase not in ("fwd", "bwd"):
         raise UserInputError(f"--inject: {spec!r}: pass is fwd or bwd")
     if (fault.step is not None and fault.step < 0) or fault.start < 0:

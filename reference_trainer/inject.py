@@ -65,8 +65,9 @@ class Injector:
         self.step = step
         for f in self.of("die"):
             if f.step == step and f.at == "step":
-                print(f"mfuscope: injected fault: rank {self.rank} dies at step {step}", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                print(f"mfuscope: injected fault: rank {self.rank} dies (SIG{f.signal}) at step {step}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), getattr(signal, f"SIG{f.signal}"))
         for f in self.of("hang"):
             if f.step == step:
                 print(f"mfuscope: injected fault: rank {self.rank} hangs at step {step}", file=sys.stderr, flush=True)
@@ -86,9 +87,9 @@ class Injector:
         """Called inside a checkpoint save, between its write and its commit (``die ... at=checkpoint``)."""
         for f in self.of("die"):
             if f.at == "checkpoint" and f.step == steps_done - 1:
-                print(f"mfuscope: injected fault: rank {self.rank} dies saving the checkpoint of step "
-                      f"{steps_done - 1}", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                print(f"mfuscope: injected fault: rank {self.rank} dies (SIG{f.signal}) saving the checkpoint of "
+                      f"step {steps_done - 1}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), getattr(signal, f"SIG{f.signal}"))
 
     def attach_optimizer(self, opt: torch.optim.Optimizer) -> None:
         for f in self.of("optimizer"):

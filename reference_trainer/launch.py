@@ -87,7 +87,8 @@ def _fork_and_collect(fn: Callable, world: int, args: tuple, timeout: float, cra
                 for r, p in enumerate(procs):
                     if p.exitcode is not None and p.exitcode < 0 and r not in results and r not in errors:
                         oom = " (SIGKILL: out of memory?)" if p.exitcode == -9 else ""
-                        errors[r] = f"killed by signal {-p.exitcode}{oom}{_fatal_stacks(crash_logs[r])}"
+                        stacks = _fatal_stacks(crash_logs[r]) or _fatal_stacks(_session_stacks(args, r))
+                        errors[r] = f"killed by signal {-p.exitcode}{oom}{stacks}"
                         first_failure = first_failure or time.monotonic()
                 continue
             if error:
@@ -116,6 +117,13 @@ def _fatal_stacks(path: str, lines: int = 80) -> str:
         return ""
     kept = text.splitlines()[:lines]
     return "; faulthandler's stacks at the signal:\n" + "\n".join(kept)
+
+
+def _session_stacks(args: tuple, rank: int) -> str:
+    """Where a trainer rank's collectors put its stacks at a fatal signal (they take faulthandler over
+    while they run: collectors/fatal_stacks.py): ``fatal/rank<N>.txt`` in the run directory."""
+    out = getattr(args[0], "out", None) if args else None
+    return os.path.join(out, "fatal", f"rank{rank}.txt") if out else ""
 
 
 def _failure_report(errors: dict[int, str], world: int) -> str:

@@ -26,7 +26,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
-    crash = next((r for r in reports if r.failed and NATIVE_CRASH.search(r.longreprtext)), None)
+    crash = next((r for r in reports if r.failed and _ranks_crashed(r)), None)
     if crash is not None:
         _CRASHES.append((item.nodeid, crash.longreprtext))
         _forget_failed_fixtures(item)
@@ -35,6 +35,15 @@ def pytest_runtest_protocol(item, nextitem):
         item.ihook.pytest_runtest_logreport(report=report)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
+
+
+def _ranks_crashed(report) -> bool:
+    """The test failed with fork_ranks' own error, and a rank in it died of a native crash (not an
+    assertion about such an error, as in a test that crashes a rank on purpose)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else ""
+    return message.startswith("RuntimeError: ") and " ranks failed; " in message and \
+        bool(NATIVE_CRASH.search(report.longreprtext))
 
 
 def _forget_failed_fixtures(item) -> None:

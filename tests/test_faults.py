@@ -139,6 +139,7 @@ def test_a_fault_from_a_step_starts_there_and_keeps_its_period():
     assert [step for step in range(52, 72) if hits(step)] == [60, 64, 68]
     link = parse_faults("link:rank=6:dim=dp:gbps=0.5")[0]
     assert (link.rank, link.dim, link.gbps) == (6, "dp", 0.5)
+    assert [f.signal for f in parse_faults("die:rank=1:step=2;die:rank=1:step=2:signal=sigsegv")] == ["KILL", "SEGV"]
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -150,6 +151,8 @@ def test_a_fault_from_a_step_starts_there_and_keeps_its_period():
     ("compute:ms=5:pass=both", "pass is fwd or bwd"),
     ("teleport:ms=5", "unknown fault kind"),
     ("optimizer:ms=-1", "ms and jitter_ms >= 0"),
+    ("die:rank=1:step=2:signal=TERM", "signal is one of KILL, SEGV, ABRT, BUS"),
+    ("hang:rank=1:step=2:signal=SEGV", "takes no signal"),
 ])
 def test_bad_fault_specs_are_named(spec, message):
     with pytest.raises(UserInputError, match=message):

@@ -191,8 +191,8 @@ def test_a_killed_rank_is_read_from_its_records_and_missing_without_them(tmp_pat
 @pytest.mark.paced
 def test_a_size_desync_is_named_with_both_sizes_from_the_records(tmp_path):
     """``desync:rank=2:step=3``: rank 2's loss all-reduce of step 3 sends 3 float64 where its peers
-    send 2; gloo aborts a receiving rank (SIGABRT) before any handler, so only the write-ahead
-    records, written before the call, can say it."""
+    send 2; gloo stops a receiving rank (an error here; SIGABRT in some versions, before any handler),
+    so only the write-ahead records, written before the call, can say it."""
     run = tmp_path / "desync"
     cli = _train(run, "desync:rank=2:step=3")
     assert cli.returncode != 0
@@ -205,6 +205,37 @@ def test_a_size_desync_is_named_with_both_sizes_from_the_records(tmp_path):
     assert culprits[2]["got"]["dtypes"] == culprits[2]["expected"]["dtypes"] == ["float64"]
     assert culprits[2]["expected_from"] == [0, 1, 3]
     assert any("inject.py" in frame for frame in culprits[2]["stack"])  # where the wrong size was sent
+
+
+def test_a_rank_that_segfaults_is_named_with_its_stack(tmp_path):
+    """``die:rank=1:step=2:signal=SEGV``: rank 1 dies of SIGSEGV at the start of step 2, in the
+    injector's ``begin_step``; its peer is left in a collective.  `mfuscope hang` says so first, with
+    the frame the signal hit, from the stacks faulthandler wrote into ``fatal/rank1.txt`` (the
+    collectors take faulthandler over from the fork launcher, as from torch elastic's ``@record``);
+    the rank that ended normally left no file."""
+    from mfuscope.reference_trainer.launch import fork_ranks
+    from mfuscope.reference_trainer.train import run_rank
+    from mfuscope.tests.helpers import micro_config
+    from mfuscope.trainer_options import TrainerOptions
+
+    config = tmp_path / "micro.toml"
+    config.write_text(micro_config(n_layers=1))
+    run = tmp_path / "segv"
+    # the launcher's error carries the same stacks, read from the run directory
+    with pytest.raises(RuntimeError, match=r"rank 1 first(?s:.*)--- rank 1 ---\nkilled by signal 11; faulthandler's "
+                                           r"stacks at the signal:\nFatal Python error: Segmentation fault"):
+        fork_ranks(run_rank, 2, TrainerOptions(config=str(config), layout="dp_shard=2", steps=4,
+                                               inject="die:rank=1:step=2:signal=SEGV", out=str(run)))
+    assert sorted(p.name for p in (run / hang.FATAL).iterdir()) == ["rank1.txt"]
+    result = json.loads(_hang_cli(run, "--json").stdout)
+    fatal = result["fatal"]["1"]
+    assert (fatal["signal"], fatal["error"]) == ("SIGSEGV", "Segmentation fault")
+    assert hang.fatal_frames(fatal)[0].split("/")[-1].startswith("inject.py:") and \
+        hang.fatal_frames(fatal)[0].endswith(" in begin_step"), fatal
+    text = _hang_cli(run).stdout.splitlines()
+    assert text[0].startswith("rank 1 died of SIGSEGV (Segmentation fault) in ") and "inject.py" in text[0], text
+    from mfuscope.cli import _why_training_failed  # mfuscope train's last line when torchrun fails
+    assert _why_training_failed(run, 1).startswith("training failed (torchrun exit 1): rank 1 died of SIGSEGV")
 
 
 def test_records_cut_by_a_death_are_read_and_a_broken_one_is_named(tmp_path):
@@ -230,3 +261,34 @@ def test_records_cut_by_a_death_are_read_and_a_broken_one_is_named(tmp_path):
     (run / hang.RECORDS / "rank1.jsonl").write_text("\n".join([enq(0), "not json", end(0)]) + "\n")
     cli = _hang_cli(run)
     assert cli.returncode == 2 and "rank1.jsonl: line 2 is not a collective record" in cli.stderr
+
+
+def _aborted_stacks(path: Path) -> None:
+    """What faulthandler really writes when a process aborts (a C++ check failing, as gloo's and
+    NCCL's size checks do), in a process of its own."""
+    code = ("import faulthandler, os, sys; f = open(sys.argv[1], 'w'); faulthandler.enable(file=f, all_threads=True)\n"
+            "def send_the_wrong_size():\n    os.abort()\nsend_the_wrong_size()")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    assert subprocess.run([sys.executable, "-c", code, str(path)], timeout=60).returncode == -6
+
+
+def test_an_abort_after_a_desync_comes_after_it_and_one_without_comes_first(tmp_path):
+    """Records by hand -- rank 1 enters all_reduce #1 with 3 elements where rank 0 has 2 -- and rank 0's
+    real faulthandler output of an abort: the desync is the cause, so it is named first and the abort
+    after it; the same abort with matching sizes is the first line, with the frame it hit."""
+    run = tmp_path / "run"
+    (run / hang.RECORDS).mkdir(parents=True)
+
+    def enq(n):
+        return json.dumps({"e": "enq", "pg": "0", "seq": 0, "op": "all_reduce", "dim": "dp", "bytes": 8 * n,
+                           "step": 3, "dtype": "float64", "shapes": [[n]], "t": 0}) + "\n"
+
+    (run / hang.RECORDS / "rank0.jsonl").write_text(enq(2))
+    (run / hang.RECORDS / "rank1.jsonl").write_text(enq(3))
+    _aborted_stacks(run / hang.FATAL / "rank0.txt")
+    text = _hang_cli(run).stdout
+    assert text.index("rank 1 desynced") < text.index("rank 0 died of SIGABRT (Aborted)"), text
+    assert "most likely the desync above" in text and "in send_the_wrong_size" in text, text
+    (run / hang.RECORDS / "rank1.jsonl").write_text(enq(2))
+    first = _hang_cli(run).stdout.splitlines()[0]
+    assert first.startswith("rank 0 died of SIGABRT (Aborted) in <string>:3 in send_the_wrong_size: a crash"), first
