@@ -18,7 +18,7 @@ from dash import dcc, html
 
 from mfuscope import run_dir
 from mfuscope.analyzers import compare as compare_reports
-from mfuscope.analyzers import health, memory, run_info
+from mfuscope.analyzers import hang, health, memory, run_info
 from mfuscope.analyzers.breakdown import kernel_kind
 from mfuscope.errors import UserInputError
 from mfuscope.manifest import Manifest
@@ -89,11 +89,33 @@ def rank_labels(manifest: dict | None, ranks) -> dict[int, str]:
     return out
 
 
+def why_stopped(run: Run) -> html.Div | None:
+    """For a run that ended early: where its collectives stopped and which rank crashed, as
+    ``mfuscope hang RUN`` says it (from the ranks' write-ahead records and fatal-signal stacks);
+    None for a run that ended normally, or one without records."""
+    m = Manifest.of(run.manifest)
+    if run.kind != "run" or (m.status != "ended_early" and not hang.read_fatal(run.path)):
+        return None
+    try:
+        result = hang.diagnose(*hang.read_dumps(run.path), hang.run_group_dims(run.path))
+    except UserInputError as e:
+        return error_panel(f"This run ended early ({m.ended_reason or 'no reason recorded'}); its records cannot "
+                           f"say where: {e}")
+    return html.Div([
+        html.H3("Why the run stopped"),
+        html.P(f"It ended early (the first rank to say why: {m.ended_reason or 'no reason recorded'}). Where "
+               f"every rank's collectives stopped, and a rank that crashed (mfuscope hang {run.path}):",
+               style={"overflowWrap": "anywhere"}),
+        html.Pre(hang.format_text(result), style={"whiteSpace": "pre-wrap", "overflowWrap": "anywhere"}),
+    ], className="error-panel", id="why-stopped")
+
+
 def no_traces_page(run: Run) -> html.Div:
     """A run directory without a trace window: what the always-on collectors recorded."""
     info = run_info.summarize(run.path)
     return html.Div([
         html.H2(f"{run.id}: no traces"),
+        why_stopped(run),
         info_panel("This run recorded no torch.profiler window, so there is no breakdown or timeline to show. "
                    "Record one with mfuscope train --profile / --window S:N, mfuscope profile --window S:N, or "
                    "mfuscope.profile(..., window='S:N')."),
@@ -182,6 +204,7 @@ def overview_page(store: Store, run: Run, a: Analysis) -> html.Div:
         dcc.Link("See Health", href=f"/run/{quote(run.id)}/health")) if episodes else None
     return html.Div([
         html.H2(f"Overview: {run.id}"),
+        why_stopped(run),
         html.Div(cards, className="cards", id="summary-cards"),
         html.Div(slow, id="health-banner"),
         html.Div([

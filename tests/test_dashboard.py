@@ -53,7 +53,8 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe, health_run) ->
     linked in under the names the pages are checked by: ``pp8`` (8 ranks, dp_shard=2 x tp=2 x pp=2,
     1F1B, 4 microbatches), ``no-window`` (mfuscope train through torchrun, no trace window) and
     ``gpipe`` with the ``gpipe-opt-*`` runs `mfuscope optimize --apply` made of it, and
-    ``fail-slow`` (8 ranks x 100 steps, no trace window, two fail-slow faults)."""
+    ``fail-slow`` (8 ranks x 100 steps, no trace window, two fail-slow faults), ``memory`` (2 pipeline
+    stages that measured their memory) and ``crashed`` (2 ranks, rank 1 dies of SIGSEGV in step 2)."""
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.reference_trainer.launch import fork_ranks
     from mfuscope.reference_trainer.train import run_rank
@@ -81,6 +82,8 @@ def runs(tmp_path_factory, run_3d, torchrun_run, optimized_gpipe, health_run) ->
     (root / "fail-slow").symlink_to(health_run, target_is_directory=True)
     from mfuscope.tests.shared_runs import train_forked  # two pipeline stages that measured their memory
     train_forked(root / "memory", 2, layout="pp=2", steps=4, window="2:2", profile_memory=True)
+    with pytest.raises(RuntimeError, match="killed by signal 11"):  # rank 1 crashes at step 2, no trace window
+        train_forked(root / "crashed", 2, layout="dp_shard=2", steps=4, inject="die:rank=1:step=2:signal=SEGV")
     (root / "odd name #1 [x]").symlink_to(root / "pp8", target_is_directory=True)
     (root / "notes.json").write_text('{"what": "not a trace"}')
     (root / "checkpoint").mkdir()
@@ -359,6 +362,12 @@ def test_runs_page_lists_every_run_and_the_broken_one(tab, runs):
     info = tab.text("#run-info")
     assert "no traces" in tab.text() and "2 recorded on 4 rank(s)" in info, info  # the shared torchrun run
     assert "comm dp_shard_cp" in info and "comm tp" in info, info
+    # a run that crashed says which rank died of what, where, before anything else
+    tab.open("/run/crashed", "#why-stopped")
+    why = tab.text("#why-stopped")
+    assert "rank 1 died of SIGSEGV (Segmentation fault)" in why and "in begin_step" in why, why
+    assert "rank 1 never entered it (it died of SIGSEGV: above)" in why, why
+    tab.shot("crashed")
     tab.open("/", "#runs-grid .ag-row")
     tab.page.locator("#runs-grid a", has_text="odd name #1 [x]").click()  # an awkward name round-trips the URL
     tab.page.wait_for_selector("#summary-cards, #analysis-progress")
