@@ -11,6 +11,7 @@ import pytest
 
 TESTS = textwrap.dedent('''
     import os, signal, pathlib
+    import torch  # here, once: the forked ranks would each import it (fork_ranks' children use it)
     from mfuscope.reference_trainer.launch import fork_ranks
 
     def _segfault_in_rank_0(times, tally):
