@@ -39,8 +39,9 @@ die         rank, step, at=step|checkpoint,        the rank kills itself (SIGKIL
                                                    (SEGV: a crash in native code, whose Python stacks
                                                    the collectors keep)
 desync      rank, step                             the rank's first all-reduce of that step sends one
-                                                   element more than its peers' (gloo aborts the rank
-                                                   that receives it: SIGABRT, size mismatch)
+                                                   element more than its peers' (gloo stops a rank
+                                                   that receives it: an error on torch 2.13, SIGABRT
+                                                   on some versions)
 ==========  =====================================  ===================================================
 
 Every kind also takes ``every=N`` (only on steps divisible by N: an intermittent
