@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from .helpers import micro_config
+from .lanes import quiet
 
 CLI = [sys.executable, "-m", "mfuscope"]
 
@@ -152,6 +153,10 @@ def optimized_gpipe(root: Path) -> dict:
     base = root / "gpipe"
     _ok(mfuscope("train", "--config", str(config), *GPIPE_START, "--out", str(base)), "mfuscope train")
     proposals = json.loads(_ok(mfuscope("optimize", str(base), "--json"), "mfuscope optimize").stdout)
-    done = _ok(mfuscope("optimize", str(base), "--apply", "--fixes", GPIPE_FIXES, "--rounds", "3", "--json"),
-               "mfuscope optimize --apply")
+    # Every change's measured step is held against its prediction (test_optimize): the 3-step runs have
+    # the machine to themselves (tests/lanes.py, ``quiet``).  Beside the rest lane a fresh-clone CI once
+    # measured 4,4 stages at 8 microbatches at 2.04 s in one round and 1.26 s in the next.
+    with quiet():
+        done = _ok(mfuscope("optimize", str(base), "--apply", "--fixes", GPIPE_FIXES, "--rounds", "3", "--json"),
+                   "mfuscope optimize --apply")
     return {"base": base, "proposals": proposals, "summary": json.loads(done.stdout), "stderr": done.stderr}
