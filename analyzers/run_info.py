@@ -13,6 +13,8 @@ import pyarrow.compute as pc
 from mfuscope import run_dir
 from mfuscope.manifest import Manifest
 
+from .hang import read_fatal
+
 
 def summarize(path: str | Path) -> dict[str, Any]:
     path = Path(path)
@@ -22,6 +24,8 @@ def summarize(path: str | Path) -> dict[str, Any]:
         "start_time": m.start_time, "end_time": m.raw.get("end_time"), "world_size": m.world_size,
         "layout": m.raw.get("layout"), "window": m.raw.get("window"), "device": m.device_name,
         "tables": {}, "steps": None, "comm_by_dim": {},
+        # ranks that died of a fatal signal (their stacks: `mfuscope hang RUN`)
+        "fatal": {str(r): f["signal"] for r, f in read_fatal(path).items()},
     }
     for name in (run_dir.STEPS, run_dir.COMM, run_dir.NVML):
         info["tables"][name] = run_dir.read_table(path, name).num_rows if (path / name).exists() else 0
@@ -49,6 +53,9 @@ def format_text(info: dict[str, Any]) -> str:
     layout = ", ".join(f"{k}={v}" for k, v in (info.get("layout") or {}).items() if v != 1) or "-"
     lines = [f"run          {info['run_id']}: {status}",
              f"world size   {info['world_size']}   layout {layout}   device {info.get('device') or '-'}"]
+    if info.get("fatal"):
+        lines.append("crashed      " + ", ".join(f"rank {r}: {sig}" for r, sig in info["fatal"].items())
+                     + " (stacks: mfuscope hang RUN)")
     s = info.get("steps")
     if s:
         last = s["last_step_by_rank"]

@@ -234,6 +234,8 @@ def test_a_rank_that_segfaults_is_named_with_its_stack(tmp_path):
         hang.fatal_frames(fatal)[0].endswith(" in begin_step"), fatal
     text = _hang_cli(run).stdout.splitlines()
     assert text[0].startswith("rank 1 died of SIGSEGV (Segmentation fault) in ") and "inject.py" in text[0], text
+    from mfuscope.analyzers import run_info  # mfuscope info RUN, and the dashboard's run section
+    assert "crashed      rank 1: SIGSEGV" in run_info.format_text(run_info.summarize(run))
     from mfuscope.cli import _why_training_failed  # mfuscope train's last line when torchrun fails
     assert _why_training_failed(run, 1).startswith("training failed (torchrun exit 1): rank 1 died of SIGSEGV")
 
