@@ -50,7 +50,7 @@ FOLDER = "flight_recorder"
 #: ...and their write-ahead records of every collective (collectors/collective_journal.py).
 RECORDS = "collectives"
 #: ...and each rank's Python stacks at a fatal signal (collectors/fatal_stacks.py).
-FATAL = "fatal"
+FATAL = run_dir.FATAL
 #: A dump's rank is the number its file name ends with (``nccl_trace_rank_3``, ``dump_rank_3.json``).
 _RANK = re.compile(r"(\d+)(?:\.json|\.pkl|\.pickle)?$")
 

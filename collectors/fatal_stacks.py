@@ -20,11 +20,11 @@ import os
 from pathlib import Path
 from typing import IO
 
-FOLDER = "fatal"
+from mfuscope import run_dir
 
 
 def path(run: str | os.PathLike, rank: int) -> Path:
-    return Path(run) / FOLDER / f"rank{rank}.txt"
+    return Path(run) / run_dir.FATAL / f"rank{rank}.txt"
 
 
 class FatalStacks:

@@ -48,6 +48,7 @@ MEMORY = "memory.parquet"
 CHECKPOINTS = "checkpoints.parquet"
 TRACES = "traces"
 MEMORY_FILES = "memory"  # memory/rank<N>.raw.json.gz (memory timeline), rank<N>.snapshot.pickle (CUDA)
+FATAL = "fatal"  # fatal/rank<N>.txt: a rank's Python stacks at a fatal signal (collectors/fatal_stacks.py)
 REPORT = "report.json"
 VIEWS = "views"
 
@@ -165,7 +166,7 @@ def mark_ended_early(run_dir: str | Path, reason: str) -> None:
 ENV_PREPARED = "MFUSCOPE_RUN_PREPARED"
 
 RUN_ENTRIES = (MANIFEST, STEPS, COMM, NVML, MEMORY, CHECKPOINTS, TRACES, MEMORY_FILES, "collectives",
-               "flight_recorder", "fatal", "nsys", REPORT, VIEWS, ".manifest.lock")
+               "flight_recorder", FATAL, "nsys", REPORT, VIEWS, ".manifest.lock")
 
 
 def prepare(run_dir: str | Path, force: bool = False) -> Path:

@@ -122,8 +122,10 @@ def _fatal_stacks(path: str, lines: int = 80) -> str:
 def _session_stacks(args: tuple, rank: int) -> str:
     """Where a trainer rank's collectors put its stacks at a fatal signal (they take faulthandler over
     while they run: collectors/fatal_stacks.py): ``fatal/rank<N>.txt`` in the run directory."""
+    from mfuscope.collectors import fatal_stacks
+
     out = getattr(args[0], "out", None) if args else None
-    return os.path.join(out, "fatal", f"rank{rank}.txt") if out else ""
+    return str(fatal_stacks.path(out, rank)) if out else ""
 
 
 def _failure_report(errors: dict[int, str], world: int) -> str:
