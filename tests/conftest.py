@@ -1,6 +1,7 @@
 """Shared fixtures.  Helpers live in :mod:`mfuscope.tests.helpers`."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -69,6 +70,11 @@ def pytest_terminal_summary(terminalreporter):
                                     f"in all)")
     for nodeid, cpu in worst:
         terminalreporter.write_line(f"{cpu:7.1f} s  {nodeid}")
+    # every test's, for whoever trims the suite next: artifacts/tests/cpu-<lane>.json
+    lane = "-".join(filter(None, (os.environ.get(lanes.LANE, "pytest"), os.environ.get(lanes.CLAIM_FROM))))
+    out = lanes.LOGS / f"cpu-{lane}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({k: round(v, 2) for k, v in sorted(_CPU.items(), key=lambda kv: -kv[1])}, indent=0))
 
 
 @pytest.fixture(autouse=True, scope="session")
