@@ -67,6 +67,7 @@ MIN_RUN = 5           # slow steps (one quiet step allowed between) that make an
 MAX_QUIET_SHARE = 0.1  # two runs of slow steps this close (quiet steps over their span) are one episode
 MIN_SECONDS = 1.0     # ... and that last, onset to end, at least this long
 MIN_PERIODIC = 4      # isolated slow steps at one period that make an intermittent episode
+MAX_BEATS = 3         # ... each at most this many periods after the one before (some beats may read fast)
 WARMUP_STEPS = 5      # steps 0-4 left out: allocator growth, communicator set-up, autotuning settle
 SCORE_WINDOW = 20     # steps of the "current" busy time in the rank scores
 KEEP_SCORES = 64      # rank scores kept in the report: the worst (every rank's are in the views)
@@ -258,8 +259,12 @@ def _spans(slow: np.ndarray, excess: np.ndarray, step_ids: np.ndarray) -> list[t
     if len(isolated) >= MIN_PERIODIC:
         gaps = np.diff(step_ids[isolated])
         period = int(pd.Series(gaps).mode().iloc[0])
-        regular = isolated[np.r_[True, gaps % period == 0]] if period >= 2 else isolated[:0]
-        if len(regular) >= MIN_PERIODIC and (gaps % period == 0).mean() >= 0.75:
+        # On the beat: a whole number of periods after the slow step before, and few enough that the
+        # period is what spaces them -- any gap is a multiple of a period of 2, and scattered bursts
+        # of two slow steps a co-tenant makes (gap 2 inside each) once read as "every 2 steps".
+        on_beat = (gaps % period == 0) & (gaps <= MAX_BEATS * period)
+        regular = isolated[np.r_[True, on_beat]] if period >= 2 else isolated[:0]
+        if len(regular) >= MIN_PERIODIC and on_beat.mean() >= 0.75:
             out.append((regular, period))
     return out
 

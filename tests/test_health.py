@@ -98,6 +98,20 @@ def test_each_fault_is_one_episode_with_its_onset_class_ranks_and_cost():
     assert worst["rank"] == 2 and worst["individual"] == pytest.approx(18 / 63, abs=0.01)
 
 
+def test_scattered_pairs_of_slow_steps_are_noise_not_an_intermittent_fault():
+    """Rank 1 is 25 ms slow in pairs of steps one quiet step apart (10 and 12, 38 and 40, 70 and 72,
+    94 and 96), as a co-tenant's bursts make them: every gap between them is even, so all are
+    multiples of a 2-step "period", which once made them one intermittent episode (a fresh-clone CI
+    flagged 8 steps of a healthy 500-step run so).  No beat spaces them: no episode.  The same
+    rank slow every 9th step with two beats missed (18, 27, 45, 54, 72, 81, 99) is one, period 9."""
+    pairs = {s: 25 * MS for first in (10, 38, 70, 94) for s in (first, first + 2)}
+    h = health.of_tables(*_job(compute={1: pairs}))
+    assert h["episodes"] == [] and h["flagged_steps"] == 0, h["episodes"]
+    beats = {s: 25 * MS for s in (18, 27, 45, 54, 72, 81, 99)}
+    every = _only(health.of_tables(*_job(compute={1: beats}))["episodes"], "compute_slow", ranks=[1])
+    assert (every["onset_step"], every["period"], every["slow_steps"]) == (18, 9, 7)
+
+
 def test_a_fault_from_the_first_step_stands_out_against_its_peers():
     """Pair B's link is 12 ms slower for the whole run: no change point in time, but B against its
     peer A (same dimension and size) is slow every step."""
