@@ -58,6 +58,7 @@ import pandas as pd
 
 from mfuscope import run_dir
 
+from . import step_rows
 from .stragglers import leave_one_out_median
 
 MIN_SHARE = 0.10      # a slowdown under this share of the median step is not an episode
@@ -81,7 +82,7 @@ def analyze(run: str | Path) -> dict[str, Any] | None:
     if not (run / run_dir.STEPS).exists():
         return None
     steps = run_dir.read_table(run, run_dir.STEPS).select(["rank", "step", "start_ns", "end_ns",
-                                                           "cpu_wait_ns"]).to_pandas()
+                                                           "cpu_wait_ns", "collector_ns"]).to_pandas()
     comm = None
     if (run / run_dir.COMM).exists():
         comm = run_dir.read_table(run, run_dir.COMM).select(_COMM_COLUMNS).to_pandas()
@@ -90,8 +91,9 @@ def analyze(run: str | Path) -> dict[str, Any] | None:
 
 def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float = MIN_SHARE) -> dict[str, Any]:
     """Episodes and rank scores from the step rows (rank, step, start_ns, end_ns, and cpu_wait_ns
-    where the run recorded it) and the collective rows (:data:`_COMM_COLUMNS`) of a run."""
-    steps = steps[steps["step"] >= WARMUP_STEPS]
+    and collector_ns where the run recorded them) and the collective rows (:data:`_COMM_COLUMNS`)
+    of a run."""
+    steps, theirs = _without_collectors(steps[steps["step"] >= WARMUP_STEPS])
     if steps["step"].nunique() < MIN_RUN:
         return _empty(f"fewer than {MIN_RUN} steps after the first {WARMUP_STEPS} (warm-up)")
     rank_step = steps.assign(seconds=(steps["end_ns"] - steps["start_ns"]) / 1e9).pivot_table(
@@ -140,18 +142,34 @@ def of_tables(steps: pd.DataFrame, comm: pd.DataFrame | None, min_share: float =
     return {
         "episodes": episodes,
         "rank_scores": _scores(rank_step, calls),
-        "steps": int(len(step_ids)), "flagged_steps": int(flagged.sum()),
+        "steps": int(len(step_ids)), "flagged_steps": int(flagged.sum()), "collectors_steps": theirs,
         "baseline_step_s": baseline,
         "method": (f"slow = over its reference by more than max({NOISE_K:g} x its step-to-step noise, "
                    f"{min_share:.0%} of the median step); an episode = {MIN_RUN}+ slow steps in a run or "
                    f"{MIN_PERIODIC}+ at one period, over {MIN_SECONDS:g} s or more; "
-                   f"steps 0-{WARMUP_STEPS - 1} (warm-up) left out"),
+                   f"steps 0-{WARMUP_STEPS - 1} (warm-up) and the collectors' own steps left out"),
         "source": "steps.parquet" + (" and comm.parquet" if instances is not None else ""),
     }
 
 
+def _without_collectors(steps: pd.DataFrame) -> tuple[pd.DataFrame, list[int]]:
+    """The step rows less the steps the collectors took over, and those steps: where their own work
+    on the training thread (a flush of their tables, a trace export: ``collector_ns``) passed
+    :data:`.step_rows.COLLECTOR_SHARE` of the median step, as the step statistics leave them out.
+    A flush is no job turning slow, yet where steps are short it recurs at its period, which
+    is what an intermittent episode looks for (measured: a 2-rank run of 18 ms median steps
+    flushed every 50 steps in 5-7 ms, those steps 24-36 ms)."""
+    if "collector_ns" not in steps or steps.empty:
+        return steps, []
+    rows = pd.DataFrame({"step": steps["step"], "seconds": (steps["end_ns"] - steps["start_ns"]) / 1e9,
+                         "collector_s": steps["collector_ns"].fillna(0) / 1e9})
+    theirs = sorted(step_rows.collectors_steps(rows))
+    return (steps[~steps["step"].isin(theirs)] if theirs else steps), theirs
+
+
 def _empty(note: str) -> dict[str, Any]:
-    return {"episodes": [], "rank_scores": [], "steps": 0, "flagged_steps": 0, "baseline_step_s": None,
+    return {"episodes": [], "rank_scores": [], "steps": 0, "flagged_steps": 0, "collectors_steps": [],
+            "baseline_step_s": None,
             "note": note}
 
 

@@ -244,9 +244,11 @@ def _health_lines(health: dict[str, Any] | None) -> list[str]:
     if not health or not health.get("steps"):
         return []
     episodes = health["episodes"]
+    theirs = len(health.get("collectors_steps") or [])
     lines = ["", f"health        {len(episodes) or 'no'} slow episode(s) in {health['steps']} steps "
-                 "(every step the collectors timed" + (f"; baseline step {health['baseline_step_s'] * 1e3:.1f} ms)"
-                                                       if health.get("baseline_step_s") else ")")]
+                 "(every step the collectors timed" + (f", less {theirs} they spent writing" if theirs else "")
+                 + (f"; baseline step {health['baseline_step_s'] * 1e3:.1f} ms)"
+                    if health.get("baseline_step_s") else ")")]
     for e in episodes:
         span = f"steps {e['onset_step']}-{e['end_step']}" + (" (ongoing)" if e["ongoing"] else "")
         span += f" every {e['period']}" if e.get("period") else ""

@@ -112,6 +112,22 @@ def test_scattered_pairs_of_slow_steps_are_noise_not_an_intermittent_fault():
     assert (every["onset_step"], every["period"], every["slow_steps"]) == (18, 9, 7)
 
 
+def test_the_collectors_own_flushes_are_left_out_not_a_host_stall():
+    """Every rank's steps 24, 49, 74 and 99 take 15 ms more (about 20 ms steps): a host stall every
+    25 steps, one intermittent episode.  When the step rows say the collectors worked those 15 ms
+    on the training thread (``collector_ns``: a flush of their tables, as a session with
+    ``flush_every=25`` makes), the steps are theirs, left out as the step statistics leave them out
+    (over 10% of the median step): no episode, and the report names them."""
+    flushes = (24, 49, 74, 99)
+    steps, comm = _job(host={s: 15 * MS for s in flushes})
+    stall = _only(health.of_tables(steps, comm)["episodes"], "host")
+    assert (stall["onset_step"], stall["period"], stall["slow_steps"]) == (24, 25, 4)
+    steps["collector_ns"] = np.where(steps["step"].isin(flushes), 15 * MS * 1e9, 0).astype(np.int64)
+    h = health.of_tables(steps, comm)
+    assert h["episodes"] == [] and h["collectors_steps"] == list(flushes)
+    assert h["steps"] == 100 - health.WARMUP_STEPS - len(flushes)
+
+
 def test_a_fault_from_the_first_step_stands_out_against_its_peers():
     """Pair B's link is 12 ms slower for the whole run: no change point in time, but B against its
     peer A (same dimension and size) is slow every step."""
@@ -255,7 +271,7 @@ def test_a_healthy_run_of_500_steps_flags_under_one_percent(tmp_path):
     run = train_forked(tmp_path / "healthy", 2, config=str(config), layout="dp_replicate=2", dp_mode="ddp",
                        steps=500, paced="fwd_ms=3,bwd_ms=6")
     h = health.analyze(run)
-    assert h["steps"] == 500 - health.WARMUP_STEPS
+    assert h["steps"] + len(h["collectors_steps"]) == 500 - health.WARMUP_STEPS
     # The test's own co-tenants (the other lane of ``make test``) can hold a rank off its core for
     # seconds: that is a real slowdown, which the kernel's run-queue delay shows and the analysis
     # names cpu-contention.  Everything else flagged is a false positive.
