@@ -63,8 +63,8 @@ def fork_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> li
 
 def _import_for_the_ranks() -> None:
     """Import, once in the parent, what every rank would otherwise import on its own at first use:
-    torch's ``_disable_dynamo`` wrappers (the optimizers' steps, meta-device initialisation, FSDP's
-    hooks) import ``torch._dynamo`` at their first call, and the pipeline ranks import
+    torch's ``_disable_dynamo`` wrappers (an optimizer's step, meta-device initialisation) import
+    ``torch._dynamo`` at their first call, and the pipeline ranks import
     ``torch.distributed.pipelining``.  Measured on 2 cores: 0.5 CPU s a rank of an 8-rank,
     3-step run of tiny_dense (6.4 CPU s for the run, 2.3 s with these imports inherited)."""
     import torch._dynamo  # noqa: F401
