@@ -207,7 +207,13 @@ def test_injected_compute_delay_makes_rank_3_the_top_straggler(dp_runs):
     unpaced = float(np.median([_busy(report, r) for r in range(8) if r != 3])) - PACED_S
     assert top["rank"] == 3
     assert abs(top["cost_s"] - injected) <= 0.15 * injected + max(unpaced, 0.0), (top, unpaced)
-    assert not dp_runs["base"][1]["stragglers"]
+    # The run without the fault: no straggler beyond what CPU sharing alone makes (its own un-paced
+    # time: 8 ranks on 2 cores beside the other lane; a fresh-clone CI once named rank 5 at 23 ms
+    # for 2 of its 3 steps), and none near the injected delay.
+    base = dp_runs["base"][1]
+    noise = float(np.median([_busy(base, r) for r in range(8)])) - PACED_S
+    assert all(s["cost_s"] <= max(noise, 0.0) and s["cost_s"] < 0.1 * injected for s in base["stragglers"]), \
+        (base["stragglers"], noise)
     assert any(f["fix"] == "straggler_rank" and f["evidence"]["rank"] == 3 for f in report["findings"])
 
 
