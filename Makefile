@@ -3,12 +3,15 @@
 #               (then: make dashboard, and open http://127.0.0.1:8050/)
 #   make test   set up, run the whole test suite
 # Set-up is shared and idempotent: a .venv with torch (CPU build, pinned in
-# constraints/ci.txt) and mfuscope installed editable with its [dev] extra.  Every installed module
-# is byte-compiled: this machine and CI set PYTHONDONTWRITEBYTECODE=1, so a module left uncompiled is
+# constraints/ci.txt) and mfuscope installed editable with its [dev] extra.
+#
+# BYTECODE: this machine and CI set PYTHONDONTWRITEBYTECODE=1, so a module without its .pyc is
 # compiled again by every process that imports it (every test rank recompiled sympy and torch's lazy
-# modules: 6 s of CPU a rank, the suite 40% slower).  pip compiles on one core; compileall -j 0 on all
-# of them, the same 17,105 files: set-up 58 -> 49 s on 2 cores.  (A file compileall cannot compile
-# is left as pip would leave it: the step's status is not the install's.)
+# modules: 6 s of CPU a rank, the suite 40% slower).  make's commands write bytecode instead (into
+# .venv and the __pycache__ folders git ignores): a module the suite or the demo imports is compiled
+# once, by the first process that imports it, and the rest never.  Compiling all 17,105 installed
+# files up front (compileall -j 0) took 25 s of a fresh clone's 58 s set-up on 2 cores.
+unexport PYTHONDONTWRITEBYTECODE
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -24,7 +27,6 @@ $(STAMP): pyproject.toml constraints/ci.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -c constraints/ci.txt -e '.[dev]'
-	-$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null
 	@touch $@
 
 install: $(STAMP)
@@ -52,15 +54,11 @@ lint: $(STAMP) lint-tree
 	cd $(LINT_TREE) && PYTHONPATH=$$PWD $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache $(CURDIR)/pyproject.toml
 	$(VENV)/bin/ruff check
 
-# BYTECODE: with PYTHONDONTWRITEBYTECODE=1 (this machine, CI) mfuscope's own modules would be compiled
-# again by each of the suite's hundreds of processes (0.1-0.2 s each); compiled once here (__pycache__ is
-# ignored by git; an edited module's stale file is simply not used).
 # The suite's budget is 12 minutes on 2 cores, venv included (docs/contributing.md).  It runs in two
 # lanes at once (tests/lanes.py: timed tests in front, the rest at low priority beside them) and
 # ends with its wall time since make started; each lane lists its slowest tests.
 MAKE_START := $(shell date +%s)
 test: $(STAMP)
-	@$(PY) -m compileall -q -j 0 mfuscope $(LINT_FOLDERS) > /dev/null || true  # see BYTECODE above
 	@$(MAKE) --no-print-directory lint; lint_rc=$$?; \
 	$(PY) -m mfuscope.tests.lanes; rc=$$?; \
 	if [ $$lint_rc -ne 0 ]; then rc=1; echo "make test: make lint FAILED (its output is above the lanes')"; fi; \

@@ -36,10 +36,15 @@ def pytest_runtestloop(session):
     return lanes.run_claimed(session)
 
 
+_QUIET_WAITS: list[float] = []
+
+
 def pytest_runtest_setup(item):
     """make test's rest lane holds each test back while a paced test has the machine to itself
-    (tests/lanes.py, ``quiet``)."""
-    lanes.wait_while_quiet()
+    (tests/lanes.py, ``quiet``); its summary says how long, in all."""
+    waited = lanes.wait_while_quiet()
+    if waited >= 0.5:
+        _QUIET_WAITS.append(waited)
 
 
 # --------------------------------------------------------------------------- CPU seconds a test
@@ -64,6 +69,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _QUIET_WAITS:
+        terminalreporter.write_line(f"held back {sum(_QUIET_WAITS):.0f} s in all, {len(_QUIET_WAITS)} times, "
+                                    "while a paced test had the machine alone (tests/lanes.py, quiet)")
     if not _CPU:
         return
     worst = sorted(_CPU.items(), key=lambda kv: -kv[1])[:20]
