@@ -71,19 +71,26 @@ def run_path(root: Path, name: str) -> Path:
     return root / name.split(" ")[0].replace("=", "")
 
 
-def train(root: Path, name: str) -> Path:
-    """Layout ``name`` trained into ``root/<slug>`` on forked gloo ranks, then analyzed."""
-    from mfuscope.optimizers.predicted_memory import analyze
-    from mfuscope.run_dir import VIEWS
-
+def train(root: Path, name: str, analyzed: bool = True) -> Path:
+    """Layout ``name`` trained into ``root/<slug>`` on forked gloo ranks, then analyzed (unless
+    ``analyzed`` is False: :func:`analyze` it later)."""
     from .shared_runs import train_forked
 
     ranks, kind, options = LAYOUTS[name]
     out = run_path(root, name)
     with _twin(root, kind) if ranks == 1 else contextlib.nullcontext():
         train_forked(out, ranks, config=str(config(root, kind)), steps=STEPS, window=WINDOW, **options)
-    analyze(out, out / "report.json", out / VIEWS, use_cache=False)
+    if analyzed:
+        analyze(out)
     return out
+
+
+def analyze(out: Path) -> None:
+    """A trained run's report.json and views, from its traces."""
+    from mfuscope.optimizers import predicted_memory
+    from mfuscope.run_dir import VIEWS
+
+    predicted_memory.analyze(out, out / "report.json", out / VIEWS, use_cache=False)
 
 
 @contextlib.contextmanager
@@ -113,12 +120,15 @@ def _run_twin(train_forked, out: Path, config_path: str) -> None:
 
 def train_all(root: Path, names=None, say=print) -> dict[str, Path]:
     """Layouts ``names`` (all of them by default) trained in turn, under make test with the machine
-    to themselves (tests/lanes.py, ``quiet``): what a step of real compute costs is the point."""
+    to themselves (tests/lanes.py, ``quiet``): what a step of real compute costs is the point.  Then
+    analyzed, with the machine shared again (an analysis times nothing)."""
     out = {}
     with quiet():
         for name in names or LAYOUTS:
             say(f"training {name} ...")
-            out[name] = train(root, name)
+            out[name] = train(root, name, analyzed=False)
+    for path in out.values():
+        analyze(path)
     return out
 
 #: How far a predicted step may fall from the median measured one.  The issue's target is 20%;
