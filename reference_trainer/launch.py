@@ -1,4 +1,4 @@
-"""Starting ranks: torchrun for real runs (its ranks forked from a fork server:
+"""Starting ranks: torchrun for real runs (its ranks forked from its agent:
 :mod:`.forked_torchrun`), a fork launcher for tests.
 
 The fork launcher imports torch once in the parent and forks the ranks, which
@@ -63,18 +63,6 @@ def fork_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> li
     with tempfile.TemporaryDirectory(prefix="mfuscope-ranks-") as logs:
         crash_logs = [os.path.join(logs, f"rank{r}.fatal") for r in range(world)]
         return _fork_and_collect(fn, world, args, timeout, crash_logs)
-
-
-def train_rank(*argv: str) -> None:
-    """One rank of :mod:`.forked_torchrun`: the trainer, its output unbuffered (torchrun runs its
-    ranks with ``python -u``: each line reaches the user as it is written)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)
-    from . import train
-
-    rc = train.main(list(argv))
-    if rc:
-        sys.exit(rc)
 
 
 def import_for_the_ranks() -> None:

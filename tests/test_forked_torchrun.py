@@ -1,13 +1,10 @@
-"""``mfuscope train``'s launcher: torchrun's agent, its ranks forked from a fork server
-(forked_torchrun.py).
+"""``mfuscope train``'s launcher: torchrun's agent, its ranks forked from it (forked_torchrun.py).
 
-What is checked is what a rank started by torchrun has and a careless fork would not: it is
-forked from the fork server, not from the agent (whose rendezvous threads once hung an 8-rank
-run: a rank forked while one of them held glibc's resolver lock), its output reaches the user as
-it is written, a SIGTERM kills it as it kills a fresh interpreter (the agent's own handler is not
-inherited), and the agent names that death.  Expected values come from the outside: the
-processes' command lines and parents (/proc, through psutil), the signal sent, and the
-run directory's manifest."""
+What is checked is what a rank started by torchrun has and a careless fork would not: its
+output reaches the user as it is written, a SIGTERM kills it as it kills a fresh interpreter
+(the agent's own handler is not inherited), and the agent names that death.  Expected values
+come from the outside: the processes' command lines and parents (/proc, through psutil), the
+signal sent, and the run directory's manifest."""
 from __future__ import annotations
 
 import signal
@@ -36,12 +33,11 @@ def test_ranks_are_forked_print_as_they_go_and_die_of_sigterm_as_torchruns_do(tm
     else:
         pytest.fail(f"the job ended before step 3:\n{proc.stderr.read()[-3000:]}")
     (agent,) = psutil.Process(proc.pid).children()
-    assert "mfuscope.reference_trainer.forked_torchrun" in agent.cmdline()
-    (server,) = [p for p in agent.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
-    ranks = server.children()
+    ranks = agent.children()
     assert len(ranks) == 2
-    # forked, not exec'd: each rank runs the server's own command line, as its child
-    assert all(r.cmdline() == server.cmdline() for r in ranks)
+    # forked, not exec'd: each rank runs the agent's own command line, as the agent's child
+    assert all(r.cmdline() == agent.cmdline() for r in ranks)
+    assert "mfuscope.reference_trainer.forked_torchrun" in agent.cmdline()
     max(ranks, key=lambda r: r.pid).send_signal(signal.SIGTERM)  # either rank would do
     rest_out, err = proc.stdout.read(), proc.stderr.read()
     assert proc.wait(timeout=120) != 0
