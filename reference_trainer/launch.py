@@ -1,5 +1,4 @@
-"""Starting ranks: torchrun for real runs (its ranks forked from its agent:
-:mod:`.forked_torchrun`), a fork launcher for tests.
+"""Starting ranks: ``torchrun`` for real runs, a fork launcher for tests.
 
 The fork launcher imports torch once in the parent and forks the ranks, which
 keeps multi-rank tests fast on a small machine (no per-rank interpreter start
@@ -19,9 +18,6 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-#: The module torchrun runs as each rank of the reference trainer.
-TRAINER = "mfuscope.reference_trainer.train"
 
 
 def free_port() -> int:
@@ -65,7 +61,7 @@ def fork_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> li
         return _fork_and_collect(fn, world, args, timeout, crash_logs)
 
 
-def import_for_the_ranks() -> None:
+def _import_for_the_ranks() -> None:
     """Import, once in the parent, what every rank would otherwise import on its own at first use:
     torch's ``_disable_dynamo`` wrappers (an optimizer's step, meta-device initialisation) import
     ``torch._dynamo`` at their first call, and the pipeline ranks import
@@ -76,7 +72,7 @@ def import_for_the_ranks() -> None:
 
 
 def _fork_and_collect(fn: Callable, world: int, args: tuple, timeout: float, crash_logs: list[str]) -> list[Any]:
-    import_for_the_ranks()
+    _import_for_the_ranks()
     ctx = multiprocessing.get_context("fork")
     reports = ctx.Queue()
     port = free_port()
@@ -151,11 +147,10 @@ def _failure_report(errors: dict[int, str], world: int) -> str:
 
 
 def torchrun_command(nproc: int, train_args: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None) -> list[str]:
-    """The torchrun command line for the trainer (standalone on one machine unless told otherwise):
-    torchrun's options, its ranks forked from the agent (:mod:`.forked_torchrun`)."""
-    cmd = [sys.executable, "-m", "mfuscope.reference_trainer.forked_torchrun", f"--nproc-per-node={nproc}"]
+    """The torchrun command line for the trainer (standalone on one machine unless told otherwise)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and not rdzv_endpoint:
         cmd.append("--standalone")
     else:
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-    return cmd + ["-m", TRAINER, *train_args]
+    return cmd + ["-m", "mfuscope.reference_trainer.train", *train_args]
