@@ -88,6 +88,16 @@ def replay(path: Path, confirm: tuple[int, ...], drops: tuple[float, ...]) -> in
         for k in confirm:
             print(f"  {f'a pull request, --confirm-runs {k}':<34}" + "".join(
                 f" {p[d]['pr'][k] / p[d]['pr_positions'][k]:>7.1%}" for d in drops))
+    print("\na design the gate does not have yet: the pull request's job also trains main's code, and "
+          "fails when the pull request's run is slower than main's run of the same job by the threshold, in "
+          "two pairs (a run's level: the 10% quantile of its steps); power as above")
+    c = None
+    for t in (0.02, 0.05, 0.08):
+        q = rp.paired(records, t, drops=drops)
+        c = q["checks"]
+        print(f"  threshold {t:>3.0%}: fails {q['fails']:>2} of {c} ({q['fails'] / c:.1%}) at {q['failed_at']}"
+              + "".join(f"   -{d:.0%}: {q['power'][d]:.1%}" for d in drops))
+    print(f"  bound for {c} checks at {rp.NOMINAL_RATE:.1%}: at most {rp.binomial_limit(c, rp.NOMINAL_RATE)}")
     return 0
 
 

@@ -117,6 +117,27 @@ def power(records: list[dict[str, Any]], drop: float, *, confirm_runs: tuple[int
     return out
 
 
+def paired(records: list[dict[str, Any]], threshold: float, *, quantile: float = 0.1,
+           drops: tuple[float, ...] = ()) -> dict[str, Any]:
+    """A design the gate does not have yet, measured on the real history: the pull request's job
+    also trains main's code, right before its own run, and fails when the pull request's run is
+    ``threshold`` slower than main's run of the same job, and again in a second pair (main's rerun,
+    then the pull request's).  A run's level is the ``quantile`` of its step times (a co-tenant
+    only ever adds time, so the fastest steps show the code's speed), not the trimmed mean.  At
+    record i the job's runs are records i-1 (main), i (the pull request), i+1 and i+2 (the second
+    pair): consecutive runs of one commit on the same machine, so every failure is a false positive.
+    ``power[d]``: the share of the same positions that fail when the pull request's two runs are
+    ``d`` slower."""
+    lv = [float(np.quantile(s, quantile)) if len(s) else float("nan")
+          for s in (statistical.samples(r, "step_time_s", None) for r in records)]
+    positions = range(1, len(records) - 2)
+    fails = lambda slow: [i for i in positions  # noqa: E731
+                          if lv[i] * slow / lv[i - 1] - 1 > threshold and lv[i + 2] * slow / lv[i + 1] - 1 > threshold]
+    failed = fails(1.0)
+    return {"threshold": threshold, "quantile": quantile, "checks": len(positions), "fails": len(failed),
+            "failed_at": failed, "power": {d: len(fails(1 / (1 - d))) / len(positions) for d in drops}}
+
+
 def level(record: dict[str, Any]) -> float:
     """A run's step time as the gate takes it: the trimmed mean of its step samples."""
     return st.trimmed_mean(statistical.samples(record, "step_time_s", None))

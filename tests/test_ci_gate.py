@@ -439,6 +439,20 @@ def test_false_positives_on_the_real_history_stay_under_the_bound(real_replay):
     assert r["main_fails"] <= replay.binomial_limit(r["checks"], replay.NOMINAL_RATE)
 
 
+def test_the_paired_design_fails_only_where_both_pairs_are_slower():
+    """``replay.paired`` by hand: six runs whose fastest steps take 100, 100, 110, 100, 112, 100 ms
+    (each run also has two slow steps, a co-tenant's, which the level -- the 10% quantile -- never
+    sees).  The job at position i compares run i with run i-1, then run i+2 with run i+1; positions
+    1 to 3 have both pairs.  At 5%: position 2 is 1.10x, then 1.12x slower -- a failure; position 1
+    (1.00x, then 0.91x) and position 3 (0.91x, then 0.89x) pass.  Made 2% slower, the pull
+    request's runs add no failure (position 1: 1.02x, then 0.93x)."""
+    levels = [0.100, 0.100, 0.110, 0.100, 0.112, 0.100]
+    records = [{"samples": {"step_time_s": [lv] * 18 + [lv * 3, lv * 5]}} for lv in levels]
+    r = replay.paired(records, 0.05, drops=(0.02,))
+    assert r["checks"] == 3 and r["failed_at"] == [2] and r["fails"] == 1
+    assert r["power"][0.02] == pytest.approx(1 / 3)
+
+
 def test_the_binomial_bound():
     # 54 checks at 0.5%: P(X > 2) = 0.26%, P(X > 1) = 3.0%; 1,000: P(X > 11) = 0.53%, P(X > 10) = 1.3%
     assert replay.binomial_limit(54, 0.005) == 2
