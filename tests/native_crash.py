@@ -5,8 +5,10 @@ allocator, a kernel), not in anything the test asserts; ``fork_ranks`` reports i
 signal N" followed by the rank's Python stacks at the signal.  Seen once in hundreds of suite runs (a
 tp=2 gloo run: rank 0, SIGSEGV in backward, not reproduced in isolation), it must not fail the whole
 suite, and it must not disappear either: such a test runs once more, the crash and its stacks are
-printed in the terminal summary, and a second crash fails the test.  Anything else -- an assertion,
-an exception, a rank that raised, SIGKILL from the OOM killer -- fails at once as before.
+printed in the terminal summary, and a second crash fails the test.  The same holds for a rank
+started by torchrun (``mfuscope train``), known by the command's one-line error in the test's
+failure.  Anything else -- an assertion, an exception, a rank that raised, SIGKILL from the OOM
+killer -- fails at once as before.
 
 ``tests/conftest.py`` registers it; ``-p mfuscope.tests.native_crash`` loads it elsewhere.
 """
@@ -17,6 +19,10 @@ import re
 import pytest
 
 NATIVE_CRASH = re.compile(r"killed by signal (6|7|11)\b")
+#: ``mfuscope train``'s one line when a torchrun-launched rank died of such a signal (cli.py,
+#: ``_why_training_failed``; tests/test_hang.py holds a real crashed run's line to it).  A tp=2 gloo
+#: run beside two busy cores once ended so: rank 0, SIGABRT inside gloo's reduce-scatter in backward.
+TRAIN_CRASH = re.compile(r"training failed \(torchrun exit \d+\): rank \d+ died of SIG(SEGV|BUS|ABRT)\b")
 _CRASHES: list[tuple[str, str]] = []
 
 
@@ -39,11 +45,14 @@ def pytest_runtest_protocol(item, nextitem):
 
 def _ranks_crashed(report) -> bool:
     """The test failed with fork_ranks' own error, and a rank in it died of a native crash (not an
-    assertion about such an error, as in a test that crashes a rank on purpose)."""
+    assertion about such an error, as in a test that crashes a rank on purpose); or its failure
+    carries ``mfuscope train``'s line for a rank that died so (a test that checks a training
+    command's exit code, with its stderr in the message)."""
     crash = getattr(report.longrepr, "reprcrash", None)
     message = crash.message if crash is not None else ""
-    return message.startswith("RuntimeError: ") and " ranks failed; " in message and \
+    forked = message.startswith("RuntimeError: ") and " ranks failed; " in message and \
         bool(NATIVE_CRASH.search(report.longreprtext))
+    return forked or bool(TRAIN_CRASH.search(message))
 
 
 def _forget_failed_fixtures(item) -> None:

@@ -22,6 +22,8 @@ import pytest
 
 from mfuscope.analyzers import hang
 
+from . import native_crash
+
 torch = pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
 
@@ -237,7 +239,9 @@ def test_a_rank_that_segfaults_is_named_with_its_stack(tmp_path):
     from mfuscope.analyzers import run_info  # mfuscope info RUN, and the dashboard's run section
     assert "crashed      rank 1: SIGSEGV" in run_info.format_text(run_info.summarize(run))
     from mfuscope.cli import _why_training_failed  # mfuscope train's last line when torchrun fails
-    assert _why_training_failed(run, 1).startswith("training failed (torchrun exit 1): rank 1 died of SIGSEGV")
+    why = _why_training_failed(run, 1)
+    assert why.startswith("training failed (torchrun exit 1): rank 1 died of SIGSEGV")
+    assert native_crash.TRAIN_CRASH.search(why)  # what reruns a test whose torchrun rank crashed
 
 
 def test_records_cut_by_a_death_are_read_and_a_broken_one_is_named(tmp_path):
