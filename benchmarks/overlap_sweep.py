@@ -1,9 +1,9 @@
-"""The held-out error with ``overlap_slowdown`` held at fixed values instead of fitted.
+"""The held-out error with ``overlap_slowdown`` held at other values than the model's.
 
-``overlap_slowdown`` (compute time added per second of communication it hides) is one of the five
-numbers ``mfuscope calibrate`` fits to published runs.  Issue 32 asks for a physical term instead
-(NCCL's share of the SMs while it runs beside compute); before choosing one, this prints what each
-candidate value does to the leave-one-source-out error per source and per family, against the fit.
+``overlap_slowdown`` (compute time added per second of communication it hides) was the fifth
+number ``mfuscope calibrate`` fitted to published runs; since 2026-12-05 the model holds it at a
+published measurement (``Profile.overlap_slowdown``, Lee et al. 2025).  This prints what other
+values would do to the leave-one-source-out error per source and per family, against the model's.
 
     python benchmarks/overlap_sweep.py [--values 0,0.2,0.32,0.5] [CSV ...]
 """
@@ -32,15 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--values", default="0,0.2,0.32,0.5")
     args = ap.parse_args(argv)
     cases = [c for t in args.tables for c in published.load_cases(t)[0] if c.measured_tps]
-    fields = tuple(f for f in Profile.FITTED if f != "overlap_slowdown")
-    fitted = calibrate.leave_one_source_out_by_family(cases)
-    names = sorted(fitted[0])
+    fields = Profile.FITTED
+    model = calibrate.leave_one_source_out_by_family(cases)
+    names = sorted(model[0])
     print("| overlap_slowdown | " + " | ".join(names) + " | dense | moe | bf16 | fp8 |")
     print("|---" * (len(names) + 5) + "|")
     for value in (float(v) for v in args.values.split(",")):
         held = calibrate.leave_one_source_out_by_family(cases, start=Profile(overlap_slowdown=value), fields=fields)
         print(_row(f"{value:g} (held)", *held))
-    print(_row("fitted", *fitted))
+    print(_row(f"{Profile().overlap_slowdown:g} (the model's)", *model))
     return 0
 
 

@@ -4,7 +4,7 @@ The fit minimises the mean absolute log error of predicted against measured
 tokens/s per GPU (symmetric: 2x too fast costs what 2x too slow does) by
 coordinate search: each number in turn tries a log-spaced grid inside its
 bounds around the current value, keeps the best, and the grid narrows each
-round.  Five numbers for the whole table -- the degrees of freedom are the
+round.  Four numbers for the whole table -- the degrees of freedom are the
 profile's fields (``Profile.FITTED``; four where no row runs flash attention,
 which then takes the GEMMs' fraction), never one per row.
 
