@@ -280,8 +280,8 @@ class Profile:
 
     FITTED = ("gemm", "gemm_knee", "attention", "memory")
     LINKS = ("link_tp", "link_cp", "link_dp", "link_ep", "link_pp")
-    FIELDS = FITTED + ("scale_up", "scale_out", "microbatch_overhead_s", "latency_scale", "layer_overhead_s",
-                       "tp_overhead_s", "dtensor_param_s", "optimizer") + LINKS
+    FIELDS = FITTED + ("overlap_slowdown", "scale_up", "scale_out", "microbatch_overhead_s", "latency_scale",
+                       "layer_overhead_s", "tp_overhead_s", "dtensor_param_s", "optimizer") + LINKS
     BOUNDS = {"gemm": (0.2, 1.0), "gemm_knee": (8.0, 4096.0), "attention": (0.1, 1.0),
               "memory": (0.2, 1.0), "scale_up": (0.2, 1.0), "scale_out": (0.2, 1.0),
               "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0), "latency_scale": (1e-3, 1e4),
