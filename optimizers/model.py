@@ -239,9 +239,14 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         else:
             f_ops = {"all_reduce": 2 * links.seconds("tp", "all_reduce", buf)}
         b_ops = {op: s * (2 if layout.recompute == "full" else 1) for op, s in f_ops.items()}
-        window = stage.layer_fwd_gemm_s if training.async_tp else 0.0
-        f_total += layers * ledger.expose("tp", f_ops, window, layers * m)
-        b_total += layers * ledger.expose("tp", b_ops, 2 * window, layers * m)
+        if training.async_tp and layout.sequence_parallel and stage.tp_linear_s:
+            f, b = _async_tp_exposed(f_ops, stage.tp_linear_s, layout, ledger, layers * m)
+            f_total += layers * f
+            b_total += layers * b
+        else:
+            window = stage.layer_fwd_gemm_s if training.async_tp else 0.0
+            f_total += layers * ledger.expose("tp", f_ops, window, layers * m)
+            b_total += layers * ledger.expose("tp", b_ops, 2 * window, layers * m)
     if layout.cp > 1:
         (f_ops, f_window), (b_ops, b_window) = _context_parallel(model, layout, training, links, stage, tokens)
         f_total += layers * ledger.expose("cp", f_ops, f_window, layers * m)
@@ -253,6 +258,26 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
         f_total += layers * ledger.expose("ep", f_ops, f_window, layers * m)
         b_total += layers * ledger.expose("ep", {"all_to_all": exchange}, b_window, layers * m)
     return f_total, b_total
+
+
+def _async_tp_exposed(f_ops: dict[str, float], linear_s: dict[str, float], layout: Layout, ledger: _Ledger,
+                      times: float) -> tuple[float, float]:
+    """Async tensor parallelism (PyTorch's micro-pipelined TP, torchtitan's and Megatron-Core's
+    ``tp_comm_overlap``): each sequence-parallel collective is cut into tp chunks and runs beside
+    the one linear it is fused with -- the gather before qkv and before the MLP's up projection,
+    the reduce-scatter after the attention's output projection and after the MLP's down
+    projection -- and only beside (tp - 1)/tp of it: the first chunk's transfer has no chunk to
+    compute yet (the gather's last piece, the reduce-scatter's first partial).  Backward pairs each
+    collective with the dgrad GEMM of the same linear (the same shape), once more under full
+    recompute.  Returns one layer's exposed seconds, forward and backward."""
+    share = (layout.tp - 1) / layout.tp
+    pairs = (("all_gather", "qkv"), ("all_gather", "mlp_up"), ("reduce_scatter", "attn_out"),
+             ("reduce_scatter", "mlp_down"))
+    forward = sum(ledger.expose("tp", {op: f_ops[op] / 2}, share * linear_s[name], times) for op, name in pairs)
+    passes = 2 if layout.recompute == "full" else 1
+    backward = passes * sum(ledger.expose("tp", {op: f_ops[op] / 2}, share * linear_s[name], passes * times)
+                            for op, name in pairs)
+    return forward, backward
 
 
 def _fp8_tensor_parallel(training: Training) -> bool:

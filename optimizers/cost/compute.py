@@ -206,7 +206,11 @@ class StageCompute:
     fwd: dict[str, float] = field(default_factory=dict)
     bwd: dict[str, float] = field(default_factory=dict)
     w: float = 0.0
-    layer_fwd_gemm_s: float = 0.0     # one layer's forward GEMMs (async TP hides behind these)
+    layer_fwd_gemm_s: float = 0.0     # one layer's forward GEMMs
+    #: One layer's forward GEMM seconds of each tensor-parallel linear (qkv, attn_out, mlp_up,
+    #: mlp_down) of a dense model: under async TP each sequence-parallel collective hides behind
+    #: the one linear it feeds or is fed by.
+    tp_linear_s: dict[str, float] = field(default_factory=dict)
     attention_fwd_s: float = 0.0      # one layer's forward attention core (context parallelism)
     shared_expert_fwd_s: float = 0.0  # one layer's shared-expert GEMMs forward (MoE overlap)
     fp8_gemms: float = 0.0            # float8 GEMMs on the stage (each expert's own): their amaxes
@@ -225,9 +229,12 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     low_dtype = "fp8" if training.fp8_recipe in FP8_RATE_RECIPES else "bf16"
     high_dtype = "bf16" if training.dtype == "fp8" else training.dtype
     fwd_gemm = gemm_seconds(low, system, profile, low_dtype) + gemm_seconds(high, system, profile, high_dtype)
-    shared = lambda gs: [g for g in gs if g.name.startswith("shared_")]  # noqa: E731
-    shared_s = (gemm_seconds(shared(low), system, profile, low_dtype)
-                + gemm_seconds(shared(high), system, profile, high_dtype))
+    named = lambda gs, pick: [g for g in gs if pick(g.name)]  # noqa: E731
+    seconds = lambda pick: (gemm_seconds(named(low, pick), system, profile, low_dtype)  # noqa: E731
+                            + gemm_seconds(named(high, pick), system, profile, high_dtype))
+    shared_s = seconds(lambda name: name.startswith("shared_"))
+    tp_linear_s = {} if model.n_experts else {
+        name: seconds(lambda n, name=name: n == name) for name in ("qkv", "attn_out", "mlp_up", "mlp_down")}
     hbm = system.hbm_Bps * profile.memory
     act = training.activation_bytes
 
@@ -255,8 +262,8 @@ def stage_compute(model: ModelSpec, layout: Layout, training: Training, system: 
     cast_f, cast_b = fp8_cast_bytes(low, training.fp8_recipe, own)
     ew_f, ew_b = ew_f + cast_f / hbm, 2 * ew_f + cast_b / hbm
 
-    out = StageCompute(layer_fwd_gemm_s=fwd_gemm, attention_fwd_s=attn_f, shared_expert_fwd_s=shared_s,
-                       fp8_gemms=layers * sum(g.count for g in low))
+    out = StageCompute(layer_fwd_gemm_s=fwd_gemm, tp_linear_s=tp_linear_s, attention_fwd_s=attn_f,
+                       shared_expert_fwd_s=shared_s, fp8_gemms=layers * sum(g.count for g in low))
     out.fwd = {"gemm": layers * fwd_gemm, "attention": layers * attn_f, "norm_elementwise": layers * ew_f}
     re_gemm = re_attn = re_ew = 0.0
     if layout.recompute == "full":
