@@ -5,7 +5,7 @@ tokens/s per GPU (symmetric: 2x too fast costs what 2x too slow does) by
 coordinate search: each number in turn tries a log-spaced grid inside its
 bounds around the current value, keeps the best, and the grid narrows each
 round.  Four numbers for the whole table -- the degrees of freedom are the
-profile's fields (``Profile.FITTED``; four where no row runs flash attention,
+profile's fields (``Profile.FITTED``; three where no row runs flash attention,
 which then takes the GEMMs' fraction), never one per row.
 
 ``leave_one_source_out`` is the honest figure: fit on every source but one,

@@ -262,14 +262,14 @@ def _layer_collectives(model: ModelSpec, layout: Layout, training: Training, lin
 
 def _async_tp_exposed(f_ops: dict[str, float], linear_s: dict[str, float], layout: Layout, ledger: _Ledger,
                       times: float) -> tuple[float, float]:
-    """Async tensor parallelism (PyTorch's micro-pipelined TP, torchtitan's and Megatron-Core's
-    ``tp_comm_overlap``): each sequence-parallel collective is cut into tp chunks and runs beside
-    the one linear it is fused with -- the gather before qkv and before the MLP's up projection,
-    the reduce-scatter after the attention's output projection and after the MLP's down
-    projection -- and only beside (tp - 1)/tp of it: the first chunk's transfer has no chunk to
-    compute yet (the gather's last piece, the reduce-scatter's first partial).  Backward pairs each
-    collective with the dgrad GEMM of the same linear (the same shape), once more under full
-    recompute.  Returns one layer's exposed seconds, forward and backward."""
+    """Async tensor parallelism (PyTorch's micro-pipelined TP, torchtitan's async TP): each
+    sequence-parallel collective is cut into tp chunks and runs beside the one linear it is fused
+    with -- the gather before qkv and before the MLP's up projection, the reduce-scatter after the
+    attention's output projection and after the MLP's down projection -- and only beside (tp - 1)/tp
+    of it: the GEMM of the gather's last piece runs after every transfer, and the reduce-scatter's
+    first piece is computed before there is anything to send.  Backward pairs each collective with
+    the dgrad GEMM of the same linear (the same shape), once more under full recompute.  Returns
+    one layer's exposed seconds, forward and backward."""
     share = (layout.tp - 1) / layout.tp
     pairs = (("all_gather", "qkv"), ("all_gather", "mlp_up"), ("reduce_scatter", "attn_out"),
              ("reduce_scatter", "mlp_down"))
