@@ -131,8 +131,12 @@ def paired(records: list[dict[str, Any]], threshold: float, *, quantile: float =
     lv = [float(np.quantile(s, quantile)) if len(s) else float("nan")
           for s in (statistical.samples(r, "step_time_s", None) for r in records)]
     positions = range(1, len(records) - 2)
-    fails = lambda slow: [i for i in positions  # noqa: E731
-                          if lv[i] * slow / lv[i - 1] - 1 > threshold and lv[i + 2] * slow / lv[i + 1] - 1 > threshold]
+
+    def fails(slow: float) -> list[int]:
+        """The positions whose two pairs both fail with the pull request's runs ``slow`` x longer."""
+        worse = lambda run, main: lv[run] * slow / lv[main] - 1 > threshold  # noqa: E731
+        return [i for i in positions if worse(i, i - 1) and worse(i + 2, i + 1)]
+
     failed = fails(1.0)
     return {"threshold": threshold, "quantile": quantile, "checks": len(positions), "fails": len(failed),
             "failed_at": failed, "power": {d: len(fails(1 / (1 - d))) / len(positions) for d in drops}}
