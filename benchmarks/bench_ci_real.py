@@ -88,7 +88,7 @@ def replay(path: Path, confirm: tuple[int, ...], drops: tuple[float, ...]) -> in
         for k in confirm:
             print(f"  {f'a pull request, --confirm-runs {k}':<34}" + "".join(
                 f" {p[d]['pr'][k] / p[d]['pr_positions'][k]:>7.1%}" for d in drops))
-    print("\na design the gate does not have yet: the pull request's job also trains main's code, and "
+    print("\nthe workflow's pull-request gate (--paired-with): the job also trains main's code, and "
           "fails when the pull request's run is slower than main's run of the same job by the threshold, in "
           "two pairs (a run's level: the 10% quantile of its steps); power as above")
     c = None

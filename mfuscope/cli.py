@@ -300,6 +300,18 @@ def _add_ci(sub) -> None:
     p.add_argument("--rerun-command", default=None, metavar="CMD",
                    help="with --confirm-runs, for runs not of the reference trainer: a command that writes a run "
                         "directory at {out}")
+    p.add_argument("--paired-with", type=Path, default=None, metavar="MAIN_RUN",
+                   help="a pull request's check: a run of main's code trained in the same job right before this "
+                        "one; the pair decides on step time (each run's 10%% quantile step), the history's rows "
+                        "only advise, and --confirm-runs trains further pairs (docs/ci.md)")
+    p.add_argument("--max-slowdown", type=_fraction, default=0.05, metavar="FRACTION",
+                   help="with --paired-with: how much slower than main's run a pair may be (default 5%%)")
+    p.add_argument("--main-code", type=Path, default=None, metavar="DIR",
+                   help="with --paired-with and --confirm-runs: where main's code is installed (pip install "
+                        "--no-deps --target DIR); main's reruns run with DIR first on PYTHONPATH")
+    p.add_argument("--main-rerun-command", default=None, metavar="CMD",
+                   help="with --paired-with and --confirm-runs, for runs not of the reference trainer: a command "
+                        "that trains main's code into a run directory at {out}")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
     p.set_defaults(func=cmd_ci_check)
 
@@ -329,7 +341,9 @@ def cmd_ci_check(args: argparse.Namespace) -> int:
     if args.confirm_runs < 0:
         raise UserInputError(f"--confirm-runs {args.confirm_runs}: give 0 or more reruns")
     return commands.check(args.run, args.history, args.workload, _branch(args.branch), args.max_mfu_drop,
-                          args.summary_md, args.junit, args.html, args.confirm_runs, args.rerun_command, args.json)
+                          args.summary_md, args.junit, args.html, args.confirm_runs, args.rerun_command, args.json,
+                          paired_with=args.paired_with, main_code=args.main_code,
+                          main_rerun_command=args.main_rerun_command, max_slowdown=args.max_slowdown)
 
 
 def cmd_ci_trend(args: argparse.Namespace) -> int:

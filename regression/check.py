@@ -1,6 +1,11 @@
 """``mfuscope ci check``: a run held against its workload's history -- both gates, change points,
 the leaves that moved, and one verdict.
 
+With a run of main's code trained in the same job (``main``: a pull request's check,
+:mod:`.paired`), that pair decides on step time and its reruns are further pairs; the history's
+statistical rows are then shown but only advise (a violation stays ``suspicious``): its records
+were trained at other times, on a machine that drifts.
+
 Exit codes: 0 pass (``ok``, ``suspicious``, ``insufficient data``), 1 a
 confirmed regression or a deterministic failure, 2 bad input (raised as
 ``UserInputError`` by the caller's readers).
@@ -12,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import deterministic, statistical
+from . import deterministic, paired, statistical
 from .history import History
 
 #: How many leaves the output lists as having moved most.
@@ -34,7 +39,12 @@ def baseline_records(history: History, current: dict[str, Any], branch: str | No
 
 
 def check(history: History, current: dict[str, Any], *, branch: str | None, floor: float,
-          rerun: Callable[[int], dict[str, Any]] | None = None, confirm_runs: int = 0) -> dict[str, Any]:
+          rerun: Callable[[int], dict[str, Any]] | None = None, confirm_runs: int = 0,
+          main: dict[str, Any] | None = None,
+          rerun_pair: Callable[[int], tuple[dict[str, Any], dict[str, Any]]] | None = None,
+          pair_threshold: float = paired.THRESHOLD) -> dict[str, Any]:
+    """``rerun(i)``: the i-th in-job rerun's record; ``main``: the record of main's run in this job,
+    whose further pairs ``rerun_pair(i)`` trains (then ``rerun`` is not used)."""
     base = baseline_records(history, current, branch)
     result: dict[str, Any] = {
         "workload": current["workload"], "commit": current.get("commit"), "branch": branch,
@@ -50,9 +60,13 @@ def check(history: History, current: dict[str, Any], *, branch: str | None, floo
         "rows": deterministic.check(last, current, floor) if last else [],
     }
     # With in-job reruns (a pull request's check) the reruns confirm a violation, not the last record.
-    in_job = rerun is not None and confirm_runs > 0
+    in_job = main is not None or (rerun is not None and confirm_runs > 0)
     rows = [statistical.gate(base, current, metric, floor, previous_confirms=not in_job)
             for metric in statistical.METRICS]
+    if main is not None:
+        rerun = None  # the pairs settle it; the history's rows advise
+        result["paired"] = {"main_commit": main.get("commit"), "main_run": (main.get("run") or {}).get("source")}
+        rows.append(paired.gate(current, main, pair_threshold, rerun_pair=rerun_pair, confirm_runs=confirm_runs))
     # In-job reruns of a suspicious run, until one passes or all have been run.
     pending = [r for r in rows if r["verdict"] == "suspicious"]
     done = 0

@@ -19,7 +19,7 @@ from mfuscope.manifest import Manifest
 
 from . import check as check_mod
 from . import history as hist
-from . import outputs, prediction, trend
+from . import outputs, paired, prediction, trend
 
 #: Records the HTML report plots (each point is re-judged against the 20 before it).
 HTML_RECORDS = 1000
@@ -103,18 +103,41 @@ def record(path: Path, history: Path, workload: str | None, commit: str | None, 
 
 def check(path: Path, history: Path, workload: str | None, branch: str | None, max_drop: float,
           summary_md: Path | None, junit: Path | None, html: Path | None, confirm_runs: int,
-          rerun_command: str | None, as_json: bool) -> int:
+          rerun_command: str | None, as_json: bool, paired_with: Path | None = None,
+          main_code: Path | None = None, main_rerun_command: str | None = None,
+          max_slowdown: float = paired.THRESHOLD) -> int:
+    """``paired_with``: main's run of the same job, trained right before this one (a pull
+    request's check, :mod:`.paired`); its reruns run with ``main_code`` (where main's code is
+    installed) first on ``PYTHONPATH``, or as ``main_rerun_command``."""
     if not 0 <= max_drop < 1:
         raise UserInputError(f"--max-mfu-drop {max_drop}: give a fraction such as 0.02 or a percentage such as 2%")
+    if not 0 <= max_slowdown < 1:
+        raise UserInputError(f"--max-slowdown {max_slowdown}: give a fraction such as 0.05 or a percentage such as 5%")
     if not history.is_dir():
         raise UserInputError("no such history directory (make one with `mfuscope ci record RUN --history DIR`)",
                              history)
+    if main_code is not None and not main_code.is_dir():
+        raise UserInputError("--main-code: no such directory (install main's code there: pip install --no-deps "
+                             "--target DIR MAIN_CHECKOUT)", main_code)
     current = build_record(path, workload, None, None, None)
     h = hist.read(history, current["workload"])
     for s in h.skipped:
         print(f"mfuscope ci: warning: skipped {s}", file=sys.stderr)
     rerun = _rerun_fn(path, current, rerun_command) if confirm_runs else None
-    result = check_mod.check(h, current, branch=branch, floor=max_drop, rerun=rerun, confirm_runs=confirm_runs)
+    main = rerun_pair = None
+    if paired_with is not None:
+        main = build_record(paired_with, current["workload"], None, "main", None)
+        if confirm_runs:
+            env = None if main_code is None else {
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(main_code.resolve()), os.environ.get("PYTHONPATH")]))}
+            rerun_main = _rerun_fn(paired_with, main, main_rerun_command, env=env, flag="--main-rerun-command",
+                                   what="main's code, trained again")
+
+            def rerun_pair(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+                m = rerun_main(i)  # main's code first, as in the job's first pair
+                return rerun(i), m
+    result = check_mod.check(h, current, branch=branch, floor=max_drop, rerun=rerun, confirm_runs=confirm_runs,
+                             main=main, rerun_pair=rerun_pair, pair_threshold=max_slowdown)
     md = outputs.markdown(result)
     summary_md = summary_md or (Path(os.environ["GITHUB_STEP_SUMMARY"]) if os.environ.get("GITHUB_STEP_SUMMARY")
                                 else None)
@@ -131,12 +154,15 @@ def check(path: Path, history: Path, workload: str | None, branch: str | None, m
     return result["exit_code"]
 
 
-def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None):
-    """Run the workload again into a fresh run directory beside ``path``; return its record."""
+def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None, env: dict[str, str] | None = None,
+              flag: str = "--rerun-command", what: str = "confirming rerun"):
+    """Run the workload again into a fresh run directory beside ``path``; return its record.
+    ``env``: variables set for the rerun (main's code on ``PYTHONPATH``); ``flag``: the option
+    that gives ``rerun_command``, for the error; ``what``: the progress line's words."""
     manifest = Manifest.read(path) if run_dir.is_run_dir(path) else Manifest()
     if rerun_command is None and not manifest.is_reference_trainer_run:
-        raise UserInputError("--confirm-runs reruns a reference-trainer run by itself; for another job give "
-                             "--rerun-command 'CMD {out}' (it must write a run directory at {out})", path)
+        raise UserInputError(f"--confirm-runs reruns a reference-trainer run by itself; for another job give "
+                             f"{flag} 'CMD {{out}}' (it must write a run directory at {{out}})", path)
 
     def rerun(i: int) -> dict[str, Any]:
         out = path.parent / f"{path.name}.rerun{i + 1}"
@@ -146,8 +172,8 @@ def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None):
             from mfuscope.optimizers.optimize import trainer_command, write_config
             scratch = tempfile.mkdtemp(prefix="mfuscope-ci-")
             cmd = trainer_command(manifest, write_config(manifest, Path(scratch) / "config.toml"), out, {})
-        print(f"mfuscope ci: confirming rerun {i + 1}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"mfuscope ci: {what} {i + 1}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
             raise UserInputError(f"the confirming rerun failed (exit {done.returncode}): {last}", out)

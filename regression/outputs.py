@@ -6,6 +6,8 @@ import math
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
+from . import paired
+
 #: GitHub refuses a step summary over 1 MiB; ours stays well under it.
 SUMMARY_LIMIT = 1 << 20
 #: Deterministic rows listed in full; the rest (unchanged) are counted.
@@ -63,6 +65,14 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['metric']} | {_num(r['baseline'], r['metric'])} | {_num(r['current'], r['metric'])} | "
                      f"{_pct(delta)} | {'–' if r['limit'] is None else '−' + _pct(r['limit'], False)} | {verdict} | "
                      f"{p} |")
+    if result.get("paired"):
+        pr = result["paired"]
+        lines += ["", f"`{paired.METRIC}`: against main's code trained in this job (`{pr.get('main_run') or '?'}`), "
+                  "each run's 10% quantile step; it decides on step time, and the history's rows above only advise "
+                  "(their records ran at other times)."]
+        row = next((r for r in result["statistical"] if r["metric"] == paired.METRIC), {})
+        lines += [f"Pair {i + 2}, trained again in the job: main {_num(r['baseline'], '_s')}, this run "
+                  f"{_num(r['current'], '_s')} ({_pct(r['drop'])})" for i, r in enumerate(row.get("reruns") or [])]
     det = result["deterministic"]
     rows = det["rows"]
     moved = [r for r in rows if r["verdict"] != "ok"]

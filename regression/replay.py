@@ -9,7 +9,9 @@ positive):
   two-consecutive-violations rule);
 - **a pull request's gate with ``--confirm-runs N``**: the same check, whose in-job reruns are the
   N records that followed it -- runs of the same code right after it on the same machine, as an
-  in-job rerun is.
+  in-job rerun is;
+- **a pull request's paired gate** (:mod:`.paired`, what the workflow runs): the record before
+  it stands for main's run in the job, the two after it for the second pair (:func:`paired`).
 
 ``benchmarks/bench_ci_real.py`` records such a history and prints the shares; the fixture
 tests/fixtures/ci_history/tiny-tp2-real.jsonl is one, replayed by tests/test_ci_gate.py.
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import check as check_mod
+from . import paired as paired_gate
 from . import statistical
 from . import statistics as st
 from .history import History
@@ -117,19 +120,16 @@ def power(records: list[dict[str, Any]], drop: float, *, confirm_runs: tuple[int
     return out
 
 
-def paired(records: list[dict[str, Any]], threshold: float, *, quantile: float = 0.1,
+def paired(records: list[dict[str, Any]], threshold: float, *, quantile: float = paired_gate.QUANTILE,
            drops: tuple[float, ...] = ()) -> dict[str, Any]:
-    """A design the gate does not have yet, measured on the real history: the pull request's job
-    also trains main's code, right before its own run, and fails when the pull request's run is
-    ``threshold`` slower than main's run of the same job, and again in a second pair (main's rerun,
-    then the pull request's).  A run's level is the ``quantile`` of its step times (a co-tenant
-    only ever adds time, so the fastest steps show the code's speed), not the trimmed mean.  At
-    record i the job's runs are records i-1 (main), i (the pull request), i+1 and i+2 (the second
-    pair): consecutive runs of one commit on the same machine, so every failure is a false positive.
-    ``power[d]``: the share of the same positions that fail when the pull request's two runs are
-    ``d`` slower."""
-    lv = [float(np.quantile(s, quantile)) if len(s) else float("nan")
-          for s in (statistical.samples(r, "step_time_s", None) for r in records)]
+    """The pull request's gate (:mod:`.paired`) replayed: its job trains main's code right before
+    its own run, and fails when the pull request's run is ``threshold`` slower than main's, and
+    again in a second pair (main's rerun, then the pull request's).  At record i the job's runs
+    are records i-1 (main), i (the pull request), i+1 and i+2 (the second pair): consecutive runs
+    of one commit on the same machine, so every failure is a false positive.  ``power[d]``: the
+    share of the same positions that fail when the pull request's two runs are ``d`` slower."""
+    lv = [paired_gate.level(r, quantile) for r in records]
+    lv = [float("nan") if v is None else v for v in lv]
     positions = range(1, len(records) - 2)
 
     def fails(slow: float) -> list[int]:
