@@ -380,6 +380,25 @@ def test_a_pull_request_of_the_unchanged_commit_passes(pushed, pr):
     assert "paired step_time_s" in text
 
 
+def test_a_main_that_cannot_train_leaves_the_pull_request_to_the_history(tmp_path):
+    """The workflow's step that trains main's code, with main's code broken (its package fails to
+    import): the step passes with a warning and leaves no main run, so the check step pairs nothing
+    and gates on the history (a broken main must not block the pull request that fixes it)."""
+    env_vars, steps = _steps()
+    step = next(s for s in steps if s.get("name", "").startswith("Train main's code"))
+    broken = tmp_path / env_vars["MAIN_CODE"] / "mfuscope"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('main is broken')\n")
+    env = {**os.environ, **env_vars, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step["run"]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "main is broken" in proc.stderr and "checked against the history alone" in proc.stdout
+    assert not (tmp_path / env_vars["MAIN_RUN"]).exists()
+    check = next(s for s in steps if s.get("name", "").startswith("Check"))["run"]
+    assert '[ -d "$MAIN_RUN" ]' in check and "--paired-with" in check
+
+
 # ----------------------------------------------------------------------------- false positives and power
 
 

@@ -169,6 +169,17 @@ def test_optimize_refuses_to_apply_to_a_trace_directory(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
+def _starved(run: Path) -> bool:
+    """A run of the rest lane (``SCHED_IDLE``) that lost its core for seconds to the paced lane: a
+    step over five times the run's median step.  Its breakdown then measures the wait, not the
+    code -- the step shares a fix is proposed on fall under their thresholds -- so it is trained
+    again (the rest lane asserts no duration, and cannot ask the paced lane to wait)."""
+    from mfuscope.analyzers import step_rows
+
+    seconds = step_rows.read(run)["seconds"]
+    return bool(seconds.max() > 5 * seconds.median())
+
+
 def test_fuse_elementwise_compiles_for_real_and_runs_what_it_predicted(tmp_path):
     """One eager rank of tiny_dense: norm and elementwise work is a large part of its step, so
     ``fuse_elementwise`` proposes torch.compile (not mfuscope's kernels: a CPU runs their PyTorch
@@ -186,6 +197,8 @@ def test_fuse_elementwise_compiles_for_real_and_runs_what_it_predicted(tmp_path)
     # Four traced steps (the findings read three: the first is warm-up) keep the share over it
     # unless the preemptions outweigh the steps' own time.
     base = train_forked(tmp_path / "eager", 1, config="tiny_dense", steps=6, window="2:")
+    if _starved(base):  # seen once in a fresh-clone CI: a traced step of 3.9 s among 20-35 ms ones
+        base = train_forked(tmp_path / "eager-again", 1, config="tiny_dense", steps=6, window="2:")
     done = _mfuscope("optimize", str(base), "--apply", "--fixes", "fuse_elementwise", "--rounds", "1", "--json",
                      env=env)
     assert done.returncode == 0, done.stderr[-3000:]
