@@ -13,7 +13,9 @@ Rules compared on the same histories (each fails a check when it says "regressio
   asv-like          ratio over 1.1 against the previous record and Mann-Whitney p < 0.05 on the samples
 
 A pull request's gate (``ci check --confirm-runs N``: its run and every in-job rerun must violate)
-is measured the same way, for N = 1 and 2 (``--pull-requests`` prints only that table).
+is measured the same way, for N = 1 and 2, and so is the workflow's paired gate (``ci check
+--paired-with``: main's run in the job against the pull request's, regression/paired.py)
+(``--pull-requests`` prints only those tables).
 
     python benchmarks/bench_ci.py [--run RUN_DIR] [--records 10000] [--runs 3] [--trials 300] [--pull-requests]
 """
@@ -132,6 +134,13 @@ def pull_request_tables(report, manifest, trials: int) -> None:
         for n in (1, 2):
             hits = [simulate.pull_request_fail_rate(report, manifest, cv, trials, n, drop=d, seed=6) for d in DROPS]
             print(f"  {f'--confirm-runs {n}':<19}" + "".join(f" {x:>7.1%}" for x in hits))
+    print("\nthe workflow's pull-request gate (--paired-with main's run, one more pair on a violation): "
+          "false-positive rate over 4,000 unchanged pull requests, power over " f"{trials} per cell")
+    print(f"  {'step CV':<10} {'false pos.':>10}" + "".join(f" {f'-{d:.0%}':>7}" for d in DROPS))
+    for cv in (0.01, 0.03, 0.05, 0.08, 0.10):
+        fp = simulate.paired_fail_rate(report, manifest, cv, 4000, seed=7)
+        hits = [simulate.paired_fail_rate(report, manifest, cv, trials, seed=8, drop=d) for d in DROPS]
+        print(f"  {f'{cv:.0%}':<10} {fp:>10.2%}" + "".join(f" {x:>7.1%}" for x in hits))
 
 
 def main() -> int:

@@ -305,7 +305,8 @@ def _add_ci(sub) -> None:
                         "one; the pair decides on step time (each run's 10%% quantile step), the history's rows "
                         "only advise, and --confirm-runs trains further pairs (docs/ci.md)")
     p.add_argument("--max-slowdown", type=_fraction, default=0.05, metavar="FRACTION",
-                   help="with --paired-with: how much slower than main's run a pair may be (default 5%%)")
+                   help="with --paired-with: how much slower than main's run a pair may be at least (default "
+                        "5%%; wider where the runs' own steps are noisier)")
     p.add_argument("--main-code", type=Path, default=None, metavar="DIR",
                    help="with --paired-with and --confirm-runs: where main's code is installed (pip install "
                         "--no-deps --target DIR); main's reruns run with DIR first on PYTHONPATH")

@@ -68,11 +68,13 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("paired"):
         pr = result["paired"]
         lines += ["", f"`{paired.METRIC}`: against main's code trained in this job (`{pr.get('main_run') or '?'}`), "
-                  "each run's 10% quantile step; it decides on step time, and the history's rows above only advise "
-                  "(their records ran at other times)."]
+                  f"each run's {paired.QUANTILE:.0%} quantile step, the limit {paired.THRESHOLD:.0%} or "
+                  f"{paired.K_SIGMA} standard errors of the two; it decides on step time, and the history's rows "
+                  "above only advise (their records ran at other times)."]
         row = next((r for r in result["statistical"] if r["metric"] == paired.METRIC), {})
         lines += [f"Pair {i + 2}, trained again in the job: main {_num(r['baseline'], '_s')}, this run "
-                  f"{_num(r['current'], '_s')} ({_pct(r['drop'])})" for i, r in enumerate(row.get("reruns") or [])]
+                  f"{_num(r['current'], '_s')} ({_pct(r['drop'])}, limit {_pct(r['limit'], False)})"
+                  for i, r in enumerate(row.get("reruns") or [])]
     det = result["deterministic"]
     rows = det["rows"]
     moved = [r for r in rows if r["verdict"] != "ok"]

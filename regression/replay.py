@@ -123,7 +123,8 @@ def power(records: list[dict[str, Any]], drop: float, *, confirm_runs: tuple[int
 def paired(records: list[dict[str, Any]], threshold: float, *, quantile: float = paired_gate.QUANTILE,
            drops: tuple[float, ...] = ()) -> dict[str, Any]:
     """The pull request's gate (:mod:`.paired`) replayed: its job trains main's code right before
-    its own run, and fails when the pull request's run is ``threshold`` slower than main's, and
+    its own run, and fails when the pull request's run is slower than main's by more than the
+    pair's limit (``threshold`` or its noise, :func:`.paired.limit`), and
     again in a second pair (main's rerun, then the pull request's).  At record i the job's runs
     are records i-1 (main), i (the pull request), i+1 and i+2 (the second pair): consecutive runs
     of one commit on the same machine, so every failure is a false positive.  ``power[d]``: the
@@ -131,10 +132,13 @@ def paired(records: list[dict[str, Any]], threshold: float, *, quantile: float =
     lv = [paired_gate.level(r, quantile) for r in records]
     lv = [float("nan") if v is None else v for v in lv]
     positions = range(1, len(records) - 2)
+    # each pair's limit (the runs' spreads are the same when the pull request's are slowed)
+    lim = {(i + d, i + d - 1): paired_gate.limit(records[i + d], records[i + d - 1], threshold)
+           for i in positions for d in (0, 2)}
 
     def fails(slow: float) -> list[int]:
         """The positions whose two pairs both fail with the pull request's runs ``slow`` x longer."""
-        worse = lambda run, main: lv[run] * slow / lv[main] - 1 > threshold  # noqa: E731
+        worse = lambda run, main: lv[run] * slow / lv[main] - 1 > lim[run, main]  # noqa: E731
         return [i for i in positions if worse(i, i - 1) and worse(i + 2, i + 1)]
 
     failed = fails(1.0)

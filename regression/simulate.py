@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import check as check_mod
-from . import statistical
+from . import paired, statistical
 from .history import History, make_record
 from .statistical import WINDOW
 
@@ -95,4 +95,29 @@ def pull_request_fail_rate(report: dict[str, Any], manifest: dict[str, Any] | No
                                  rerun=lambda j: noisy_record(report, manifest, rng, cv, drop, index=WINDOW + 1 + j,
                                                               run_cv=run_cv))
         fails += result["exit_code"] == 1
+    return fails / trials
+
+
+def paired_fail_rate(report: dict[str, Any], manifest: dict[str, Any] | None, cv: float, trials: int,
+                     seed: int = 0, drop: float = 0.0, threshold: float = paired.THRESHOLD) -> float:
+    """The share of pull requests the paired gate (:mod:`.paired`) fails: main's run and the pull
+    request's, ``drop`` slower, then (on a violation) a second pair.  Each run has the report's
+    number of steps, all of its median step times independent log-normal noise of ``cv`` (the
+    report's own step-to-step differences would be the same in both runs of a pair); with
+    ``drop`` 0 it is the false-positive rate, else the power."""
+    rng = np.random.default_rng(seed)
+    base = make_record(report, manifest, workload="simulated", commit=None, branch="main", time="",
+                       source="simulated")
+    steps = base["samples"]["step_time_s"]
+    median = float(np.median(steps))
+
+    def run(d: float) -> dict[str, Any]:
+        times = [median * _lognormal(rng, cv) / (1.0 - d) for _ in steps]
+        return {**base, "samples": {"step_time_s": times, "mfu": []}}
+
+    fails = 0
+    for _ in range(trials):
+        head, main = run(drop), run(0.0)
+        row = paired.gate(head, main, threshold, rerun_pair=lambda i: (run(drop), run(0.0)), confirm_runs=1)
+        fails += row["verdict"] == "regression"
     return fails / trials

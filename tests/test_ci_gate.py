@@ -13,6 +13,7 @@ hand count, nccl-tests' bus factors, a permutation test for Mann-Whitney's p-val
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -98,7 +99,8 @@ def _steps(workflow: Path = WORKFLOW):
 
 
 def _run_workflow(work: Path, event: str, sha: str, summary: Path, *, workflow: Path = WORKFLOW,
-                  env_over: dict[str, str] | None = None, skip: tuple[str, ...] = ()) -> dict[str, int]:
+                  env_over: dict[str, str] | None = None, skip: tuple[str, ...] = (),
+                  alone: bool = True) -> dict[str, int]:
     """The workflow's `run:` steps in order, as GitHub runs them (bash -e, the job's env).
     `uses:` steps are GitHub's own actions (checkout, setup-python, upload-artifact) and the
     install steps are what this test's environment already did: main's code, in a pull request's
@@ -107,8 +109,9 @@ def _run_workflow(work: Path, event: str, sha: str, summary: Path, *, workflow: 
     runs a pull request's own); ``env_over``: job env values replaced; ``skip``: steps (by the
     start of their name) whose outputs the caller put in place.  Under make test the workflow
     has the machine to itself (tests/lanes.py, ``quiet``): its runs' step times are what the gate
-    compares, one push's against another's."""
-    with lanes.quiet():
+    compares, one push's against another's.  ``alone=False``: the rest lane goes on beside it, for a
+    job whose runs differ by far more than the rest lane could move them."""
+    with lanes.quiet() if alone else contextlib.nullcontext():
         return _run_steps(work, event, sha, summary, workflow, env_over, skip)
 
 
@@ -334,8 +337,10 @@ def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
     _git(work, "commit", "--quiet", "-m", "trainer: rank 0 sleeps in every forward")
     _fresh_checkout(work)
     summary = pr["root"] / "summary-slow.md"
+    # Its pairs differ by the injected +100% against a 5% limit: the rest lane (idle-priority) may
+    # run beside them, rather than wait out four trainings.
     codes = _run_workflow(work, "pull_request", _git(work, "rev-parse", "HEAD"), summary, workflow=workflow,
-                          env_over={"STEPS": PR_STEPS})
+                          env_over={"STEPS": PR_STEPS}, alone=False)
     text = summary.read_text()
     print(text)
     assert codes["Check against main's history"] == 1, text
@@ -345,7 +350,7 @@ def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
     assert set(failed) == {"paired step_time_s"} and "more pair(s)" in failed["paired step_time_s"], failed
     assert {"mfu", "step_time_s"} <= set(cases)  # the history's rows: shown, advising
     props = {e.get("name"): e.get("value") for e in cases["paired step_time_s"].iter("property")}
-    assert float(props["drop"]) > 0.5 and float(props["limit"]) == 0.05
+    assert float(props["drop"]) > 0.5 and 0.05 <= float(props["limit"]) < float(props["drop"])
     assert "REGRESSION (paired step_time_s)" in text
     # the second pair: main's code first (not slowed), then the slowed command, from the manifests
     runs = work / "runs"
@@ -451,14 +456,16 @@ def test_the_real_history_replays_to_the_documented_figures(real_replay):
 
 def test_the_pull_requests_paired_gate_stays_under_the_bound_on_the_real_history(real_replay):
     """The workflow's pull-request gate (regression/paired.py: main's code trained in the job, a
-    pair 5% slower, confirmed by a second) replayed on the real history: the record before each
-    stands for main's run, the two after it for the second pair.  docs/ci.md's figure (2 of 57;
-    the fixture is fixed, so exact), within the bound: at the nominal per-check rate
-    (:data:`replay.NOMINAL_RATE`, 0.5%), the most failures 57 checks show with probability 99%."""
+    pair slower than its limit, confirmed by a second) replayed on the real history: the record
+    before each stands for main's run, the two after it for the second pair.  docs/ci.md's figures
+    (the fixture is fixed, so exact): no failure in 57 checks, within the bound (at the nominal
+    per-check rate, :data:`replay.NOMINAL_RATE`, 0.5%, the most failures 57 checks show with
+    probability 99%); with the limit fixed at 5% (no noise term) it was 2 of 57."""
     records, _ = real_replay
-    r = replay.paired(records, paired.THRESHOLD)
-    assert (r["checks"], r["fails"]) == (57, 2)
+    r = replay.paired(records, paired.THRESHOLD, drops=(0.5,))
+    assert (r["checks"], r["fails"]) == (57, 0)
     assert r["fails"] <= replay.binomial_limit(r["checks"], replay.NOMINAL_RATE) == 2
+    assert r["power"][0.5] == pytest.approx(52 / 57)
 
 
 @pytest.mark.xfail(strict=True, reason="this machine's co-tenant episodes (+50% to +500% for a minute) slow a run "
@@ -473,6 +480,38 @@ def test_false_positives_of_the_history_gate_on_the_real_history_stay_under_the_
     assert r["main_fails"] <= replay.binomial_limit(r["checks"], replay.NOMINAL_RATE)
     for n in (1, 2):
         assert r["pr_fails"][n] <= replay.binomial_limit(r["pr_checks"][n], replay.NOMINAL_RATE)
+
+
+@pytest.mark.parametrize("cv", [0.01, 0.03, 0.08])
+def test_the_paired_gate_fails_under_half_a_percent_of_unchanged_pull_requests(real, cv):
+    """Simulated pull requests of unchanged code (regression/simulate.py, ``paired_fail_rate``:
+    every run's steps independent log-normal noise): the paired gate holds the gate's nominal
+    rate, where a fixed 5% limit failed 1.3% at 8% noise (regression/paired.py).  And it still
+    catches what it should: a 10% slower pull request at 3% noise, a 20% slower one at 8%."""
+    rate = simulate.paired_fail_rate(*real, cv=cv, trials=2000)
+    print(f"paired gate, step noise {cv:.0%}: {rate:.2%} of 2000 unchanged pull requests fail")
+    assert rate < 0.005
+    if cv == 0.03:
+        assert simulate.paired_fail_rate(*real, cv=cv, trials=300, seed=1, drop=0.10) >= 0.95
+    if cv == 0.08:
+        assert simulate.paired_fail_rate(*real, cv=cv, trials=300, seed=1, drop=0.20) >= 0.95
+
+
+def test_the_pairs_limit_widens_with_the_runs_own_noise():
+    """By hand: 20 steps alternating 90 and 110 ms -- median 100, MAD 10, so a step spread of
+    1.4826 x 10 / 100 = 14.8%; a 10% quantile's standard error 1.709 x 0.148 / sqrt(20) = 5.67%
+    a run, 5.67% x sqrt(2) = 8.01% for the ratio of two; the limit 1.65 x 8.01% = 13.2%.  A pull
+    request 10% slower (99 and 121 ms) passes it, which a fixed 5% would fail; 20% slower fails."""
+    def run(a, b):
+        return {"samples": {"step_time_s": [a / 1e3, b / 1e3] * 10}, "fingerprint": {}}
+
+    main = run(90, 110)
+    assert paired.limit(run(99, 121), main) == pytest.approx(1.65 * 1.709 * 0.14826 / np.sqrt(20) * np.sqrt(2),
+                                                                 rel=1e-3)
+    assert paired.gate(run(99, 121), main)["verdict"] == "ok"
+    assert paired.gate(run(108, 132), main)["verdict"] == "suspicious"
+    quiet = run(100, 100)  # no spread: the floor
+    assert paired.limit(run(105, 105), quiet) == paired.THRESHOLD
 
 
 def test_the_paired_replay_fails_only_where_both_pairs_are_slower():
