@@ -221,7 +221,9 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
     fractions = [b["bubble_fraction"] for b in bubbles if b.get("bubble_fraction") is not None]
     stages = _stage_leaves(report, m, pp)
     stage_compute = tuple(sum(v for k, v in leaves.items() if k.startswith("compute/")) for leaves in stages)
-    leaves = leaves_of(report["breakdown"])
+    # The steady steps' leaves (the warm-up left out), on the basis of summary.step_time_s and the
+    # findings; a report from before steady_breakdown has only the tree of every traced step.
+    leaves = leaves_of(report.get("steady_breakdown") or report["breakdown"])
     training = replace(training, checkpoint_s=leaves.get("checkpoint", 0.0))
     if stage_compute and max(stage_compute) > UNEVEN * min(stage_compute):
         # The model predicts the busiest rank; where stages differ, that rank's leaves are the

@@ -250,6 +250,28 @@ def test_every_fix_runs_what_it_predicted(fix, tmp_path):
         assert ran_otherwise(change, layout, training) == [], (change.summary, change.trainer)
 
 
+def test_a_fix_is_judged_on_the_steady_steps(tmp_path):
+    """One eager rank whose first traced step spent 0.33 s more in norm/elementwise kernels (first
+    calls, say) than its three steady steps' 0.06 s of 1 s: over the four traced steps the leaf is
+    (0.39 + 3 x 0.06) / 4 = 0.1425 s, 14% of the 1 s steady step, over fuse_elementwise's 10%; over
+    the steady steps, the step's basis, it is 6% and nothing is proposed.  A report from before
+    ``steady_breakdown`` has only the four-step tree, and is judged on it."""
+    pytest.importorskip("torch", reason="the trainer's config and checks need torch ([dev] extra)")
+    config = tmp_path / "eight.toml"
+    config.write_text(EIGHT_LAYERS)
+    manifest = _trainer_manifest(config, 1, {}, {}, True)
+
+    def tree(elementwise, other):
+        return {"name": "step", "seconds": elementwise + other, "children": [
+            {"name": "compute/norm_elementwise", "seconds": elementwise}, {"name": "compute/gemm", "seconds": other}]}
+
+    traced = tree((0.39 + 3 * 0.06) / 4, (1.27 + 3 * 0.94) / 4)
+    report = {"summary": {"step_time_s": 1.0}, "breakdown": traced, "steady_breakdown": tree(0.06, 0.94)}
+    assert fixes.fuse_elementwise(measured.from_documents(report, manifest, tmp_path / "run")) == []
+    older = {k: v for k, v in report.items() if k != "steady_breakdown"}
+    assert fixes.fuse_elementwise(measured.from_documents(older, manifest, tmp_path / "run"))
+
+
 def test_the_attention_rate_follows_the_kernel_the_run_recorded(tmp_path):
     """A GPU run whose trainer recorded PyTorch choosing cuDNN's attention (as SDPA does on Hopper
     with cuDNN 9.15+: measured on an H200, 104 ms a step where FlashAttention-2's rate predicted
