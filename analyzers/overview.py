@@ -131,6 +131,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
         for s in summaries:
             calls.add(s.calls)
     steady = findings.steady(leaves)
+    steady_tree = breakdown.tree(steady) if not steady.empty else None
     matched = calls.match(set(steady["step"]))
 
     step_time = float(step_s.mean()) if len(step_s) else None
@@ -151,8 +152,8 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     kernel_stats = concat_frames([s.kernels for s in summaries], kernel_time.KERNEL_STAT_COLUMNS)
     kernels = kernel_time.top_kernels(kernel_stats, n=20)
     launch = rank_summary.stacked([s.launch for s in summaries], kernel_time.LAUNCH_COLUMNS)
-    found, summary["findings_note"] = _findings(steady, summaries, metas, bub, strag, launch.to_dict("records"),
-                                                graphs, matched.late, plan_of)
+    found, summary["findings_note"] = _findings(steady, steady_tree, summaries, metas, bub, strag,
+                                                launch.to_dict("records"), graphs, matched.late, plan_of)
     overlap = rank_summary.stacked([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
     comm = comm_stats.summarize([s.comm_parts for s in summaries], comm_stats.Links.of(device, world, recorded.raw))
     if nccl_tests:
@@ -162,8 +163,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     saves = checkpoints.analyze(run) if run is not None else None
     summary["goodput"] = saves["goodput"] if saves else None
     return new_report(
-        source, files, summary, breakdown=tree, steady_breakdown=breakdown.tree(steady) if not steady.empty else None,
-        bubbles=[bub] if bub else [],
+        source, files, summary, breakdown=tree, steady_breakdown=steady_tree, bubbles=[bub] if bub else [],
         **({"health": whole_run} if whole_run is not None else {}),
         **({"memory": measured_memory} if measured_memory is not None else {}),
         **({"checkpoints": saves} if saves is not None else {}),
@@ -194,14 +194,13 @@ def concat_frames(frames: list[pd.DataFrame], columns: list[str] | None = None) 
     return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
 
 
-def _findings(leaves: pd.DataFrame, summaries: list[rank_summary.RankSummary], metas: dict[int, dict],
-              bub: dict | None, strag: list[dict], launch: list[dict], graphs: dict, late_keys: pd.DataFrame,
-              plan_of: Callable[[int], Any]) -> tuple[list[dict[str, Any]], str | None]:
+def _findings(leaves: pd.DataFrame, tree: dict[str, Any] | None, summaries: list[rank_summary.RankSummary],
+              metas: dict[int, dict], bub: dict | None, strag: list[dict], launch: list[dict], graphs: dict,
+              late_keys: pd.DataFrame, plan_of: Callable[[int], Any]) -> tuple[list[dict[str, Any]], str | None]:
     """The findings on the steady steps (``leaves``: a rank's first left out when it has three or
-    more), and why they cannot be judged, if they cannot."""
-    if leaves.empty:
+    more; ``tree``: their breakdown), and why they cannot be judged, if they cannot."""
+    if leaves.empty or tree is None:
         return [], None
-    tree = breakdown.tree(leaves)
     step_s = float(breakdown.per_rank_step(leaves)["step_s"].mean())
     pairs = leaves[["rank", "step"]].drop_duplicates()
     evidence = findings.merge_evidence([s.evidence for s in summaries], metas)
