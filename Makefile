@@ -23,7 +23,7 @@ DEMO   ?= artifacts/demo
 
 all: test
 
-$(STAMP): pyproject.toml constraints/ci.txt
+$(STAMP): pyproject.toml setup.py analyzers/_kineto_scan.c constraints/ci.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -c constraints/ci.txt -e '.[dev]'

@@ -9,6 +9,7 @@ map to one small vocabulary of ops here.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -77,8 +78,10 @@ def is_comm_cpu_name(name: str) -> bool:
     return name == "record_param_comms" or name.startswith(("nccl:", "gloo:", "c10d::")) or bool(_call_label(name))
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def normalize_op(name: str | None) -> str | None:
-    """Canonical collective op for any name above, or None if it names none."""
+    """Canonical collective op for any name above, or None if it names none.  (Cached: a trace
+    asks it of the same few hundred names thousands of times.)"""
     if not name:
         return None
     label = _call_label(name)

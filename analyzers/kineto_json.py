@@ -20,7 +20,7 @@ import gc
 import os
 import re
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,6 +34,13 @@ from mfuscope.event_table import EventTable, build_table
 
 from . import collectives, kernel_kinds, memory
 from .steps import UNMARKED, Steps, assign_steps, device_window, find_steps, with_whole_trace_marker
+
+try:  # the C scanner (analyzers/_kineto_scan.c); optional: without a C compiler at install, msgspec decodes
+    from . import _kineto_scan as _scan
+except ImportError:  # pragma: no cover - exercised only where the extension was not built
+    _scan = None
+if os.environ.get("MFUSCOPE_KINETO_SCANNER") == "0":  # msgspec alone: to measure or to rule the scanner out
+    _scan = None
 
 try:  # ISA-L inflates gzip ~1.6x faster than zlib; optional.
     from isal import igzip as _gzip
@@ -456,9 +463,9 @@ class _Work:
     arg_stream: np.ndarray
     correlation: np.ndarray
     external_id: np.ndarray
-    args: dict  # row -> _KeptArgs, for rows whose name needs the full args
+    args: dict  # row -> _KeptArgs or _Args (same fields), for rows whose name needs the full args
     thread_names: dict
-    allocator: list  # (row, allocated, reserved, device key, bytes, address) of each [memory] event
+    allocator: _Allocator  # the [memory] events' fields
 
 
 class _KeptArgs(NamedTuple):
@@ -499,79 +506,229 @@ def _raw_batches(raw_events: list) -> Iterator[bytes]:
         yield b"[" + b",".join(raw_events[start:start + _BATCH]) + b"]"
 
 
+class _Allocator(NamedTuple):
+    """The allocator's ``[memory]`` events (those with args), as columns: the row of each, the
+    totals allocated and reserved after it, its device (``cuda:0``), the bytes (< 0 freed), the address."""
+
+    rows: np.ndarray
+    allocated: np.ndarray
+    reserved: np.ndarray
+    device: np.ndarray  # object: memory.device_key
+    nbytes: np.ndarray
+    addr: np.ndarray
+
+    @staticmethod
+    def concat(parts: list[_Allocator], offsets: list[int]) -> _Allocator:
+        if not parts:
+            return _NO_ALLOCATOR
+        columns = [np.concatenate(c) for c in zip(*parts)]
+        columns[0] = np.concatenate([p.rows + off for p, off in zip(parts, offsets)])
+        return _Allocator(*columns)
+
+
+_I64 = np.empty(0, np.int64)
+_NO_ALLOCATOR = _Allocator(_I64, _I64, _I64, np.empty(0, object), _I64, _I64)
+
+
+def _device_keys(device_type: np.ndarray, device_id: np.ndarray, missing: int) -> np.ndarray:
+    """memory.device_key of each row, called once per distinct (type, id); ``missing`` marks an absent field."""
+    key = lambda t, i: memory.device_key(None if t == missing else t, None if i == missing else i)  # noqa: E731
+    if (device_type == device_type[0]).all() and (device_id == device_id[0]).all():  # one allocator: the usual
+        return np.full(len(device_type), key(int(device_type[0]), int(device_id[0])), dtype=object)
+    pairs, inverse = np.unique(np.stack([device_type, device_id], axis=1), axis=0, return_inverse=True)
+    return np.array([key(t, i) for t, i in pairs.tolist()], dtype=object)[inverse.reshape(-1)]
+
+
+class _Part(NamedTuple):
+    """One batch's work rows as columns (what :class:`_Work` concatenates), from either decoder."""
+
+    names: pa.DictionaryArray
+    cats: pa.DictionaryArray
+    pid: np.ndarray
+    tid: np.ndarray
+    tid_labels: np.ndarray | None  # only when some thread ids are strings
+    ts: np.ndarray
+    dur: np.ndarray
+    dev: np.ndarray
+    stream: np.ndarray
+    corr: np.ndarray
+    ext: np.ndarray
+    args: dict  # row in the batch -> _KeptArgs
+    allocator: _Allocator  # rows counted in the batch
+    thread_names: dict
+
+
 def _collect_events(batches: Iterable[bytes], path: Path) -> _Work:
+    """Decode the batches, each by the C scanner where it can (``_kineto_scan``), else by msgspec."""
     needs: dict[str, bool] = {}
-    chunks: dict[str, list] = {k: [] for k in ("names", "cats", "pid", "tid", "tid_labels", "ts", "dur", "dev",
-                                               "stream", "corr", "ext")}
+    parts: list[_Part] = []
+    seen = 0
+    for data in batches:
+        decoded = _native_part(data, needs) if _scan is not None else None
+        part, count = decoded if decoded is not None else _msgspec_part(data, needs, seen, path)
+        del data, decoded
+        seen += count
+        parts.append(part)
+    return _concat_parts(parts)
+
+
+def _concat_parts(parts: list[_Part]) -> _Work:
     args: dict[int, _KeptArgs] = {}
     thread_names: dict = {}
-    allocator: list = []
-    string_tids = False
-    n = seen = 0
-    for data in batches:
-        try:
-            batch = _EVENTS_DECODER.decode(data)
-        except msgspec.ValidationError as e:
-            where = re.sub(r"`\$\[(\d+)\]", lambda m, seen=seen: f"`$.traceEvents[{seen + int(m.group(1))}]", str(e))
-            raise UserInputError(f"unexpected trace content: {where}", path) from None
-        del data
-        seen += len(batch)
-        for e in [e for e in batch if e.ph == "M"]:
-            if e.name == "thread_name" and e.args is not None and e.args.name:
-                thread_names[e.tid] = e.args.name
-        # Complete and instant events are work; flows ("ac2g") and bookkeeping are not.
-        work = [e for e in batch if e.ph in _WORK_PHASES and e.cat and e.ts is not None and e.cat not in _SKIP_CATS]
-        del batch
-        names = pa.array([e.name for e in work], type=pa.string()).dictionary_encode()
-        flags = [needs.get(x) for x in names.dictionary.to_pylist()]
-        for i, x in enumerate(names.dictionary.to_pylist()):
-            if flags[i] is None:
-                flags[i] = needs[x] = _needs_args(x)
-        if any(flags):
-            for row in np.flatnonzero(np.array(flags)[names.indices.to_numpy()]):
-                a = work[row].args
-                if a is not None:
-                    args[n + int(row)] = _kept(a)
-        if "[memory]" in names.dictionary.to_pylist():
-            allocator.extend((n + i, e.args.total_allocated or 0, e.args.total_reserved or 0,
-                              memory.device_key(e.args.device_type, e.args.device_id), e.args.alloc_bytes or 0,
-                              e.args.addr or 0)
-                             for i, e in enumerate(work) if e.name == "[memory]" and e.args is not None)
-        tids = [e.tid for e in work]
-        a = [e.args for e in work]
-        chunks["names"].append(names)
-        chunks["cats"].append(pa.array([e.cat for e in work], type=pa.string()).dictionary_encode())
-        chunks["pid"].append(_ints([e.pid for e in work]))
-        chunks["tid"].append(_ints(tids))
-        labels = None
-        if not all(type(t) is int for t in tids):
-            string_tids = True
-            labels = np.array([str(t) for t in tids], dtype=object)
-        chunks["tid_labels"].append(labels)
-        chunks["ts"].append(np.array([e.ts for e in work], dtype=np.float64))
-        chunks["dur"].append(np.array([e.dur for e in work], dtype=np.float64))
-        chunks["dev"].append(_ints([x.device if x is not None else None for x in a]))
-        chunks["stream"].append(_ints([x.stream if x is not None else None for x in a]))
-        chunks["corr"].append(_ints([x.correlation if x is not None else None for x in a]))
-        chunks["ext"].append(_ints([x.external_id if x is not None else None for x in a]))
-        n += len(work)
+    offsets = []
+    n = 0
+    for p in parts:
+        args.update((n + row, kept) for row, kept in p.args.items())
+        thread_names.update(p.thread_names)
+        offsets.append(n)
+        n += len(p.ts)
+    with_memory = [(p.allocator, off) for p, off in zip(parts, offsets) if len(p.allocator.rows)]
+    allocator = _Allocator.concat([a for a, _ in with_memory], [off for _, off in with_memory])
 
-    def cat(key: str, dtype) -> np.ndarray:
-        parts = chunks[key]
-        return np.concatenate(parts) if parts else np.empty(0, dtype)
+    def cat(field: str, dtype) -> np.ndarray:
+        return np.concatenate([getattr(p, field) for p in parts]) if parts else np.empty(0, dtype)
 
-    def dictionary(key: str) -> pa.DictionaryArray:
-        parts = chunks[key] or [pa.array([], type=pa.string()).dictionary_encode()]
-        return pa.chunked_array(parts).unify_dictionaries().combine_chunks() if len(parts) > 1 else parts[0]
+    def dictionary(field: str) -> pa.DictionaryArray:
+        chunks = [getattr(p, field) for p in parts] or [pa.array([], type=pa.string()).dictionary_encode()]
+        return pa.chunked_array(chunks).unify_dictionaries().combine_chunks() if len(chunks) > 1 else chunks[0]
 
     tid_labels = None
-    if string_tids:
-        tid_labels = np.concatenate([lab if lab is not None else t.astype(str).astype(object)
-                                     for lab, t in zip(chunks["tid_labels"], chunks["tid"])])
+    if any(p.tid_labels is not None for p in parts):
+        tid_labels = np.concatenate([p.tid_labels if p.tid_labels is not None else p.tid.astype(str).astype(object)
+                                     for p in parts])
     return _Work(n, dictionary("names"), dictionary("cats"), cat("pid", np.int64), cat("tid", np.int64),
                  tid_labels, cat("ts", np.float64), cat("dur", np.float64), cat("dev", np.int64),
                  cat("stream", np.int64), cat("corr", np.int64), cat("ext", np.int64), args, thread_names,
                  allocator)
+
+
+def _kept_args(names: pa.DictionaryArray, needs: dict[str, bool], args_of: Callable[[np.ndarray], list],
+               detach: Callable[[_Args], Any] = lambda a: a) -> dict[int, _KeptArgs | _Args]:
+    """The full args a batch keeps, of the rows whose name needs them (``needs`` caches the verdict
+    by name).  ``args_of(rows)`` gives the decoded ``_Args`` (or None) of the given work rows;
+    ``detach`` copies one out of its decode buffer where that buffer is the whole batch."""
+    values = names.dictionary.to_pylist()
+    flags = [needs.get(x) for x in values]
+    for i, x in enumerate(values):
+        if flags[i] is None:
+            flags[i] = needs[x] = _needs_args(x)
+    kept: dict[int, _KeptArgs] = {}
+    indices = names.indices.to_numpy()
+    if any(flags):
+        rows = np.flatnonzero(np.array(flags)[indices])
+        kept = {r: detach(a) for r, a in zip(rows.tolist(), args_of(rows)) if a is not None}
+    return kept
+
+
+def _memory_rows(names: pa.DictionaryArray) -> np.ndarray:
+    values = names.dictionary.to_pylist()
+    if "[memory]" not in values:
+        return _I64
+    return np.flatnonzero(names.indices.to_numpy() == values.index("[memory]"))
+
+
+_ARGS_LIST = msgspec.json.Decoder(list[_Args | None])
+
+
+def _native_part(data: bytes, needs: dict[str, bool]) -> tuple[_Part, int] | None:
+    """The batch by the C scanner, and its number of events (work or not).
+
+    None where the batch is out of the scanner's scope (string thread ids, malformed JSON, ...): the
+    msgspec path then decodes it, and words any error."""
+    try:
+        c = _scan.scan(data)
+    except _scan.Unsupported:
+        return None
+    count = c["n"]
+    names = pa.StringArray.from_buffers(count, pa.py_buffer(c["name_offsets"]), pa.py_buffer(c["name_data"]))
+    cats = pa.StringArray.from_buffers(count, pa.py_buffer(c["cat_offsets"]), pa.py_buffer(c["cat_data"]))
+    if c["non_ascii"]:
+        try:
+            names.validate(full=True)
+            cats.validate(full=True)
+        except pa.ArrowInvalid:
+            return None
+    col = {k: np.frombuffer(v, np.uint8 if k == "ph" else np.float64 if k in ("ts", "dur") else np.int64)
+           for k, v in c.items() if isinstance(v, bytes) and not k.endswith(("_offsets", "_data"))}
+    ph, ts, a_start = col["ph"], col["ts"], col["args_start"]
+    cat_codes = cats.dictionary_encode()
+    good_cat = np.array([bool(x) and x not in _SKIP_CATS for x in cat_codes.dictionary.to_pylist()] or [False])
+    work = ((ph == ord("X")) | (ph == ord("i")) | (ph == ord("I"))) & ~np.isnan(ts)
+    work &= good_cat[cat_codes.indices.to_numpy()]
+    mv = memoryview(data)
+
+    def args_of(rows: np.ndarray) -> list:
+        spans = zip(a_start[rows].tolist(), col["args_end"][rows].tolist())
+        return _ARGS_LIST.decode(b"[" + b",".join(mv[s:e] if s >= 0 else b"null" for s, e in spans) + b"]")
+
+    rows = np.flatnonzero(work)
+    take = pa.array(rows)
+    work_names = names.take(take).dictionary_encode()
+    try:
+        meta_rows = np.flatnonzero(ph == ord("M"))
+        meta_rows = meta_rows[np.array(names.take(pa.array(meta_rows)).to_pylist(), dtype=object) == "thread_name"]
+        thread_names = {t: a.name for t, a in zip(col["tid"][meta_rows].tolist(), args_of(meta_rows))
+                        if a is not None and a.name}
+        # Kept as decoded: their Raw fields hold the buffer of these rows' args alone, not the batch's.
+        kept = _kept_args(work_names, needs, lambda r: args_of(rows[r]))
+    except msgspec.DecodeError:  # an args field of another type than _Args says
+        return None
+    memory_rows = _memory_rows(work_names)
+    memory_rows = memory_rows[a_start[rows[memory_rows]] >= 0]  # events with args, as the msgspec path keeps
+    allocator = _NO_ALLOCATOR
+    if len(memory_rows):
+        at = rows[memory_rows]
+        field = lambda k: np.where(col[k][at] == _MISSING, 0, col[k][at])  # noqa: E731
+        allocator = _Allocator(memory_rows, field("total_allocated"), field("total_reserved"),
+                               _device_keys(col["device_type"][at], col["device_id"][at], _MISSING),
+                               field("bytes"), field("addr"))
+    part = _Part(work_names, cats.take(take).dictionary_encode(), col["pid"][rows], col["tid"][rows], None, ts[rows],
+                 col["dur"][rows], col["device"][rows], col["stream"][rows], col["correlation"][rows],
+                 col["external_id"][rows], kept, allocator, thread_names)
+    return part, count
+
+
+#: The C scanner's mark of an absent allocator field (INT64_MIN).
+_MISSING = np.iinfo(np.int64).min
+
+
+def _msgspec_part(data: bytes, needs: dict[str, bool], seen: int, path: Path) -> tuple[_Part, int]:
+    """The batch by msgspec's typed decoder; ``seen`` events came before it (for error positions)."""
+    try:
+        batch = _EVENTS_DECODER.decode(data)
+    except msgspec.ValidationError as e:
+        where = re.sub(r"`\$\[(\d+)\]", lambda m, seen=seen: f"`$.traceEvents[{seen + int(m.group(1))}]", str(e))
+        raise UserInputError(f"unexpected trace content: {where}", path) from None
+    count = len(batch)
+    thread_names = {e.tid: e.args.name for e in batch
+                    if e.ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name}
+    # Complete and instant events are work; flows ("ac2g") and bookkeeping are not.
+    work = [e for e in batch if e.ph in _WORK_PHASES and e.cat and e.ts is not None and e.cat not in _SKIP_CATS]
+    del batch
+    names = pa.array([e.name for e in work], type=pa.string()).dictionary_encode()
+    kept = _kept_args(names, needs, lambda rows: [work[r].args for r in rows.tolist()], _kept)
+    allocator = _NO_ALLOCATOR
+    memory_rows = [r for r in _memory_rows(names).tolist() if work[r].args is not None]
+    if memory_rows:
+        m = [work[r].args for r in memory_rows]
+        ints = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+        allocator = _Allocator(ints(memory_rows), ints([a.total_allocated or 0 for a in m]),
+                               ints([a.total_reserved or 0 for a in m]),
+                               np.array([memory.device_key(a.device_type, a.device_id) for a in m], dtype=object),
+                               ints([a.alloc_bytes or 0 for a in m]), ints([a.addr or 0 for a in m]))
+    tids = [e.tid for e in work]
+    a = [e.args for e in work]
+    labels = None
+    if not all(type(t) is int for t in tids):
+        labels = np.array([str(t) for t in tids], dtype=object)
+    part = _Part(names, pa.array([e.cat for e in work], type=pa.string()).dictionary_encode(),
+                 _ints([e.pid for e in work]), _ints(tids), labels,
+                 np.array([e.ts for e in work], dtype=np.float64), np.array([e.dur for e in work], dtype=np.float64),
+                 _ints([x.device if x is not None else None for x in a]),
+                 _ints([x.stream if x is not None else None for x in a]),
+                 _ints([x.correlation if x is not None else None for x in a]),
+                 _ints([x.external_id if x is not None else None for x in a]), kept, allocator, thread_names)
+    return part, count
 
 
 def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
@@ -673,7 +830,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
         if nelems is not None and size is not None:
             nbytes[i] = nelems * size
         elif a.input_dims and a.input_type:
-            b = collectives.bytes_from_dims(a.input_dims.decode(), a.input_type.decode())
+            b = collectives.bytes_from_dims(bytes(a.input_dims).decode(), bytes(a.input_type).decode())
             if b is not None:
                 nbytes[i] = b
     for i in np.flatnonzero(shape_name[name_idx]):
@@ -682,13 +839,13 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
             shapes[i] = _shapes_json(a)
 
     meta["comm_groups"] = list(groups.values())
-    if work.allocator:  # the allocator's samples, folded per step (analyzers/memory.py)
-        rows = np.array([a[0] for a in work.allocator], dtype=np.int64)
-        column = lambda i: np.array([a[i] for a in work.allocator], dtype=np.int64)  # noqa: E731
+    alloc = work.allocator
+    if len(alloc.rows):  # the allocator's samples, folded per step (analyzers/memory.py)
+        rows = alloc.rows
         backward = np.array([s.startswith(memory.BACKWARD_OP) for s in name_values] or [False])[name_idx]
         meta["memory"] = memory.allocator_summary(
-            ts_ns[rows], step_col[rows], np.array([a[3] for a in work.allocator], dtype=object), column(1), column(2),
-            column(4), column(5), backward_starts=memory.first_per_step(ts_ns[backward], step_col[backward]))
+            ts_ns[rows], step_col[rows], alloc.device, alloc.allocated, alloc.reserved, alloc.nbytes, alloc.addr,
+            backward_starts=memory.first_per_step(ts_ns[backward], step_col[backward]))
     _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name_values, name_idx,
                       op, dim, pg, group_ranks, nbytes, seq)
     gloo = np.array([str(v).startswith("gloo:") for v in name_values] or [False], dtype=bool)[name_idx]

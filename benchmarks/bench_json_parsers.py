@@ -9,6 +9,8 @@ correlation):
   orjson      orjson.loads, then Python loops over dicts
   msgspec     msgspec.json.decode into dicts, then loops
   msgspec-typed   msgspec decode into typed Structs (unknown keys skipped in C), then loops
+  scanner     mfuscope's C scanner (analyzers/_kineto_scan.c) over the loader's batches: the columns
+              straight from the bytes, as numpy buffers and Arrow strings (no Python object an event)
   simdjson    pysimdjson parse (lazy), then element access from Python
   duckdb      read_json with an explicit column schema, unnest to columns
 
@@ -34,7 +36,7 @@ import msgspec
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("MFUSCOPE_CORPUS", REPO.parent / "shared" / "corpus"))
 TRACE = CORPUS / "traces/HolisticTraceAnalysis/tests/data/df_index_resolver/df_index_resolver.json.gz"
-CANDIDATES = ("gzip", "isal", "orjson", "msgspec", "msgspec-typed", "simdjson", "duckdb")
+CANDIDATES = ("gzip", "isal", "orjson", "msgspec", "msgspec-typed", "scanner", "simdjson", "duckdb")
 
 
 class _Args(msgspec.Struct, gc=False):
@@ -82,6 +84,17 @@ def run_candidate(name: str, raw_path: str) -> float:
         ev = msgspec.json.decode(data, type=_Trace).traceEvents
         [e.name for e in ev], [e.cat for e in ev], [e.ts for e in ev], [e.dur for e in ev]
         [e.args.correlation if e.args else None for e in ev]
+    elif name == "scanner":
+        import numpy as np
+        import pyarrow as pa
+
+        from mfuscope.analyzers import kineto_json as kj
+        for batch in kj._stream_batches(iter([data]), {}):
+            cols = kj._scan.scan(batch)
+            n = cols[0]
+            pa.StringArray.from_buffers(n, pa.py_buffer(cols[12]), pa.py_buffer(cols[13])).dictionary_encode()
+            pa.StringArray.from_buffers(n, pa.py_buffer(cols[14]), pa.py_buffer(cols[15])).dictionary_encode()
+            np.frombuffer(cols[2]), np.frombuffer(cols[3]), np.frombuffer(cols[8], np.int64)
     elif name == "simdjson":
         import simdjson
         doc = simdjson.Parser().parse(data)

@@ -9,6 +9,7 @@ Variants, interleaved in each round, median of ``--runs`` rounds:
   mfuscope cold     empty cache: parse and fill the cache
   mfuscope no-cache ``--no-cache``: parse only
   mfuscope cached   warm cache
+  mfuscope msgspec  cold, with the C event scanner off (MFUSCOPE_KINETO_SCANNER=0): what it gains
   HTA               ``TraceAnalysis(trace_dir=...)`` (parse + align, its default)
 
 Each measurement runs in a fresh Python process, twice: once for wall and CPU
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("MFUSCOPE_CORPUS", REPO.parent / "shared" / "corpus"))
 DLRM = CORPUS / "traces/param/et_replay/tests/inputs/dlrm_kineto"
 BIG = CORPUS / "traces/HolisticTraceAnalysis/tests/data/df_index_resolver/df_index_resolver.json.gz"
-VARIANTS = ("mfuscope cold", "mfuscope no-cache", "mfuscope cached", "HTA")
+VARIANTS = ("mfuscope cold", "mfuscope no-cache", "mfuscope cached", "mfuscope msgspec", "HTA")
 
 
 # ----------------------------------------------------------------------------- child side
@@ -103,7 +104,9 @@ def _tree_pss(pid: int) -> int:
 
 def _run_child(variant: str, trace_dir: Path, cache: Path, sample_memory: bool, script: str) -> tuple[dict, int]:
     env = dict(os.environ, MFUSCOPE_CACHE_DIR=str(cache), PYTHONWARNINGS="ignore")
-    if "cold" in variant:
+    if variant == "mfuscope msgspec":
+        env["MFUSCOPE_KINETO_SCANNER"] = "0"
+    if "cold" in variant or variant == "mfuscope msgspec":
         shutil.rmtree(cache, ignore_errors=True)
     proc = subprocess.Popen([sys.executable, script, "--child", variant, str(trace_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)

@@ -5,15 +5,18 @@ import functools
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any
-
-import jsonschema
+from typing import TYPE_CHECKING, Any
 
 from mfuscope.errors import UserInputError
+
+if TYPE_CHECKING:
+    import jsonschema
 
 
 @functools.cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
+    import jsonschema  # 25 MB and a second of imports, only where a document is validated
+
     text = resources.files("mfuscope").joinpath("schemas", f"{name}.schema.json").read_text()
     return jsonschema.Draft202012Validator(json.loads(text))
 
