@@ -857,13 +857,13 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
         "external_id": external_id, "op": op, "dim": dim, "pg": pg, "group_ranks": group_ranks, "bytes": nbytes,
         "seq": seq, "shapes": shapes,
     }
-    # Rows in time order: reorder the arrays (pointer copies for strings) before building the table.
+    # Rows in time order, each column reordered as the table is built (a worker's peak memory is
+    # what sets a load's: a reordered copy of every column at once cost ~30 MB on a 54 MB trace).
     order = np.argsort(ts_ns, kind="stable")
-    columns = {k: v[order] for k, v in columns.items()}
     columns["name"] = pa.DictionaryArray.from_arrays(pa.array(name_idx[order]), name_arr.dictionary)
     columns["rank"] = np.full(n, rank, dtype=np.int32)
     columns["peer"] = np.full(n, -1, dtype=np.int32)
-    table = build_table(columns)
+    table = build_table(columns, order)
     return table, steps
 
 

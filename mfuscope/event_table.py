@@ -177,11 +177,16 @@ class EventTable:
         return cls(SCHEMA.empty_table(), {})
 
 
-def build_table(columns: dict[str, Any]) -> pa.Table:
-    """Assemble an EventTable-shaped pyarrow Table from numpy arrays / lists, casting to the schema."""
+def build_table(columns: dict[str, Any], order: np.ndarray | None = None) -> pa.Table:
+    """Assemble an EventTable-shaped pyarrow Table from numpy arrays / lists, casting to the schema.
+
+    ``order``: the rows to take, in that order, from every numpy column (one column's reordered
+    copy at a time, not a reordered copy of the whole table beside the original)."""
     arrays = []
     for f in SCHEMA:
         values = columns[f.name]
+        if order is not None and isinstance(values, np.ndarray):
+            values = values[order]
         if pa.types.is_dictionary(f.type):
             if isinstance(values, pa.Array) and pa.types.is_dictionary(values.type):
                 arr = values
