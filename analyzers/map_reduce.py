@@ -14,7 +14,6 @@ worker alone is named in the error, and the others still finish.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -42,6 +41,7 @@ from . import (
     comm_stats,
     executor,
     group_dims,
+    heap,
     overview,
     rank_lists,
     rank_summary,
@@ -141,33 +141,11 @@ def _load(job: RankJob):
     except OSError as e:  # on a cluster's worker: the traces are not where this process sees them
         return None, MapResult([], f"{job.file}: cannot be read on host {socket.gethostname()} ({e.strerror}); "
                                "workers on other machines need the traces at the same path", None, False, 0)
-    _give_back_memory()  # what the worker's previous rank left
+    heap.give_back()  # what the worker's previous rank left
     events, error, key, cached = trace_set.load_file(job.file, job.rank, job.step_annotation, job.use_cache,
                                                      job.known_key)
-    _give_back_memory()  # the parse's buffers, before the analyses convert columns
+    heap.give_back()  # the parse's buffers, before the analyses convert columns
     return events, MapResult([], error, key, cached, size)
-
-
-def _give_back_memory() -> None:
-    """Return the freed heap to the system: Arrow's pool and glibc both keep freed memory for reuse,
-    so a worker would peak at the parse's high-water mark plus the analyses', and creep from rank
-    to rank (measured on a 180 MB rank: 387 MB resident after the parse, 216 MB after this)."""
-    pa.default_memory_pool().release_unused()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:  # musl and others: no malloc_trim
-        return None
-
-
-_LIBC = _glibc()
 
 
 def _run_comm(run: str, rank: int):

@@ -8,14 +8,13 @@ as parquet keyed by the file's content.
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from mfuscope import run_dir
 from mfuscope.errors import UserInputError
 from mfuscope.event_table import EventTable
 
-from . import group_dims, trace_cache
+from . import executor, group_dims, heap, trace_cache
 from .kineto_json import load_kineto_file, peek_header, rank_from_file_name
 from .nsys_sqlite import is_nsys_sqlite, load_nsys_sqlite
 
@@ -130,10 +129,15 @@ def load_file(f: Path, rank: int | None, step_annotation: str | None, use_cache:
 
 def _worker(job):
     """:func:`load_file` in a pool process; with a hand-off directory, the events come back as
-    the path of an uncompressed Arrow file holding them (see :func:`_hand_off`)."""
+    the path of an uncompressed Arrow file holding them (see :func:`_hand_off`), and the worker
+    gives the parse's heap back before its next file (:func:`.heap.give_back`)."""
     f, rank, step_annotation, use_cache, handoff = job
     events, error, key, cached = load_file(f, rank, step_annotation, use_cache)
-    return f, (_hand_off(events, handoff, f) if events is not None else None), error, key, cached
+    result = _hand_off(events, handoff, f) if events is not None else None
+    if handoff is not None:
+        del events
+        heap.give_back()
+    return f, result, error, key, cached
 
 
 def _hand_off(events: EventTable, directory: str | None, f: Path):
@@ -269,9 +273,9 @@ def load(path: str | os.PathLike, *, rank: int | None = None, step_annotation: s
             for job in pending:
                 collect(_worker((*job, None)))
         else:
-            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            # executor.local_pool: forked with the parent's objects frozen out of the workers' collections
             with tempfile.TemporaryDirectory(prefix="mfuscope-handoff-") as handoff, \
-                    ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+                    executor.local_pool(n_workers) as pool:
                 for fut in as_completed([pool.submit(_worker, (*job, handoff)) for job in pending]):
                     collect(fut.result())
     finally:
