@@ -1,10 +1,11 @@
 """Kineto (PyTorch profiler) JSON trace -> EventTable, for one file.
 
-Speed comes from three choices, measured in ``benchmarks/bench_json_parsers.py``
-(see docs/loader.md): ISA-L gzip when available, msgspec *typed* decoding that
-materialises only the fields we use (unknown keys are skipped inside the C
-decoder), and column building by list comprehensions handed straight to
-numpy/pyarrow -- no per-row pandas work.
+Speed comes from choices measured in ``benchmarks/bench_json_parsers.py`` and
+``bench_load.py`` (see docs/loader.md): ISA-L gzip when available; each batch of
+events through a C scanner (``_kineto_scan.c``) that writes the columns straight
+from the bytes, with msgspec decoding only the args of the rows that need them;
+msgspec's *typed* decoder (unknown keys skipped in C) for any batch the scanner
+hands back, its columns built by list comprehensions; no per-row pandas work.
 
 Real-world cases handled here: ``.json``/``.json.gz``; timestamps in absolute
 epoch us or relative to ``baseTimeNanoseconds``; fractional (ns-resolution)
