@@ -751,6 +751,8 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
         meta["clock"] = "epoch"
     else:
         meta["clock"] = "relative (no time base in trace)"
+    # Each of work's columns is let go once used: a worker's peak here sets the whole load's.
+    work.ts_us = work.dur_us = ts_us = dur_us = None
 
     # --- kinds, by category, then by name for communication and steps.
     cat_arr = work.cats
@@ -787,6 +789,8 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     stream = np.where(on_device, stream, -1)
     tid_col = np.where(on_device, -1, tid_num)
     lane = _lane_labels(on_device, device, stream, tid_num, work.tid_labels)
+    work.pid = work.tid = work.tid_labels = work.arg_device = work.arg_stream = None
+    tid_num = arg_device = arg_stream = None
 
     # --- ids linking CPU launches and device work.
     correlation, external_id = work.correlation, work.external_id
