@@ -21,7 +21,7 @@ import pandas as pd
 from mfuscope.event_table import EventTable
 
 from .comm_stats import bus_factor
-from .group_sums import grouped
+from .group_sums import as_str, grouped
 
 #: Event kinds counted per step: the work a step launches (not annotations or runtime calls,
 #: whose number follows the profiler's settings).
@@ -33,7 +33,7 @@ def event_counts(events: EventTable) -> pd.DataFrame:
     concatenate; :func:`per_step` sums them)."""
     df = events.to_pandas(["kind", "step"])
     df = df[df["kind"].isin(COUNTED_KINDS)]
-    return grouped({"kind": df["kind"].astype(str), "step": df["step"]}, ["kind", "step"], count=("step", "size"))
+    return grouped({"kind": as_str(df["kind"]), "step": df["step"]}, ["kind", "step"], count=("step", "size"))
 
 
 COMM_COUNT_COLUMNS = ["dim", "op", "step", "calls", "bytes", "bus_bytes"]

@@ -40,7 +40,7 @@ from mfuscope.fix_registry import FIXES
 
 from . import breakdown, kernel_kinds, kernel_time
 from . import intervals as iv
-from .group_sums import grouped
+from .group_sums import as_str, grouped
 from .kernel_kinds import per_name
 
 #: With this many traced steps or more, a rank's first step is warm-up: findings read the rest.
@@ -425,7 +425,7 @@ def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidencePart
     names = df["name"]
 
     def sums(rows: pd.DataFrame) -> pd.DataFrame:
-        return grouped({"name": rows["name"].astype(str), "dur_ns": rows["dur_ns"]}, ["name"],
+        return grouped({"name": as_str(rows["name"]), "dur_ns": rows["dur_ns"]}, ["name"],
                        as_index=True, count=("dur_ns", "count"), sum=("dur_ns", "sum"))
 
     calls = df[kind.isin(["runtime", "driver"])]
@@ -436,7 +436,7 @@ def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidencePart
         ev.named["one_time_calls"], ev.named["allocator_calls"] = sums(init), sums(alloc)
         blocking = calls[_matches(calls["name"], r"Synchronize|Memcpy|StreamWaitEvent")]
         ev.named["blocking_calls"] = sums(blocking)
-        for name, rows in blocking.groupby(blocking["name"].astype(str)):
+        for name, rows in blocking.groupby(as_str(blocking["name"])):
             ev.blocking_longest.append({"name": name, **_context(df, rows)})
         launches = calls[_matches(calls["name"], "Launch")]
         ev.launch_calls, ev.launch_host_ns = len(launches), float(launches["dur_ns"].sum())
@@ -588,7 +588,7 @@ def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans,
     # each rank's rows as positions into the columns (one pass each; no frame a rank)
     host_of, syncs_of = host.groupby("rank").indices, syncs.groupby("rank").indices
     host_start = host["ts_ns"].to_numpy()
-    host_end, host_name = host_start + host["dur_ns"].to_numpy(), host["name"].astype(str).to_numpy()
+    host_end, host_name = host_start + host["dur_ns"].to_numpy(), as_str(host["name"]).to_numpy()
     sync_done = (syncs["ts_ns"] + syncs["dur_ns"]).to_numpy()
     none = np.empty(0, dtype=np.intp)
     for rank, parts in waits.items():

@@ -80,3 +80,16 @@ def _reduce(column: pd.Series, how: str, order: np.ndarray, starts: np.ndarray) 
     else:
         raise ValueError(f"unknown aggregation {how!r} (one of {', '.join(AGGS)})")
     return np.add.reduceat(summed, starts) if len(starts) else np.empty(0, dtype=dtype)
+
+
+def as_str(column: pd.Series) -> pd.Series:
+    """``column.astype(str)``, without its cost on a categorical.  pandas turns a categorical's rows
+    into fixed-width numpy strings as wide as its longest value on the way (measured: 200,000 rows
+    with one 600-character kernel name, 908 MB for a moment; a map worker peaked at 9x its trace).
+    Here each category is turned into ``str`` once and the rows take theirs; a missing value comes
+    out as ``astype(str)`` gives it in the pandas mode at hand (``"nan"``, or missing where pandas
+    infers its ``str`` dtype)."""
+    if not isinstance(column.dtype, pd.CategoricalDtype):
+        return column.astype(str)
+    values = np.array([str(c) for c in column.cat.categories] + [np.nan], dtype=object)
+    return pd.Series(values[column.cat.codes.to_numpy()], index=column.index).astype(str)

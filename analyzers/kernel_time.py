@@ -14,7 +14,7 @@ import pandas as pd
 from mfuscope.event_table import EventTable
 
 from . import duration_sketch
-from .group_sums import grouped
+from .group_sums import as_str, grouped
 from .kernel_kinds import per_name
 
 DEVICE_WORK = ("kernel", "comm", "memcpy", "memset")
@@ -51,7 +51,7 @@ def kernel_stats(events: EventTable) -> pd.DataFrame:
     df = _device_work(events)
     if df.empty:
         return pd.DataFrame(columns=KERNEL_STAT_COLUMNS)
-    columns = {"name": df["name"].astype(str), "kind": df["kind"].astype(str),
+    columns = {"name": as_str(df["name"]), "kind": as_str(df["kind"]),
                "bucket": pd.Series(duration_sketch.buckets(df["dur_ns"].to_numpy()), index=df.index),
                "dur_ns": df["dur_ns"]}
     return grouped(columns, ["name", "kind", "bucket"], count=("dur_ns", "count"), total_ns=("dur_ns", "sum"))

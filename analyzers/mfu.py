@@ -34,6 +34,7 @@ from mfuscope.event_table import EventTable
 from mfuscope.flops import train_flops_per_token
 from mfuscope.manifest import Manifest
 
+from .group_sums import as_str
 from .kernel_kinds import is_fp32_simt, per_name
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
@@ -244,7 +245,7 @@ def shape_flops_by_dtype(events: EventTable) -> pd.DataFrame:
         return pd.DataFrame(columns=["step", "dtype", "flops"])
     counted = counted[_ran_on_device(df, counted)]
     rows = []
-    for name, shapes, step in zip(counted["name"].astype(str), counted["shapes"], counted["step"]):
+    for name, shapes, step in zip(as_str(counted["name"]), counted["shapes"], counted["step"]):
         dims, types, concrete = _parse_shapes(shapes)
         if dims is None:
             continue
