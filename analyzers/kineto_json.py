@@ -522,9 +522,8 @@ class _Allocator(NamedTuple):
     def concat(parts: list[_Allocator], offsets: list[int]) -> _Allocator:
         if not parts:
             return _NO_ALLOCATOR
-        columns = [np.concatenate(c) for c in zip(*parts)]
-        columns[0] = np.concatenate([p.rows + off for p, off in zip(parts, offsets)])
-        return _Allocator(*columns)
+        rows = np.concatenate([p.rows + off for p, off in zip(parts, offsets)])
+        return _Allocator(rows, *(np.concatenate(c) for c in list(zip(*parts))[1:]))
 
 
 _I64 = np.empty(0, np.int64)
