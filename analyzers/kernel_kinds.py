@@ -123,8 +123,6 @@ _RULES = (("attention", _ATTENTION), ("other", _EMBEDDING), ("conv", _CONV), ("g
 
 _INDUCTOR = re.compile(r"^triton_(poi|red|per|tem|for|mix|unk)_(.*)$")
 _CAMEL = re.compile(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
-#: Copies a device runs as work items of its own (MTIA's DMA requests): memory, not compute.
-_COPY = re.compile(r"^dma(_request|_copy)?(?![A-Za-z])", re.I)
 
 
 def _text(name: str) -> str:
@@ -196,11 +194,6 @@ def is_fused_kernel(name: str) -> bool:
     """Whether ``name`` is a kernel that already fuses elementwise work: fusing it again gains
     nothing (an Inductor-compiled H200 run had 87 of its 105 ms of elementwise time in them)."""
     return bool(_FUSED.search(name))
-
-
-def is_copy_kernel(name: str) -> bool:
-    """Device work that is a copy though its category says kernel: MTIA's ``dma_request``."""
-    return bool(_COPY.match(name))
 
 
 # --- operators around the launch -------------------------------------------------------------

@@ -31,9 +31,9 @@ import numpy as np
 import pyarrow as pa
 
 from mfuscope.errors import UserInputError
-from mfuscope.event_table import EventTable, build_table
+from mfuscope.event_table import KIND_CODE, EventTable, build_table, is_kind, kind_codes, kind_column
 
-from . import collectives, kernel_kinds, memory
+from . import collectives, memory
 from .steps import UNMARKED, Steps, assign_steps, device_window, find_steps, with_whole_trace_marker
 
 try:  # the C scanner (analyzers/_kineto_scan.c); optional: without a C compiler at install, msgspec decodes
@@ -153,6 +153,8 @@ _CAT_KIND = {
     "mlu_user_annotation": "gpu_annotation", "mlu_runtime": "runtime", "gcu_runtime": "runtime",
     "gcu_driver": "driver", "GCU_MEMCPY": "memcpy", "GCU_MEMSET": "memset",
 }
+#: Device work that is a copy though its category says kernel (MTIA's DMA requests): memory, not compute.
+_COPY_KERNEL = re.compile(r"^dma(_request|_copy)?(?![A-Za-z])", re.I)
 _SKIP_CATS = {"ac2g", "fwdbwd", "Trace", "flow", "async"}
 _WORK_PHASES = {"X", "i", "I"}
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation",
@@ -535,8 +537,12 @@ def _device_keys(device_type: np.ndarray, device_id: np.ndarray, missing: int) -
     key = lambda t, i: memory.device_key(None if t == missing else t, None if i == missing else i)  # noqa: E731
     if (device_type == device_type[0]).all() and (device_id == device_id[0]).all():  # one allocator: the usual
         return np.full(len(device_type), key(int(device_type[0]), int(device_id[0])), dtype=object)
-    pairs, inverse = np.unique(np.stack([device_type, device_id], axis=1), axis=0, return_inverse=True)
-    return np.array([key(t, i) for t, i in pairs.tolist()], dtype=object)[inverse.reshape(-1)]
+    out = np.empty(len(device_type), dtype=object)
+    for t in np.unique(device_type).tolist():  # a few types, a few ids each: no 2-D unique (slow)
+        of_type = device_type == t
+        ids, inverse = np.unique(device_id[of_type], return_inverse=True)
+        out[of_type] = np.array([key(t, i) for i in ids.tolist()], dtype=object)[inverse.reshape(-1)]
+    return out
 
 
 class _Part(NamedTuple):
@@ -573,6 +579,9 @@ def _collect_events(batches: Iterable[bytes], path: Path) -> _Work:
 
 
 def _concat_parts(parts: list[_Part]) -> _Work:
+    """The batches' parts as one :class:`_Work`; empties ``parts``.  Each column is concatenated
+    in turn and its batches' pieces freed before the next (all at once, the parts and their
+    concatenation would both be alive: 13 MB more at a 54 MB trace's peak)."""
     args: dict[int, _KeptArgs] = {}
     thread_names: dict = {}
     offsets = []
@@ -584,18 +593,21 @@ def _concat_parts(parts: list[_Part]) -> _Work:
         n += len(p.ts)
     with_memory = [(p.allocator, off) for p, off in zip(parts, offsets) if len(p.allocator.rows)]
     allocator = _Allocator.concat([a for a, _ in with_memory], [off for _, off in with_memory])
-
-    def cat(field: str, dtype) -> np.ndarray:
-        return np.concatenate([getattr(p, field) for p in parts]) if parts else np.empty(0, dtype)
-
-    def dictionary(field: str) -> pa.DictionaryArray:
-        chunks = [getattr(p, field) for p in parts] or [pa.array([], type=pa.string()).dictionary_encode()]
-        return pa.chunked_array(chunks).unify_dictionaries().combine_chunks() if len(chunks) > 1 else chunks[0]
-
     tid_labels = None
     if any(p.tid_labels is not None for p in parts):
         tid_labels = np.concatenate([p.tid_labels if p.tid_labels is not None else p.tid.astype(str).astype(object)
                                      for p in parts])
+    pieces = {f: [getattr(p, f) for p in parts] for f in _Part._fields}
+    parts.clear()
+    del with_memory
+
+    def cat(field: str, dtype) -> np.ndarray:
+        return np.concatenate(pieces.pop(field)) if n else np.empty(0, dtype)
+
+    def dictionary(field: str) -> pa.DictionaryArray:
+        chunks = pieces.pop(field) or [pa.array([], type=pa.string()).dictionary_encode()]
+        return pa.chunked_array(chunks).unify_dictionaries().combine_chunks() if len(chunks) > 1 else chunks[0]
+
     return _Work(n, dictionary("names"), dictionary("cats"), cat("pid", np.int64), cat("tid", np.int64),
                  tid_labels, cat("ts", np.float64), cat("dur", np.float64), cat("dev", np.int64),
                  cat("stream", np.int64), cat("corr", np.int64), cat("ext", np.int64), args, thread_names,
@@ -756,7 +768,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     # --- kinds, by category, then by name for communication and steps.
     cat_arr = work.cats
     cat_values = cat_arr.dictionary.to_pylist()
-    kind_of_cat = np.array([_CAT_KIND.get(c, "other") for c in cat_values] or ["other"], dtype=object)
+    kind_of_cat = kind_codes([_CAT_KIND.get(c, "other") for c in cat_values] or ["other"])
     is_dev_cat = np.array([c in _DEVICE_CATS for c in cat_values] or [False])
     cat_idx = cat_arr.indices.to_numpy()
     kind = kind_of_cat[cat_idx]
@@ -773,21 +785,21 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     dim_of_name = np.array([collectives.label_dim(s) for s in name_values] or [None], dtype=object)
     shape_name = np.array([bool(_SHAPE_OPS.match(s)) for s in name_values] or [False])
 
-    kind[(kind == "kernel") & comm_kernel_name[name_idx]] = "comm"
-    copy_name = np.array([kernel_kinds.is_copy_kernel(s) for s in name_values] or [False])
-    kind[(kind == "kernel") & copy_name[name_idx]] = "memcpy"  # MTIA's dma_request: a copy, not compute
-    kind[(kind == "annotation") & gloo_name[name_idx]] = "comm"  # gloo work on its own thread
+    kind[(kind == KIND_CODE["kernel"]) & comm_kernel_name[name_idx]] = KIND_CODE["comm"]
+    copy_name = np.array([bool(_COPY_KERNEL.match(s)) for s in name_values] or [False])
+    kind[(kind == KIND_CODE["kernel"]) & copy_name[name_idx]] = KIND_CODE["memcpy"]  # MTIA's dma_request
+    kind[(kind == KIND_CODE["annotation"]) & gloo_name[name_idx]] = KIND_CODE["comm"]  # gloo work on its own thread
 
     # --- lanes.
     arg_device, arg_stream = work.arg_device, work.arg_stream
-    on_device |= (kind == "sync") & (arg_stream >= 0)
+    on_device |= (kind == KIND_CODE["sync"]) & (arg_stream >= 0)
     tid_num = work.tid
     device = np.where(arg_device >= 0, arg_device, work.pid)
     stream = np.where(arg_stream >= 0, arg_stream, tid_num)
     device = np.where(on_device, device, -1)
     stream = np.where(on_device, stream, -1)
     tid_col = np.where(on_device, -1, tid_num)
-    lane = _lane_labels(on_device, device, stream, tid_num, work.tid_labels)
+    lane, lane_labels = _lane_labels(on_device, device, stream, tid_num, work.tid_labels)
     work.pid = work.tid = work.tid_labels = work.arg_device = work.arg_stream = None
     tid_num = arg_device = arg_stream = None
 
@@ -807,7 +819,7 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     nbytes = np.full(n, -1, dtype=np.int64)
     seq = np.full(n, -1, dtype=np.int64)
     shapes = np.full(n, None, dtype=object)
-    comm_rows = np.flatnonzero(comm_cpu_name[name_idx] | (kind == "comm"))
+    comm_rows = np.flatnonzero(comm_cpu_name[name_idx] | (kind == KIND_CODE["comm"]))
     groups: dict[str, dict[str, Any]] = {}  # process groups the calls name: meta["comm_groups"]
     for i in comm_rows:
         a = args.get(i)
@@ -855,20 +867,23 @@ def _columns(work: _Work, meta: dict[str, Any], step_annotation: str | None,
     gloo = np.array([str(v).startswith("gloo:") for v in name_values] or [False], dtype=bool)[name_idx]
     _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, group_ranks, gloo)
 
-    columns = {
-        "lane": lane, "device": device.astype(np.int16), "stream": stream.astype(np.int32), "tid": tid_col,
-        "kind": kind, "ts_ns": ts_ns, "dur_ns": dur_ns, "step": step_col, "correlation": correlation,
-        "external_id": external_id, "op": op, "dim": dim, "pg": pg, "group_ranks": group_ranks, "bytes": nbytes,
-        "seq": seq, "shapes": shapes,
-    }
     # Rows in time order, each column reordered as the table is built (a worker's peak memory is
     # what sets a load's: a reordered copy of every column at once cost ~30 MB on a 54 MB trace).
     order = np.argsort(ts_ns, kind="stable")
-    columns["name"] = pa.DictionaryArray.from_arrays(pa.array(name_idx[order]), name_arr.dictionary)
-    columns["rank"] = np.full(n, rank, dtype=np.int32)
-    columns["peer"] = np.full(n, -1, dtype=np.int32)
-    table = build_table(columns, order)
-    return table, steps
+    columns = {
+        "rank": np.full(n, rank, dtype=np.int32), "device": device.astype(np.int16), "stream": stream.astype(np.int32),
+        "tid": tid_col, "ts_ns": ts_ns, "dur_ns": dur_ns, "step": step_col, "correlation": correlation,
+        "external_id": external_id, "op": op, "dim": dim, "pg": pg, "group_ranks": group_ranks, "bytes": nbytes,
+        "seq": seq, "peer": np.full(n, -1, dtype=np.int32), "shapes": shapes,
+        "name": pa.DictionaryArray.from_arrays(pa.array(name_idx[order]), name_arr.dictionary),
+        "lane": pa.DictionaryArray.from_arrays(pa.array(lane[order]), pa.array(lane_labels, pa.string())),
+        "kind": kind_column(kind[order]),
+    }
+    # Only ``columns`` holds them now: build_table frees each original as it makes the reordered copy.
+    work.correlation = work.external_id = work.names = work.cats = None
+    del device, stream, tid_col, ts_ns, dur_ns, step_col, correlation, external_id, op, dim, pg, group_ranks
+    del nbytes, seq, shapes, lane, kind, on_device, name_idx, cat_idx
+    return build_table(columns, order), steps
 
 
 def _shapes_json(a: _KeptArgs) -> str:
@@ -903,21 +918,23 @@ def _as_int(v: int | str | None) -> int:
 
 
 def _lane_labels(on_device: np.ndarray, device: np.ndarray, stream: np.ndarray, tid: np.ndarray,
-                 tid_labels: np.ndarray | None) -> np.ndarray:
-    """``gpu<D>/stream<S>`` or ``cpu/<tid>``; built once per distinct lane, not per row."""
-    out = np.empty(len(tid), dtype=object)
+                 tid_labels: np.ndarray | None) -> tuple[np.ndarray, list[str]]:
+    """Each row's lane, ``gpu<D>/stream<S>`` or ``cpu/<tid>``, as (int32 codes, the labels): a
+    label is made once per distinct lane, not per row."""
+    codes = np.empty(len(tid), dtype=np.int32)
+    labels: list[str] = []
     if on_device.any():
         key = device[on_device] * (1 << 32) + stream[on_device]
         uniq, inv = np.unique(key, return_inverse=True)
-        labels = np.array([f"gpu{k >> 32}/stream{k & 0xFFFFFFFF}" for k in uniq.tolist()], dtype=object)
-        out[on_device] = labels[inv]
+        labels += [f"gpu{k >> 32}/stream{k & 0xFFFFFFFF}" for k in uniq.tolist()]
+        codes[on_device] = inv.reshape(-1)
     cpu = ~on_device
     if cpu.any():
         ids = tid_labels[cpu] if tid_labels is not None else tid[cpu]
         uniq, inv = np.unique(ids, return_inverse=True)
-        labels = np.array([f"cpu/{t}" for t in uniq.tolist()], dtype=object)
-        out[cpu] = labels[inv]
-    return out
+        codes[cpu] = inv.reshape(-1) + len(labels)
+        labels += [f"cpu/{t}" for t in uniq.tolist()]
+    return codes, labels
 
 
 def _enclosing(outer_start: np.ndarray, outer_end: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -941,10 +958,10 @@ def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name
     name alone: the operation the trace states for the call wins (NCCL runs an all-to-all as
     ``ncclKernel_SendRecv``; Kineto's ``nccl:all_to_all`` says what it is).
     """
-    dev_comm = np.flatnonzero((kind == "comm") & on_device & (correlation >= 0))
+    dev_comm = np.flatnonzero((kind == KIND_CODE["comm"]) & on_device & (correlation >= 0))
     if len(dev_comm) == 0:
         return
-    launch = np.flatnonzero(((kind == "runtime") | (kind == "driver")) & (correlation >= 0))
+    launch = np.flatnonzero(is_kind(kind, "runtime", "driver") & (correlation >= 0))
     order = np.argsort(correlation[launch], kind="stable")
     lc = correlation[launch][order]
     pos = np.clip(np.searchsorted(lc, correlation[dev_comm]), 0, max(len(lc) - 1, 0))
@@ -962,27 +979,23 @@ def _link_device_comm(kind, on_device, correlation, ts_ns, dur_ns, tid_col, name
         ks = kernels[tid_col[launches] == t]
         if len(on_t) == 0:
             continue
-        # Each field from the innermost call that has it: labels and record_param_comms nest.
-        enclosing_all = [(_enclosing(ts_ns[c], ts_ns[c] + dur_ns[c], ts_ns[mine]), c)
-                         for c in _nesting_layers(on_t, ts_ns, dur_ns)]
-        for j, k in enumerate(ks):
-            guessed = op[k] is None or op[k] == collectives.normalize_op(name_values[name_idx[k]])
-            for hit, layer in enclosing_all:
-                if hit[j] < 0:
-                    continue
-                c = layer[hit[j]]
-                if guessed and op[c] is not None:
-                    op[k], guessed = op[c], False
-                if dim[k] is None and dim[c] is not None:
-                    dim[k] = dim[c]
-                if pg[k] is None and pg[c] is not None:
-                    pg[k] = pg[c]
-                if group_ranks[k] is None and group_ranks[c] is not None:
-                    group_ranks[k] = group_ranks[c]
-                if nbytes[k] < 0 and nbytes[c] >= 0:
-                    nbytes[k] = nbytes[c]
-                if seq[k] < 0 and seq[c] >= 0:
-                    seq[k] = seq[c]
+        # Each field from the innermost call that has it: labels and record_param_comms nest.  A layer
+        # gives each kernel at most one call, so a layer's fields are filled at once, innermost first.
+        guessed = np.array([op[k] is None or op[k] == collectives.normalize_op(name_values[name_idx[k]])
+                            for k in ks.tolist()], dtype=bool)
+        for layer in _nesting_layers(on_t, ts_ns, dur_ns):
+            hit = _enclosing(ts_ns[layer], ts_ns[layer] + dur_ns[layer], ts_ns[mine])
+            inside = np.flatnonzero(hit >= 0)
+            k, c = ks[inside], layer[hit[inside]]
+            take = guessed[inside] & np.not_equal(op[c], None)
+            op[k[take]] = op[c[take]]
+            guessed[inside[take]] = False
+            for field in (dim, pg, group_ranks):
+                fill = np.equal(field[k], None) & np.not_equal(field[c], None)
+                field[k[fill]] = field[c[fill]]
+            for field in (nbytes, seq):
+                fill = (field[k] < 0) & (field[c] >= 0)
+                field[k[fill]] = field[c[fill]]
 
 
 #: How long after an async call returns a gloo worker may still be picking its work up.
@@ -1003,7 +1016,7 @@ def _link_worker_comm(kind, on_device, ts_ns, dur_ns, tid_col, op, dim, pg, grou
     communication.
     """
     host = ~on_device
-    work = np.flatnonzero(host & gloo & (kind == "comm"))  # none at all in an NCCL trace
+    work = np.flatnonzero(host & gloo & (kind == KIND_CODE["comm"]))  # none at all in an NCCL trace
     orphans = work[np.equal(dim[work], None)]
     if len(orphans) == 0:
         return

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from mfuscope.errors import UserInputError
-from mfuscope.event_table import EventTable, build_table
+from mfuscope.event_table import KIND_CODE, EventTable, build_table, is_kind, kind_codes, kind_column
 
 from . import collectives
 from .steps import UNMARKED, assign_steps, device_window, find_steps, with_whole_trace_marker
@@ -169,12 +169,12 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
 
     ts = np.asarray(cols["ts"], dtype=np.int64) + epoch
     dur = np.maximum(np.asarray(cols["end"], dtype=np.int64) + epoch - ts, 0)
-    kind = np.asarray(cols["kind"], dtype=object)
+    kind = kind_codes(cols["kind"])
     names = np.asarray(cols["name"], dtype=object)
     correlation = np.asarray(cols["correlation"], dtype=np.int64)
-    on_device = np.isin(kind, ("kernel", "memcpy", "memset", "sync")) & (np.asarray(cols["device"]) >= 0)
-    comm = (kind == "kernel") & np.array([collectives.is_comm_kernel(n) for n in names], dtype=bool)
-    kind[comm] = "comm"
+    on_device = is_kind(kind, "kernel", "memcpy", "memset", "sync") & (np.asarray(cols["device"]) >= 0)
+    comm = (kind == KIND_CODE["kernel"]) & np.array([collectives.is_comm_kernel(n) for n in names], dtype=bool)
+    kind[comm] = KIND_CODE["comm"]
 
     name_arr = pa.array(names, type=pa.string()).dictionary_encode()
     steps = find_steps(kind, name_arr.dictionary.to_pylist(), name_arr.indices.to_numpy(), ts, dur,
@@ -196,7 +196,7 @@ def _load(con: sqlite3.Connection, path: Path, rank: int, step_annotation: str |
     table = build_table({
         "rank": np.full(n, rank, dtype=np.int32), "lane": cols["lane"],
         "device": np.asarray(cols["device"], dtype=np.int16), "stream": np.asarray(cols["stream"], dtype=np.int32),
-        "tid": np.asarray(cols["tid"], dtype=np.int64), "kind": kind, "name": name_arr,
+        "tid": np.asarray(cols["tid"], dtype=np.int64), "kind": kind_column(kind), "name": name_arr,
         "ts_ns": ts, "dur_ns": dur, "step": step, "correlation": correlation,
         "external_id": np.full(n, -1, dtype=np.int64), "op": op,
         "dim": np.array([collectives.kernel_dim(x) if c else None for x, c in zip(names, comm)], dtype=object),

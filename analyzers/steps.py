@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from mfuscope import labels
 from mfuscope.errors import UserInputError
-from mfuscope.event_table import build_table
+from mfuscope.event_table import KIND_CODE, build_table, is_kind
 
 WHOLE_TRACE = "whole trace"
 DEVICE_SPAN = "device span"
@@ -46,7 +46,8 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
                dur_ns: np.ndarray, step_annotation: str | None, path: Path,
                on_device: np.ndarray | None = None) -> Steps:
     """The step markers, in time order; marks their rows ``kind="step"`` and clips a marker that
-    outlives the trace (``dur_ns`` of its row too).
+    outlives the trace (``dur_ns`` of its row too).  ``kind``, here and in every function of this
+    module, holds the loader's kind codes (:data:`~mfuscope.event_table.KIND_CODE`).
 
     Precedence: the user's ``--step-annotation``; else mfuscope's own
     ``mfuscope.step#N`` (numbered by training step); else ``ProfilerStep#N``;
@@ -61,7 +62,7 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
             raise UserInputError(f"--step-annotation {step_annotation!r} "
                                  f"is not a valid regular expression: {e}") from None
         match = np.array([bool(pattern.search(s)) for s in name_values] or [False])
-        rows = np.flatnonzero(match[name_idx] & np.isin(kind, markers))
+        rows = np.flatnonzero(match[name_idx] & is_kind(kind, *markers))
         if len(rows) == 0:
             raise UserInputError(f"no annotation matches --step-annotation {step_annotation!r}", path)
         rows = rows[np.argsort(ts_ns[rows], kind="stable")]
@@ -70,11 +71,11 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
         parsed = [labels.parse_step(s) for s in name_values]
         for prefix in (labels.STEP, labels.PROFILER_STEP):
             step_num = np.array([p[1] if p and p[0] == prefix else -1 for p in parsed] or [-1])
-            rows = np.flatnonzero((step_num[name_idx] >= 0) & np.isin(kind, markers))
+            rows = np.flatnonzero((step_num[name_idx] >= 0) & is_kind(kind, *markers))
             if len(rows):
                 break
         if len(rows) == 0:
-            work = np.isin(kind, ("kernel", "comm", "memcpy", "memset"))
+            work = is_kind(kind, "kernel", "comm", "memcpy", "memset")
             if on_device is not None:
                 work &= on_device
             span, source = (work, DEVICE_SPAN) if work.any() else (slice(None), WHOLE_TRACE)
@@ -82,7 +83,7 @@ def find_steps(kind: np.ndarray, name_values: list[str], name_idx: np.ndarray, t
             return Steps(np.array([0]), np.array([start]), np.array([end]), source)
         rows = rows[np.argsort(ts_ns[rows], kind="stable")]
         numbers, source = step_num[name_idx][rows], prefix
-    kind[rows] = "step"
+    kind[rows] = KIND_CODE["step"]
     others = np.ones(len(ts_ns), dtype=bool)
     others[rows] = False
     if others.any():  # a step never closed ends with the trace's last event
@@ -97,7 +98,7 @@ def assign_steps(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: n
     idx = np.searchsorted(steps.start, ts_ns, side="right") - 1
     inside = (idx >= 0) & (ts_ns < steps.end[np.clip(idx, 0, None)])
     step = np.where(inside, steps.number[np.clip(idx, 0, None)], -1).astype(np.int32)
-    launches = (kind == "runtime") | (kind == "driver")
+    launches = is_kind(kind, "runtime", "driver")
     launch_corr = correlation[launches]
     dev_rows = np.flatnonzero(on_device & (correlation >= 0))
     if len(launch_corr) and len(dev_rows):
@@ -129,18 +130,18 @@ def device_window(steps: Steps, kind: np.ndarray, on_device: np.ndarray, ts_ns: 
     stretched to the end of the device work its step launched, never past the next marker (a
     1.3B model on an H200: 383 ms markers, 566 ms of device work a step, a third of it lost).
     Changes ``steps`` and the marker rows' ``ts_ns``/``dur_ns`` in place."""
-    rows = np.flatnonzero(kind == "step")
+    rows = np.flatnonzero(kind == KIND_CODE["step"])
     if steps.source in UNMARKED or len(rows) != len(steps.number) or not len(rows):
         return
     if len(rows) > 1:
         _stretch_into_gaps(steps, rows, kind, on_device, ts_ns, dur_ns, step)
         return
     row = rows[0]
-    twin = np.flatnonzero((kind == "gpu_annotation") & (name_idx == name_idx[row]))
+    twin = np.flatnonzero((kind == KIND_CODE["gpu_annotation"]) & (name_idx == name_idx[row]))
     if len(twin):
         start, end = int(ts_ns[twin].min()), int((ts_ns[twin] + dur_ns[twin]).max())
     else:
-        work = on_device & np.isin(kind, ("kernel", "comm", "memcpy", "memset")) & (step == steps.number[0])
+        work = on_device & is_kind(kind, "kernel", "comm", "memcpy", "memset") & (step == steps.number[0])
         if not work.any():
             return
         start, end = int(steps.start[0]), max(int(steps.end[0]), int((ts_ns[work] + dur_ns[work]).max()))
@@ -154,7 +155,7 @@ def _stretch_into_gaps(steps: Steps, rows: np.ndarray, kind: np.ndarray, on_devi
     marker's start (markers that follow one another: at most the microseconds between them); the
     last step's only where the step before it finished on the device before it began (else its
     window already holds that step's tail).  See :func:`device_window`."""
-    work = on_device & np.isin(kind, ("kernel", "comm", "memcpy", "memset")) & (step >= 0)
+    work = on_device & is_kind(kind, "kernel", "comm", "memcpy", "memset") & (step >= 0)
     if not work.any():
         return
     ends = ts_ns[work] + dur_ns[work]

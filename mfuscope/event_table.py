@@ -64,6 +64,32 @@ KINDS = (
 #: Kinds that run on a device lane.
 DEVICE_KINDS = ("kernel", "comm", "memcpy", "memset", "gpu_annotation")
 
+#: ``kind`` as the loaders carry it while they build a table: each row's position in :data:`KINDS`.
+#: A loader compares and reassigns kinds a dozen times over every row; on int8 codes numpy does that
+#: in C, on an object array of strings it calls Python's comparison once per row.
+KIND_CODE = {k: i for i, k in enumerate(KINDS)}
+
+
+def kind_codes(values) -> np.ndarray:
+    """int8 codes of kind names (an unknown name is a KeyError: :data:`KINDS` is the contract)."""
+    return np.array([KIND_CODE[v] for v in values], dtype=np.int8)
+
+
+def is_kind(codes: np.ndarray, *kinds: str) -> np.ndarray:
+    """Which rows of a code array are one of ``kinds``."""
+    out = codes == KIND_CODE[kinds[0]]
+    for k in kinds[1:]:
+        out |= codes == KIND_CODE[k]
+    return out
+
+
+def kind_column(codes: np.ndarray) -> pa.DictionaryArray:
+    """The ``kind`` column of a code array: its dictionary holds the kinds present, in :data:`KINDS` order."""
+    present = np.flatnonzero(np.bincount(codes, minlength=len(KINDS)))
+    remap = np.zeros(len(KINDS), dtype=np.int32)
+    remap[present] = np.arange(len(present), dtype=np.int32)
+    return pa.DictionaryArray.from_arrays(pa.array(remap[codes]), pa.array([KINDS[i] for i in present]))
+
 _DICT = pa.dictionary(pa.int32(), pa.string())
 
 SCHEMA = pa.schema([
@@ -181,10 +207,12 @@ def build_table(columns: dict[str, Any], order: np.ndarray | None = None) -> pa.
     """Assemble an EventTable-shaped pyarrow Table from numpy arrays / lists, casting to the schema.
 
     ``order``: the rows to take, in that order, from every numpy column (one column's reordered
-    copy at a time, not a reordered copy of the whole table beside the original)."""
+    copy at a time, not a reordered copy of the whole table beside the original).  The columns
+    are taken out of ``columns`` as they are converted, so a caller that keeps no other reference
+    to them has each original freed once its copy is made."""
     arrays = []
     for f in SCHEMA:
-        values = columns[f.name]
+        values = columns.pop(f.name)
         if order is not None and isinstance(values, np.ndarray):
             values = values[order]
         if pa.types.is_dictionary(f.type):

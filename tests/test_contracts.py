@@ -9,7 +9,16 @@ import pytest
 
 from mfuscope import run_dir
 from mfuscope.errors import UserInputError
-from mfuscope.event_table import COLUMNS, EventTable, SchemaMismatch, build_table
+from mfuscope.event_table import (
+    COLUMNS,
+    KINDS,
+    EventTable,
+    SchemaMismatch,
+    build_table,
+    is_kind,
+    kind_codes,
+    kind_column,
+)
 from mfuscope.report import new_report, read_report, write_report
 
 
@@ -88,3 +97,19 @@ def test_event_table_rejects_wrong_columns():
         EventTable(good.drop_columns(["peer"]))
     with pytest.raises(SchemaMismatch):
         EventTable(good.set_column(COLUMNS.index("ts_ns"), "ts_ns", pa.array([], type=pa.float64())))
+
+
+def test_kind_codes_round_trip_to_the_kind_column():
+    """The loaders' int8 kind codes give the same column as the kind names themselves, and select
+    the rows a string comparison selects (the oracle: numpy and Arrow on the names)."""
+    import numpy as np
+
+    names = np.array(["cpu_op", "kernel", "runtime", "cpu_op", "comm", "step", "kernel", "nvtx"], dtype=object)
+    codes = kind_codes(names)
+    column = kind_column(codes)
+    assert column.to_pylist() == names.tolist()
+    assert column.dictionary.to_pylist() == [k for k in KINDS if k in set(names)]  # present kinds, contract order
+    for chosen in (("kernel",), ("runtime", "driver"), ("kernel", "comm", "memcpy", "memset")):
+        assert is_kind(codes, *chosen).tolist() == np.isin(names, chosen).tolist()
+    with pytest.raises(KeyError):
+        kind_codes(["gpu_kernel"])  # not a kind of the contract
