@@ -24,6 +24,7 @@ from mfuscope.tests.helpers import (
     DLRM,
     FROZEN_REPORTS,
     HTA_DATA,
+    TRACES,
     needs_corpus,
     replicated_set,
     report_differences,
@@ -31,6 +32,7 @@ from mfuscope.tests.helpers import (
 )
 
 TRACE_FILTER = HTA_DATA / "trace_filter"
+QWEN_H100 = TRACES / "TraceLens/tests/traces/h100/Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz"  # [memory] events
 def _analyze(path: Path, out: Path, **options) -> dict:
     report, _ = analysis.analyze(path, out / "report.json", out / "views", use_cache=False, progress=False,
                                  **options)
@@ -68,15 +70,16 @@ def test_a_run_directory_gets_the_same_report_from_workers_and_in_one_process(ru
     assert report["summary"]["ranks"] == 8 and report["findings"]
 
 
-@needs_corpus(TRACE_FILTER)
+@needs_corpus(QWEN_H100)
 def test_the_parent_holds_summaries_not_events(tmp_path):
     """The parent's traced memory (numpy and Python allocations) over 16 and 48 ranks of a real
-    trace: its growth a rank stays under the issue's 100 KB -- one rank's events here are ~800 KB
-    as an EventTable, so a parent that kept them would grow 8x past it."""
-    sources = sorted(TRACE_FILTER.glob("*.json.gz"))
-    one = trace_set.load(sources[0], use_cache=False).events
-    assert one.table.nbytes > 500_000  # the events a leaking parent would hold
-    big = replicated_set(tmp_path / "set48", sources, 24)
+    trace: its growth a rank stays under the issue's 100 KB.  One rank's events are 1.8 MB as an
+    EventTable, so a parent that kept them would grow 18x past it; and the trace's allocator events
+    fold into a 600-point series, 127 KB of Python objects a rank in a parent that kept them."""
+    one = trace_set.load(QWEN_H100, use_cache=False).events
+    assert one.table.nbytes > 1_000_000  # the events a leaking parent would hold
+    assert sum(len(a["series"]) for a in one.ranks[0]["memory"].values()) == 600  # and the allocator's series
+    big = replicated_set(tmp_path / "set48", [QWEN_H100], 48)
     small = tmp_path / "set16"  # its first 16 ranks: the same files, so the same cache entries
     small.mkdir()
     for r in range(16):
