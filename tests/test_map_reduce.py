@@ -72,20 +72,20 @@ def test_a_run_directory_gets_the_same_report_from_workers_and_in_one_process(ru
 
 @needs_corpus(QWEN_H100)
 def test_the_parent_holds_summaries_not_events(tmp_path):
-    """The parent's traced memory (numpy and Python allocations) over 16 and 48 ranks of a real
+    """The parent's traced memory (numpy and Python allocations) over 8 and 24 ranks of a real
     trace: its growth a rank stays under the issue's 100 KB.  One rank's events are 1.8 MB as an
     EventTable, so a parent that kept them would grow 18x past it; and the trace's allocator events
     fold into a 600-point series, 127 KB of Python objects a rank in a parent that kept them."""
     one = trace_set.load(QWEN_H100, use_cache=False).events
     assert one.table.nbytes > 1_000_000  # the events a leaking parent would hold
     assert sum(len(a["series"]) for a in one.ranks[0]["memory"].values()) == 600  # and the allocator's series
-    big = replicated_set(tmp_path / "set48", [QWEN_H100], 48)
-    small = tmp_path / "set16"  # its first 16 ranks: the same files, so the same cache entries
+    big = replicated_set(tmp_path / "set24", [QWEN_H100], 24)
+    small = tmp_path / "set8"  # its first 8 ranks: the same files, so the same cache entries
     small.mkdir()
-    for r in range(16):
+    for r in range(8):
         (small / f"rank{r}.json.gz").symlink_to(big / f"rank{r}.json.gz")
-    peaks = {}  # the workers parse (the 48 ranks' first 16 from the cache the 16 filled): the parent never does
-    for n, traces in ((16, small), (48, big)):
+    peaks = {}  # the workers parse (the 24 ranks' first 8 from the cache the 8 filled): the parent never does
+    for n, traces in ((8, small), (24, big)):
         # The workers forked before tracing starts (no fork while tracemalloc holds its hooks), and
         # kept for the whole run: the parent's own memory is what is traced.
         with executor.RecyclingPool(2, tasks_per_worker=1000) as pool:
@@ -94,7 +94,7 @@ def test_the_parent_holds_summaries_not_events(tmp_path):
             map_reduce.analyze_ranks(traces, pool=pool, progress=False)
             peaks[n] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-    slope = (peaks[48] - peaks[16]) / 32
+    slope = (peaks[24] - peaks[8]) / 16
     assert slope < 100_000, f"{slope / 1e3:.0f} KB a rank ({peaks})"
     print(f"parent: {slope / 1e3:.1f} KB a rank ({peaks})")
 
