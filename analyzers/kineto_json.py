@@ -599,7 +599,6 @@ def _concat_parts(parts: list[_Part]) -> _Work:
                                      for p in parts])
     pieces = {f: [getattr(p, f) for p in parts] for f in _Part._fields}
     parts.clear()
-    del with_memory
 
     def cat(field: str, dtype) -> np.ndarray:
         return np.concatenate(pieces.pop(field)) if n else np.empty(0, dtype)
