@@ -98,6 +98,13 @@ def replay(path: Path, confirm: tuple[int, ...], drops: tuple[float, ...]) -> in
         print(f"  threshold {t:>3.0%}: fails {q['fails']:>2} of {c} ({q['fails'] / c:.1%}) at {q['failed_at']}"
               + "".join(f"   -{d:.0%}: {q['power'][d]:.1%}" for d in drops))
     print(f"  bound for {c} checks at {rp.NOMINAL_RATE:.1%}: at most {rp.binomial_limit(c, rp.NOMINAL_RATE)}")
+    q = rp.pushes(records, drops=drops)
+    c = q["checks"]
+    print("\nthe workflow's push gate (--pair-on-violation): checked against the history; where it calls the run "
+          "slower, the job trains the parent commit's code and the pairs decide (limit 5% or 1.65 standard errors)")
+    print(f"  the history called {q['violations']} of {c} pushes slower; the job failed {q['fails']} "
+          f"({q['fails'] / c:.1%}) at {q['failed_at']}" + "".join(f"   -{d:.0%}: {q['power'][d]:.1%}" for d in drops))
+    print(f"  bound for {c} checks at {rp.NOMINAL_RATE:.1%}: at most {rp.binomial_limit(c, rp.NOMINAL_RATE)}")
     return 0
 
 

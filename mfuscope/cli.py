@@ -308,11 +308,15 @@ def _add_ci(sub) -> None:
                    help="with --paired-with: how much slower than main's run a pair may be at least (default "
                         "5%%; wider where the runs' own steps are noisier)")
     p.add_argument("--main-code", type=Path, default=None, metavar="DIR",
-                   help="with --paired-with and --confirm-runs: where main's code is installed (pip install "
-                        "--no-deps --target DIR); main's reruns run with DIR first on PYTHONPATH")
+                   help="with --paired-with and --confirm-runs, or --pair-on-violation: where main's code is "
+                        "installed (pip install --no-deps --target DIR); its runs run with DIR first on PYTHONPATH")
     p.add_argument("--main-rerun-command", default=None, metavar="CMD",
-                   help="with --paired-with and --confirm-runs, for runs not of the reference trainer: a command "
-                        "that trains main's code into a run directory at {out}")
+                   help="with --paired-with and --confirm-runs, or --pair-on-violation, for runs not of the "
+                        "reference trainer: a command that trains main's code into a run directory at {out}")
+    p.add_argument("--pair-on-violation", action="store_true",
+                   help="a push's check: where the history calls this run slower, train the baseline's code "
+                        "(--main-code: the parent commit's) from this run's manifest and let the pairs decide, as "
+                        "on a pull request (docs/ci.md)")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
     p.set_defaults(func=cmd_ci_check)
 
@@ -344,7 +348,8 @@ def cmd_ci_check(args: argparse.Namespace) -> int:
     return commands.check(args.run, args.history, args.workload, _branch(args.branch), args.max_mfu_drop,
                           args.summary_md, args.junit, args.html, args.confirm_runs, args.rerun_command, args.json,
                           paired_with=args.paired_with, main_code=args.main_code,
-                          main_rerun_command=args.main_rerun_command, max_slowdown=args.max_slowdown)
+                          main_rerun_command=args.main_rerun_command, max_slowdown=args.max_slowdown,
+                          pair_on_violation=args.pair_on_violation)
 
 
 def cmd_ci_trend(args: argparse.Namespace) -> int:

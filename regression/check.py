@@ -4,7 +4,9 @@ the leaves that moved, and one verdict.
 With a run of main's code trained in the same job (``main``: a pull request's check,
 :mod:`.paired`), that pair decides on step time and its reruns are further pairs; the history's
 statistical rows are then shown but only advise (a violation stays ``suspicious``): its records
-were trained at other times, on a machine that drifts.
+were trained at other times, on a machine that drifts.  A push to main is paired only when the
+history calls it slower (``pair_on_violation``: the parent commit's code is trained then), so
+that a quiet push costs one training and a co-tenant's minute fails nothing.
 
 Exit codes: 0 pass (``ok``, ``suspicious``, ``insufficient data``), 1 a
 confirmed regression or a deterministic failure, 2 bad input (raised as
@@ -42,9 +44,13 @@ def check(history: History, current: dict[str, Any], *, branch: str | None, floo
           rerun: Callable[[int], dict[str, Any]] | None = None, confirm_runs: int = 0,
           main: dict[str, Any] | None = None,
           rerun_pair: Callable[[int], tuple[dict[str, Any], dict[str, Any]]] | None = None,
-          pair_threshold: float = paired.THRESHOLD) -> dict[str, Any]:
+          pair_threshold: float = paired.THRESHOLD,
+          pair_on_violation: Callable[[], tuple[dict[str, Any], Callable | None]] | None = None) -> dict[str, Any]:
     """``rerun(i)``: the i-th in-job rerun's record; ``main``: the record of main's run in this job,
-    whose further pairs ``rerun_pair(i)`` trains (then ``rerun`` is not used)."""
+    whose further pairs ``rerun_pair(i)`` trains (then ``rerun`` is not used);
+    ``pair_on_violation()``: called only when a row of the history is violated, trains the
+    baseline's code (a push's parent commit) and returns (its record, its ``rerun_pair``), which
+    then decide as ``main`` and ``rerun_pair`` do."""
     base = baseline_records(history, current, branch)
     result: dict[str, Any] = {
         "workload": current["workload"], "commit": current.get("commit"), "branch": branch,
@@ -60,9 +66,12 @@ def check(history: History, current: dict[str, Any], *, branch: str | None, floo
         "rows": deterministic.check(last, current, floor) if last else [],
     }
     # With in-job reruns (a pull request's check) the reruns confirm a violation, not the last record.
-    in_job = main is not None or (rerun is not None and confirm_runs > 0)
+    in_job = main is not None or pair_on_violation is not None or (rerun is not None and confirm_runs > 0)
     rows = [statistical.gate(base, current, metric, floor, previous_confirms=not in_job)
             for metric in statistical.METRICS]
+    if main is None and pair_on_violation is not None and any(r["violated"] for r in rows):
+        main, rerun_pair = pair_on_violation()
+        result["paired_on_violation"] = True
     if main is not None:
         rerun = None  # the pairs settle it; the history's rows advise
         result["paired"] = {"main_commit": main.get("commit"), "main_run": (main.get("run") or {}).get("source")}

@@ -105,10 +105,13 @@ def check(path: Path, history: Path, workload: str | None, branch: str | None, m
           summary_md: Path | None, junit: Path | None, html: Path | None, confirm_runs: int,
           rerun_command: str | None, as_json: bool, paired_with: Path | None = None,
           main_code: Path | None = None, main_rerun_command: str | None = None,
-          max_slowdown: float = paired.THRESHOLD) -> int:
+          max_slowdown: float = paired.THRESHOLD, pair_on_violation: bool = False) -> int:
     """``paired_with``: main's run of the same job, trained right before this one (a pull
     request's check, :mod:`.paired`); its reruns run with ``main_code`` (where main's code is
-    installed) first on ``PYTHONPATH``, or as ``main_rerun_command``."""
+    installed) first on ``PYTHONPATH``, or as ``main_rerun_command``.  ``pair_on_violation`` (a
+    push's check): where the history calls the run slower, the baseline's code (``main_code``:
+    the parent commit's) is trained from this run's manifest into ``RUN.main1`` and the pairs
+    decide, as on a pull request."""
     if not 0 <= max_drop < 1:
         raise UserInputError(f"--max-mfu-drop {max_drop}: give a fraction such as 0.02 or a percentage such as 2%")
     if not 0 <= max_slowdown < 1:
@@ -116,6 +119,12 @@ def check(path: Path, history: Path, workload: str | None, branch: str | None, m
     if not history.is_dir():
         raise UserInputError("no such history directory (make one with `mfuscope ci record RUN --history DIR`)",
                              history)
+    if pair_on_violation and paired_with is not None:
+        raise UserInputError("--pair-on-violation trains the baseline's run itself; give it or --paired-with, "
+                             "not both")
+    if pair_on_violation and main_code is None and main_rerun_command is None:
+        raise UserInputError("--pair-on-violation needs the baseline's code: --main-code DIR (pip install --no-deps "
+                             "--target DIR PARENT_CHECKOUT) or --main-rerun-command 'CMD {out}'")
     if main_code is not None and not main_code.is_dir():
         raise UserInputError("--main-code: no such directory (install main's code there: pip install --no-deps "
                              "--target DIR MAIN_CHECKOUT)", main_code)
@@ -124,20 +133,36 @@ def check(path: Path, history: Path, workload: str | None, branch: str | None, m
     for s in h.skipped:
         print(f"mfuscope ci: warning: skipped {s}", file=sys.stderr)
     rerun = _rerun_fn(path, current, rerun_command) if confirm_runs else None
-    main = rerun_pair = None
+    env = None if main_code is None else {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(main_code.resolve()), os.environ.get("PYTHONPATH")]))}
+
+    def pairs_after(main_run: Path, main: dict[str, Any]):
+        """The further pairs: main's code trained again from its run's manifest, then this run's."""
+        if not confirm_runs:
+            return None
+        rerun_main = _rerun_fn(main_run, main, main_rerun_command, env=env, flag="--main-rerun-command",
+                               what="main's code, trained again")
+
+        def rerun_pair(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+            m = rerun_main(i)  # main's code first, as in the job's first pair
+            return rerun(i), m
+        return rerun_pair
+
+    main = rerun_pair = train_main = None
     if paired_with is not None:
         main = build_record(paired_with, current["workload"], None, "main", None)
-        if confirm_runs:
-            env = None if main_code is None else {
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(main_code.resolve()), os.environ.get("PYTHONPATH")]))}
-            rerun_main = _rerun_fn(paired_with, main, main_rerun_command, env=env, flag="--main-rerun-command",
-                                   what="main's code, trained again")
+        rerun_pair = pairs_after(paired_with, main)
+    if pair_on_violation:
+        first_main = _rerun_fn(path, current, main_rerun_command, env=env, flag="--main-rerun-command",
+                               what="the history calls this run slower: the baseline's code, trained for a pair",
+                               suffix="main", commit="")
 
-            def rerun_pair(i: int) -> tuple[dict[str, Any], dict[str, Any]]:
-                m = rerun_main(i)  # main's code first, as in the job's first pair
-                return rerun(i), m
+        def train_main():
+            m = first_main(0)
+            return m, pairs_after(path.parent / f"{path.name}.main1", m)
     result = check_mod.check(h, current, branch=branch, floor=max_drop, rerun=rerun, confirm_runs=confirm_runs,
-                             main=main, rerun_pair=rerun_pair, pair_threshold=max_slowdown)
+                             main=main, rerun_pair=rerun_pair, pair_threshold=max_slowdown,
+                             pair_on_violation=train_main)
     md = outputs.markdown(result)
     summary_md = summary_md or (Path(os.environ["GITHUB_STEP_SUMMARY"]) if os.environ.get("GITHUB_STEP_SUMMARY")
                                 else None)
@@ -155,17 +180,19 @@ def check(path: Path, history: Path, workload: str | None, branch: str | None, m
 
 
 def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None, env: dict[str, str] | None = None,
-              flag: str = "--rerun-command", what: str = "confirming rerun"):
-    """Run the workload again into a fresh run directory beside ``path``; return its record.
-    ``env``: variables set for the rerun (main's code on ``PYTHONPATH``); ``flag``: the option
-    that gives ``rerun_command``, for the error; ``what``: the progress line's words."""
+              flag: str = "--rerun-command", what: str = "confirming rerun", suffix: str = "rerun",
+              commit: str | None = None):
+    """Run the workload again into a fresh run directory beside ``path`` (``RUN.<suffix>N``); return
+    its record.  ``env``: variables set for the rerun (main's code on ``PYTHONPATH``); ``flag``: the
+    option that gives ``rerun_command``, for the error; ``what``: the progress line's words;
+    ``commit``: the record's commit where it is not the checked run's ("": not known here)."""
     manifest = Manifest.read(path) if run_dir.is_run_dir(path) else Manifest()
     if rerun_command is None and not manifest.is_reference_trainer_run:
         raise UserInputError(f"--confirm-runs reruns a reference-trainer run by itself; for another job give "
                              f"{flag} 'CMD {{out}}' (it must write a run directory at {{out}})", path)
 
     def rerun(i: int) -> dict[str, Any]:
-        out = path.parent / f"{path.name}.rerun{i + 1}"
+        out = path.parent / f"{path.name}.{suffix}{i + 1}"
         if rerun_command is not None:
             cmd = [a.replace("{out}", str(out)) for a in shlex.split(rerun_command)]
         else:
@@ -177,7 +204,8 @@ def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None, en
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
             raise UserInputError(f"the confirming rerun failed (exit {done.returncode}): {last}", out)
-        return build_record(out, current["workload"], current.get("commit"), current.get("branch"), None)
+        record = build_record(out, current["workload"], current.get("commit"), current.get("branch"), None)
+        return record if commit is None else {**record, "commit": commit or None}
     return rerun
 
 

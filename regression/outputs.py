@@ -67,7 +67,9 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{p} |")
     if result.get("paired"):
         pr = result["paired"]
-        lines += ["", f"`{paired.METRIC}`: against main's code trained in this job (`{pr.get('main_run') or '?'}`), "
+        whose = ("the baseline's code (a push's parent commit), trained in this job because the history called "
+                 "this run slower" if result.get("paired_on_violation") else "main's code trained in this job")
+        lines += ["", f"`{paired.METRIC}`: against {whose} (`{pr.get('main_run') or '?'}`), "
                   f"each run's {paired.QUANTILE:.0%} quantile step, the limit {paired.THRESHOLD:.0%} or "
                   f"{paired.K_SIGMA} standard errors of the two; it decides on step time, and the history's rows "
                   "above only advise (their records ran at other times)."]

@@ -11,7 +11,10 @@ positive):
   N records that followed it -- runs of the same code right after it on the same machine, as an
   in-job rerun is;
 - **a pull request's paired gate** (:mod:`.paired`, what the workflow runs): the record before
-  it stands for main's run in the job, the two after it for the second pair (:func:`paired`).
+  it stands for main's run in the job, the two after it for the second pair (:func:`paired`);
+- **a push's gate** (what the workflow runs on main): the history first, and where it calls the
+  run slower, the parent commit's code trained in the job and the pairs deciding -- the record
+  after it stands for the parent's run, the two after that for the second pair (:func:`pushes`).
 
 ``benchmarks/bench_ci_real.py`` records such a history and prints the shares; the fixture
 tests/fixtures/ci_history/tiny-tp2-real.jsonl is one, replayed by tests/test_ci_gate.py.
@@ -144,6 +147,34 @@ def paired(records: list[dict[str, Any]], threshold: float, *, quantile: float =
     failed = fails(1.0)
     return {"threshold": threshold, "quantile": quantile, "checks": len(positions), "fails": len(failed),
             "failed_at": failed, "power": {d: len(fails(1 / (1 - d))) / len(positions) for d in drops}}
+
+
+def pushes(records: list[dict[str, Any]], threshold: float = paired_gate.THRESHOLD, *, floor: float = 0.02,
+           branch: str | None = "main", drops: tuple[float, ...] = ()) -> dict[str, Any]:
+    """A push's gate replayed through :func:`.check.check` (``pair_on_violation``): record i is the
+    push's run, checked against the records before it; where the history calls it slower, record
+    i+1 stands for the parent commit's run trained next in the job, and records i+2 (the parent's)
+    and i+3 (the push's) for the second pair.  Every failure is a false positive.  ``power[d]``:
+    the share of the same positions that fail when the push's two runs are ``d`` slower (the
+    regression starts at the push: the history before it is not slowed)."""
+    positions = range(statistical.MIN_RECORDS, len(records) - 3)
+
+    def outcome(i: int, drop: float) -> tuple[bool, bool]:
+        """(the history called the push slower, the job failed)."""
+        push = [slowed(records[i + k], drop) if drop else records[i + k] for k in (0, 3)]
+        asked: list[int] = []
+
+        def parent():
+            asked.append(i)
+            return records[i + 1], lambda j: (push[1], records[i + 2])
+        result = check_mod.check(History(Path("replay"), records[:i], []), push[0], branch=branch, floor=floor,
+                                 confirm_runs=1, pair_threshold=threshold, pair_on_violation=parent)
+        return bool(asked), bool(result["exit_code"])
+
+    quiet = [outcome(i, 0.0) for i in positions]
+    return {"threshold": threshold, "checks": len(positions), "violations": sum(v for v, _ in quiet),
+            "fails": sum(f for _, f in quiet), "failed_at": [i for i, (_, f) in zip(positions, quiet) if f],
+            "power": {d: sum(outcome(i, d)[1] for i in positions) / len(positions) for d in drops}}
 
 
 def level(record: dict[str, Any]) -> float:

@@ -387,6 +387,34 @@ def test_a_pull_request_of_the_unchanged_commit_passes(pushed, pr):
     assert "paired step_time_s" in text
 
 
+def test_a_push_the_history_calls_slower_is_paired_with_its_parents_run(pushed, tmp_path, capsys):
+    """``mfuscope ci check --pair-on-violation`` on push B's real run, against a history of push A's
+    run at half its step time (simulated, 1% noise): the history calls B twice as slow, so the
+    check makes the baseline's run with its command (here: B's own run copied into place, so that the
+    pair is of one speed whatever the host did between the pushes) and the pair decides: not slower,
+    so the push passes, where the history alone would have called it suspicious."""
+    from mfuscope.cli import main
+
+    report, manifest = (json.loads((pushed["root"] / "run0" / f).read_text()) for f in ("report.json", "manifest.json"))
+    rng = np.random.default_rng(21)
+    history = tmp_path / "history"
+    for i in range(statistical.WINDOW):
+        append(history, {**simulate.noisy_record(report, manifest, rng, 0.01, drop=-1.0, index=i),
+                         "workload": "tiny-tp2"})
+    run = tmp_path / "runs" / "ci-tiny-tp2"
+    shutil.copytree(pushed["root"] / "run1", run)
+    command = f"cp -r {pushed['root'] / 'run1'} {{out}}"
+    capsys.readouterr()
+    code = main(["ci", "check", str(run), "--history", str(history), "--workload", "tiny-tp2",
+                 "--pair-on-violation", "--main-rerun-command", command, "--confirm-runs", "1", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["metric"]: r for r in result["statistical"]}
+    assert code == 0 and result["paired_on_violation"], rows
+    assert rows["step_time_s"]["violated"] and rows["step_time_s"]["verdict"] == "suspicious"
+    assert rows["paired step_time_s"]["verdict"] == "ok" and rows["paired step_time_s"]["drop"] == 0
+    assert (run.parent / "ci-tiny-tp2.main1" / "report.json").is_file()
+
+
 def test_a_main_that_cannot_train_leaves_the_pull_request_to_the_history(tmp_path):
     """The workflow's step that trains main's code, with main's code broken (its package fails to
     import): the step passes with a warning and leaves no main run, so the check step pairs nothing
@@ -470,14 +498,29 @@ def test_the_pull_requests_paired_gate_stays_under_the_bound_on_the_real_history
     assert r["power"][0.5] == pytest.approx(52 / 57)
 
 
+def test_a_pushs_gate_pairs_where_the_history_calls_it_slower_and_stays_under_the_bound(real_replay):
+    """The workflow's push gate (``--pair-on-violation``) replayed on the real history
+    (regression/replay.py, ``pushes``): each record checked against the records before it; where
+    the history calls it slower (18 of 52 checks, every one a false alarm: the code never
+    changed), the record after it stands for the parent commit's run, the next two for the second
+    pair.  docs/ci.md's figures (the fixture is fixed, so exact): no failure in 52 checks, within
+    the bound, where the history gate alone failed 12 of 55; a 50% slower push fails in 47 of 52."""
+    records, r = real_replay
+    pushes = replay.pushes(records, paired.THRESHOLD, drops=(0.5,))
+    assert (pushes["checks"], pushes["violations"], pushes["fails"]) == (52, 18, 0)
+    assert pushes["fails"] <= replay.binomial_limit(pushes["checks"], replay.NOMINAL_RATE) == 2
+    assert pushes["power"][0.5] == pytest.approx(47 / 52)
+    assert r["main_fails"] == 12  # the history gate alone, on the same records
+
+
 @pytest.mark.xfail(strict=True, reason="this machine's co-tenant episodes (+50% to +500% for a minute) slow a run "
                    "and the next alike: against the history, main's gate fails 12 of 55 checks and a rerun-confirmed "
                    "check 13 of 54, where the bound allows 2 (docs/ci.md, 'Measured on real runs'); pull requests "
-                   "are paired with main's code instead")
+                   "and pushes are paired with main's (the parent's) code instead")
 def test_false_positives_of_the_history_gate_on_the_real_history_stay_under_the_bound(real_replay):
-    """The history gate (main's pushes; a check with --confirm-runs and no paired run) against the
-    same bound.  Strict: when a change to it brings the real history under the bound, this passes
-    and must be unmarked."""
+    """The history gate alone (what a job without the baseline's code falls back to: a check with
+    no pair) against the same bound.  Strict: when a change to it brings the real history under
+    the bound, this passes and must be unmarked."""
     _, r = real_replay
     assert r["main_fails"] <= replay.binomial_limit(r["checks"], replay.NOMINAL_RATE)
     for n in (1, 2):
@@ -622,6 +665,44 @@ def test_a_paired_check_is_decided_by_its_pairs(real):
     assert row["verdict"] == "insufficient data" and "layout" in row["note"]
 
 
+def test_a_push_is_paired_only_where_the_history_calls_it_slower(real):
+    """``pair_on_violation`` (a push's check) by hand.  A push as fast as the history trains
+    nothing; one 10% slower than it is paired with the parent's run: of the same speed, it passes
+    (the history's rows only advise, and main's rule of two violations in a row no longer applies:
+    the last record violated too); twice as slow as the parent's run, and again in the second
+    pair, it fails."""
+    rng = np.random.default_rng(12)
+    records = [simulate.noisy_record(*real, rng, 0.01, index=i) for i in range(10)]
+    records.append(simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=10))  # main's last: violated
+    h = History(Path("h"), records, [])
+    trained = []
+
+    def parent(rec, again=None):
+        def train():
+            trained.append(rec["run"]["id"] if rec.get("run") else "parent")
+            return rec, (None if again is None else lambda i: again)
+        return train
+
+    quick = simulate.noisy_record(*real, rng, 0.01, index=11)
+    r = check_mod.check(h, quick, branch="main", floor=0.02, confirm_runs=1,
+                        pair_on_violation=lambda: pytest.fail("a push the history does not call slower trains nothing"))
+    assert r["status"] == "ok" and "paired" not in r and not trained
+    slow = simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=12)
+    same = simulate.noisy_record(*real, rng, 0.01, drop=0.10, index=13)  # the parent's code was as slow
+    r = check_mod.check(h, slow, branch="main", floor=0.02, confirm_runs=1, pair_on_violation=parent(same))
+    rows = {row["metric"]: row for row in r["statistical"]}
+    assert trained and r["paired_on_violation"] and rows["step_time_s"]["verdict"] == "suspicious"
+    assert rows["paired step_time_s"]["verdict"] == "ok" and r["exit_code"] == 0
+    # the parent's code ran twice as fast: the pair, and the second pair, are +100% (over the limit,
+    # 5% or 1.65 standard errors of the real run's own step spread, which these samples carry)
+    fast = {**slow, "samples": {**slow["samples"], "step_time_s": [x / 2 for x in slow["samples"]["step_time_s"]]}}
+    r = check_mod.check(h, slow, branch="main", floor=0.02, confirm_runs=1,
+                        pair_on_violation=parent(fast, (slow, fast)))
+    rows = {row["metric"]: row for row in r["statistical"]}
+    assert rows["paired step_time_s"]["verdict"] == "regression" and r["exit_code"] == 1
+    assert rows["paired step_time_s"]["drop"] == pytest.approx(1.0)
+
+
 def test_accept_starts_a_new_baseline(real):
     rng = np.random.default_rng(8)
     old = [simulate.noisy_record(*real, rng, 0.01, index=i) for i in range(10)]
@@ -700,6 +781,8 @@ def test_a_torn_last_line_is_skipped_and_a_bad_line_is_an_error(real, tmp_path, 
     (["--max-mfu-drop", "150%"], "--max-mfu-drop"),
     (["--confirm-runs", "-1"], "--confirm-runs"),
     (["--workload", "../x"], "workload name"),
+    (["--pair-on-violation"], "--main-code"),
+    (["--pair-on-violation", "--main-code", ".", "--paired-with", "."], "not both"),
 ])
 def test_bad_check_flags_are_refused_in_one_line(real, tmp_path, capsys, args, words):
     run = tmp_path / "report.json"
