@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--apply", action="store_true", help="run each proposal (reference-trainer runs only)")
     p.add_argument("--fixes", default=None, help="comma-separated fix ids to consider (default: all)")
     p.add_argument("--rounds", type=int, default=3, help="with --apply: greedy rounds at most")
+    p.add_argument("--first-win", action="store_true",
+                   help="with --apply: each round runs its proposals in order of predicted gain and keeps the "
+                        "first that makes the run faster (default: runs every one and keeps the fastest)")
     p.add_argument("--out", type=Path, default=None,
                    help="with --apply: where the new runs go (default: beside RUN); optimize.json goes into RUN")
     p.add_argument("--memory-gib", type=float, default=None,
@@ -406,7 +409,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from mfuscope.optimizers import commands
-    return commands.optimize(args.run, args.apply, args.fixes, args.rounds, args.out, args.json, args.memory_gib)
+    return commands.optimize(args.run, args.apply, args.fixes, args.rounds, args.out, args.json, args.memory_gib,
+                             args.first_win)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -274,7 +274,7 @@ def _layout_dict(layout) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- optimize
 
 def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: Path | None, as_json: bool,
-             memory_gib: float | None = None) -> int:
+             memory_gib: float | None = None, first_win: bool = False) -> int:
     from . import optimize as opt
     wanted = {f.strip() for f in only.split(",")} if only else None
     from mfuscope.fix_registry import FIXES
@@ -313,7 +313,7 @@ def optimize(run_path: Path, apply_: bool, only: str | None, rounds: int, out: P
             for who, flag in p.change.flags.items():
                 print(f"    {who:<11} {flag}")
         return 0
-    summary = opt.apply(run, out or run.path.parent, wanted, rounds, _err)
+    summary = opt.apply(run, out or run.path.parent, wanted, rounds, _err, first_win)
     write_bytes(run.path / "optimize.json", (json.dumps(summary, indent=2) + "\n").encode())
     write_bytes(run.path / "optimize.md", _markdown(summary).encode())
     if as_json:

@@ -210,9 +210,12 @@ def run_and_measure(manifest: Manifest, config: Path, out: Path, change: dict[st
 
 
 def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, rounds: int,
-          say: Callable[[str], None]) -> dict[str, Any]:
+          say: Callable[[str], None], first_win: bool = False) -> dict[str, Any]:
     """Run the proposals, keep the best measured win, repeat; the summary ``optimize.json`` holds.
-    Every run is held to ``base_run``'s system (a ``--memory-gib`` budget included)."""
+    Every run is held to ``base_run``'s system (a ``--memory-gib`` budget included).
+    ``first_win``: a round runs its proposals in order of predicted gain and keeps the first that
+    makes the run faster, leaving the rest unrun (each is a training run: on a real job, minutes of
+    the cluster); one that ran slower or failed does not end the round."""
     manifest = Manifest.read(base_run.path)
     if not manifest.is_reference_trainer_run:
         raise UserInputError("not a reference-trainer run (its manifest does not say how it was launched): "
@@ -265,6 +268,10 @@ def apply(base_run: measured.MeasuredRun, out_dir: Path, only: set[str] | None, 
             tried.append(p)
             if measured_gain > 0 and (best is None or new.typical_step_s < best[0]):
                 best = (new.typical_step_s, p, new, change)
+            if first_win and measured_gain > 0 and i < len(todo):
+                say(f"round {r + 1}: the first win is kept (--first-win); not run: "
+                    + ", ".join(q.change.summary for q in todo[i:]))
+                break
         if best is None:
             say(f"round {r + 1}: no change made the run faster")
             break

@@ -11,7 +11,7 @@ that changes a run copies it first).
 - ``torchrun_run``: ``mfuscope train`` through torchrun, 4 ranks ``dp_shard=2,tp=2``, 2 steps, no
   traces.  Read by test_trainer_runs, test_dashboard.
 - ``optimized_gpipe``: a poor paced pipeline start and ``mfuscope optimize --apply`` on it (3
-  rounds).  Read by test_optimize, test_dashboard.
+  rounds, each keeping its first win).  Read by test_optimize, test_dashboard.
 - ``paced_pipelines``: 4 pipeline stages paced per sample (40/80 ms forward/backward), 8 layers,
   3 steps traced: 1F1B at 4 microbatches, GPipe at 8, interleaved 1F1B at 4 and 8.  Read by
   test_cost_model_runs (the model's mechanism check) and test_analyzers (the measured bubble).
@@ -142,6 +142,7 @@ GPIPE_START = ["--nproc", "2", "--layout", "pp=2", "--schedule", "gpipe", "--mic
 GPIPE_FIXES = "rebalance_stages,more_microbatches"
 
 
+
 def optimized_gpipe(root: Path) -> dict:
     """:data:`GPIPE_START` trained, its proposals (``optimize --json``, which analyzes the run
     first), then ``optimize --apply`` with :data:`GPIPE_FIXES` for up to 3 rounds; the runs it made
@@ -157,6 +158,9 @@ def optimized_gpipe(root: Path) -> dict:
     # the machine to themselves (tests/lanes.py, ``quiet``).  Beside the rest lane a fresh-clone CI once
     # measured 4,4 stages at 8 microbatches at 2.04 s in one round and 1.26 s in the next.
     with quiet():
-        done = _ok(mfuscope("optimize", str(base), "--apply", "--fixes", GPIPE_FIXES, "--rounds", "3", "--json"),
+        # --first-win: rebalancing (+20% predicted) wins round 1 alone and a microbatch count round 2,
+        # 2-3 trainings where running every proposal took 4-5 (12 s of quiet machine each)
+        done = _ok(mfuscope("optimize", str(base), "--apply", "--fixes", GPIPE_FIXES, "--rounds", "3", "--first-win",
+                            "--json"),
                    "mfuscope optimize --apply")
     return {"base": base, "proposals": proposals, "summary": json.loads(done.stdout), "stderr": done.stderr}

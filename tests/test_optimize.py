@@ -23,7 +23,9 @@ from mfuscope.tests.shared_runs import train_forked
 def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(optimized_gpipe):
     """The session's shared optimize run (tests/shared_runs.py, ``optimized_gpipe``): GPipe, 2
     microbatches, 8 layers cut 7,1, then ``optimize --json`` and ``optimize --apply --fixes
-    rebalance_stages,more_microbatches --rounds 3``."""
+    rebalance_stages,more_microbatches --rounds 3 --first-win``: rebalancing, predicted to gain
+    most in round 1 (by hand below: 1.80 -> 1.44 s), makes the run faster, so it is round 1's only
+    run and the microbatch counts are named as not run."""
     base, proposals = optimized_gpipe["base"], optimized_gpipe["proposals"]["fixes"]
     assert (base / "report.json").is_file()
     assert {"more_microbatches", "interleaved_schedule", "rebalance_stages"} <= {f["fix"] for f in proposals}
@@ -35,6 +37,9 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
     assert summary == json.loads((base / "optimize.json").read_text())
     assert (base / "optimize.md").is_file()
     assert "round 1" in stderr and "s so far" in stderr  # progress
+    assert "round 1: the first win is kept (--first-win); not run: microbatches 2 -> " in stderr, stderr
+    rounds = [Path(f["run"]).name.split("-opt-")[1].split("-")[0] for f in summary["fixes"] if f.get("run")]
+    assert rounds.count("r1") == 1, rounds
     # Paced compute, by hand (30 ms a sample and layer, GPipe on 2 stages: m x the slower stage's
     # microbatch + the other's): 7,1 at 2 microbatches of 4 takes 2 x 840 + 120 = 1.80 s; 4,4 takes
     # 3 x 480 = 1.44 s; more microbatches shave the fill and drain (1.20 s at 4, 1.08 s at 8) but pay
