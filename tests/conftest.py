@@ -39,6 +39,13 @@ def pytest_runtestloop(session):
 _QUIET_WAITS: list[float] = []
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """The paced lane says when it has reached its dashboards, their runs made (after the first's
+    setup): the rest lane's tail may run beside them (tests/lanes.py)."""
+    lanes.reached_paced_last(item)
+
+
 def pytest_runtest_setup(item):
     """make test's rest lane holds each test back while a paced test has the machine to itself
     (tests/lanes.py, ``quiet``); its summary says how long, in all."""
@@ -107,7 +114,8 @@ SHARED = {"run_3d", "torchrun_run", "optimized_gpipe", "health_run", "paced_pipe
 
 def pytest_collection_modifyitems(config, items):
     """Every reader of a shared run is in make test's paced lane, as the runs' paced readers are, so
-    that two lanes never make the same run (tests/lanes.py)."""
+    that two lanes never make the same run (tests/lanes.py); that lane runs its dashboards last."""
+    lanes.paced_last(items)
     unmarked = [item.nodeid for item in items
                 if SHARED & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("paced") is None]
     if unmarked:

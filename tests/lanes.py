@@ -19,13 +19,16 @@ steps, a browser over paced runs) spend most of theirs asleep.  So:
   moment to wait in gloo: a fresh-clone CI measured ddp=2's median step at 2.5x its quiet value,
   with single steps of 13 and 24 s, while the rest lane ran beside it.
 
-When the paced lane ends, a second rest process starts (the **tail**): the two share the rest of
-the work a test file at a time -- each claims a file before it runs it (:func:`run_claimed`), the
-first from the top of the list (:data:`HEAVY_FIRST` at its head), the tail from the bottom, until
-they meet -- so the suite's last minutes use both cores, where one process left one idle.  A
-file's tests stay in one process, so its module fixtures run once.  (Two rest processes beside the
-paced lane slowed it and cost its fail-slow run an episode; the tail starts only when the machine
-is otherwise idle.)
+A second rest process (the **tail**) shares the rest of the work, a test file at a time -- each
+claims a file before it runs it (:func:`run_claimed`), the first from the top of the list
+(:data:`HEAVY_FIRST` at its head), the tail from the bottom, until they meet -- so that both cores
+are used where one rest process left one idle.  A file's tests stay in one process, so its module
+fixtures run once.  Two rest processes beside the paced lane's timed runs slowed them and cost its
+fail-slow run an episode, so the tail starts only when those are done: the paced lane runs the
+dashboard's files last (:data:`PACED_LAST`: browsers over runs made before them, their page times
+reported and not asserted; every shared run is made by an earlier file), and the tail starts,
+also at idle priority, when the first of their tests runs, its fixtures made (:data:`TAIL_FLAG`),
+or when the paced lane ends.
 
 The paced lane streams its output; the rest lane's goes to ``artifacts/tests/rest.log`` (the tail's
 to ``rest-tail.log``) and is printed when it ends.  The last line totals the lanes.  ``pytest``
@@ -57,6 +60,10 @@ CLAIMS, CLAIM_FROM = "MFUSCOPE_TEST_CLAIMS", "MFUSCOPE_TEST_CLAIM_FROM"
 HEAVY_FIRST = ("test_reference_trainer.py", "test_optimize.py", "test_map_reduce.py", "test_collectors.py",
                "test_kernel_linear_cross_entropy.py", "test_gpu_check.py", "test_first_findings.py",
                "test_gloo_traces.py", "test_cluster.py", "test_demo.py", "test_memory.py", "test_checkpoint.py")
+#: The paced lane's files that run last, with the rest lane's tail beside them (see above).
+PACED_LAST = ("test_dashboard.py", "test_dashboard_scale.py")
+#: The file the paced lane makes when it reaches :data:`PACED_LAST`: the tail may start.
+TAIL_FLAG = "MFUSCOPE_TEST_TAIL_FLAG"
 #: The longest the rest lane waits for one quiet spell: a paced test that dies holding the flag
 #: leaves a dead pid, which ends the wait at once; this bounds the rest.
 QUIET_WAIT_S = 20 * 60
@@ -162,6 +169,22 @@ def _claim(claims: Path, name: str) -> bool:
     return True
 
 
+def paced_last(items: list) -> None:
+    """In the paced lane: :data:`PACED_LAST`'s tests moved to the end (in place, the rest in
+    pytest's order); elsewhere nothing changes."""
+    if os.environ.get(LANE) != "paced":
+        return
+    items.sort(key=lambda item: Path(item.nodeid.split("::")[0]).name in PACED_LAST)
+
+
+def reached_paced_last(item) -> None:
+    """In the paced lane, as a :data:`PACED_LAST` test runs (its fixtures, the dashboard's own paced
+    run among them, already made): say so (:data:`TAIL_FLAG`)."""
+    flag = os.environ.get(TAIL_FLAG)
+    if flag and os.environ.get(LANE) == "paced" and Path(item.nodeid.split("::")[0]).name in PACED_LAST:
+        Path(flag).touch()
+
+
 def _lane_seconds(log: str) -> str:
     """The duration pytest's closing line gives ("in 612.34s"), or "?"."""
     found = re.findall(r" in (\d+(?:\.\d+)?)s", log)
@@ -171,7 +194,9 @@ def _lane_seconds(log: str) -> str:
 def main(argv: list[str]) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     rest_log, tail_log, flag, claims = LOGS / "rest.log", LOGS / "rest-tail.log", LOGS / "quiet", LOGS / "claims"
+    tail_flag = LOGS / "tail-may-start"
     flag.unlink(missing_ok=True)
+    tail_flag.unlink(missing_ok=True)
     shutil.rmtree(claims, ignore_errors=True)
     claims.mkdir()
     tail_log.write_text("")
@@ -186,22 +211,32 @@ def main(argv: list[str]) -> int:
         print(f"make test: the rest lane runs beside this one on idle cores only; its log: {rest_log}", flush=True)
         paced_out: list[bytes] = []
         paced = subprocess.Popen([*PYTEST, "-m", "paced", *argv], cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, env={**env, LANE: "paced", "PYTHONUNBUFFERED": "1"})
+                                 stderr=subprocess.STDOUT,
+                                 env={**env, LANE: "paced", TAIL_FLAG: str(tail_flag), "PYTHONUNBUFFERED": "1"})
         started.append(paced)
+        tail = None
+
+        def start_tail(why: str) -> subprocess.Popen | None:
+            if rest.poll() is not None:
+                return None
+            print(f"\nmake test: {why}; the rest lane's tail shares what is left (log: {tail_log})", flush=True)
+            with open(tail_log, "w") as out:
+                proc = subprocess.Popen(rest_cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                        preexec_fn=_idle_priority,
+                                        env={**env, LANE: "rest", CLAIMS: str(claims), CLAIM_FROM: "bottom"})
+            started.append(proc)
+            return proc
+
         while chunk := os.read(paced.stdout.fileno(), 4096):  # each test's dot as it passes
             sys.stdout.buffer.write(chunk)
             sys.stdout.flush()
             paced_out.append(chunk)
+            if tail is None and tail_flag.exists():
+                tail = start_tail("the paced lane's timed runs are done (its dashboards are left)")
         paced_rc = paced.wait()
-        tail_rc = 0
-        if rest.poll() is None:
-            print(f"make test: the paced lane is done; the rest lane's tail shares what is left (log: {tail_log})",
-                  flush=True)
-            with open(tail_log, "w") as out:
-                tail = subprocess.Popen(rest_cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                        env={**env, LANE: "rest", CLAIMS: str(claims), CLAIM_FROM: "bottom"})
-            started.append(tail)
-            tail_rc = tail.wait()
+        if tail is None:
+            tail = start_tail("the paced lane is done")
+        tail_rc = tail.wait() if tail is not None else 0
         rest_rc = rest.wait()
     finally:  # interrupted: no lane goes on alone
         for proc in started:

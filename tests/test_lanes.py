@@ -103,3 +103,29 @@ def test_the_rest_lane_and_its_tail_run_each_test_file_once_and_whole(tmp_path):
     setups = sorted(what for kind, what, _ in lines if kind == "setup")
     assert setups == [f"f{f}" for f in range(6)]
     assert len({pid for pids in by_file.values() for pid in pids}) == 2, by_file  # both took part
+
+
+def test_the_paced_lane_runs_its_dashboards_last_and_says_when_it_reaches_them(tmp_path):
+    """A pytest run as make test's paced lane over three files, a dashboard's among them in the
+    middle of the alphabet: the dashboard's tests run last, and the tail's flag appears as they run,
+    not before (each test records whether it saw the flag)."""
+    flag, ran = tmp_path / "tail-may-start", tmp_path / "ran.txt"
+    (tmp_path / "conftest.py").write_text(
+        "from mfuscope.tests import lanes\n\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    lanes.paced_last(items)\n\n"
+        "def pytest_runtest_call(item):\n"
+        "    lanes.reached_paced_last(item)\n")
+    for name in ("test_analyzers", lanes.PACED_LAST[0][:-3], "test_optimize"):
+        (tmp_path / f"{name}.py").write_text(
+            "import os, pathlib\n\n"
+            + "".join(f"def test_{i}():\n"
+                      f"    seen = pathlib.Path(os.environ['{lanes.TAIL_FLAG}']).exists()\n"
+                      f"    with open({str(ran)!r}, 'a') as f:\n"
+                      f"        f.write(f'{name} {{seen}}\\n')\n\n" for i in range(2)))
+    env = {**os.environ, lanes.LANE: "paced", lanes.TAIL_FLAG: str(flag)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert ran.read_text().split("\n")[:-1] == ["test_analyzers False"] * 2 + ["test_optimize False"] * 2 + [
+        f"{lanes.PACED_LAST[0][:-3]} True"] * 2
