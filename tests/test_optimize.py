@@ -25,7 +25,7 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
     microbatches, 8 layers cut 7,1, then ``optimize --json`` and ``optimize --apply --fixes
     rebalance_stages,more_microbatches --rounds 3 --first-win``: rebalancing, predicted to gain
     most in round 1 (by hand below: 1.80 -> 1.44 s), makes the run faster, so it is round 1's only
-    run and the microbatch counts are named as not run."""
+    run (the microbatch counts, where also predicted to gain over 2%, are named as not run)."""
     base, proposals = optimized_gpipe["base"], optimized_gpipe["proposals"]["fixes"]
     assert (base / "report.json").is_file()
     assert {"more_microbatches", "interleaved_schedule", "rebalance_stages"} <= {f["fix"] for f in proposals}
@@ -37,9 +37,13 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
     assert summary == json.loads((base / "optimize.json").read_text())
     assert (base / "optimize.md").is_file()
     assert "round 1" in stderr and "s so far" in stderr  # progress
-    assert "round 1: the first win is kept (--first-win); not run: microbatches 2 -> " in stderr, stderr
-    rounds = [Path(f["run"]).name.split("-opt-")[1].split("-")[0] for f in summary["fixes"] if f.get("run")]
-    assert rounds.count("r1") == 1, rounds
+    by_round: dict[str, list] = {}
+    for f in summary["fixes"]:
+        if f.get("run"):
+            by_round.setdefault(Path(f["run"]).name.split("-opt-")[1].split("-")[0], []).append(f)
+    for fixes in by_round.values():  # a round ends at its first win: every run before it was no faster
+        assert all(f["measured_gain"] <= 0 for f in fixes[:-1]), fixes
+    assert [f["fix"] for f in by_round["r1"]] == ["rebalance_stages"], by_round["r1"]
     # Paced compute, by hand (30 ms a sample and layer, GPipe on 2 stages: m x the slower stage's
     # microbatch + the other's): 7,1 at 2 microbatches of 4 takes 2 x 840 + 120 = 1.80 s; 4,4 takes
     # 3 x 480 = 1.44 s; more microbatches shave the fill and drain (1.20 s at 4, 1.08 s at 8) but pay
