@@ -188,8 +188,8 @@ def _rerun_fn(path: Path, current: dict[str, Any], rerun_command: str | None, en
     ``commit``: the record's commit where it is not the checked run's ("": not known here)."""
     manifest = Manifest.read(path) if run_dir.is_run_dir(path) else Manifest()
     if rerun_command is None and not manifest.is_reference_trainer_run:
-        raise UserInputError(f"--confirm-runs reruns a reference-trainer run by itself; for another job give "
-                             f"{flag} 'CMD {{out}}' (it must write a run directory at {{out}})", path)
+        raise UserInputError(f"only a reference-trainer run is trained again by itself ({what}); for another job "
+                             f"give {flag} 'CMD {{out}}' (it must write a run directory at {{out}})", path)
 
     def rerun(i: int) -> dict[str, Any]:
         out = path.parent / f"{path.name}.{suffix}{i + 1}"
