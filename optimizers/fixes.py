@@ -23,7 +23,7 @@ from mfuscope.trainer_options import TrainerOptions, parse_checkpoint
 from . import planner
 from .cost import memory as memory_model
 from .measured import UNEVEN, MeasuredRun
-from .model import DDP_BUCKET_BYTES
+from .model import ddp_last_bucket_bytes
 from .spec import Layout, Training
 
 
@@ -147,12 +147,12 @@ def _smaller_buckets(run: MeasuredRun) -> list[Change]:
     if lay.dp_replicate == 1 or lay.zero or not _applies(run, "overlap_dp_grads", "comm/dp/all_reduce"):
         return []
     grads = memory_model.params_per_gpu(run.model, lay) * training.grad_reduce_bytes
-    bucket = training.grad_bucket_bytes or DDP_BUCKET_BYTES
-    if bucket < grads / 2:
-        return []  # already reducing during the backward
+    last = ddp_last_bucket_bytes(grads, training.grad_bucket_bytes)
+    if last < grads / 2:
+        return []  # already reducing most of them during the backward
     mib = max(round(grads / run.model.n_layers / 2**20, 3), 0.001)
-    return [Change("overlap_dp_grads", f"DDP buckets of {mib:g} MiB (one layer's gradients; was "
-                   f"{min(bucket, grads) / 2**20:.3g} MiB, all of them)", lay,
+    return [Change("overlap_dp_grads", f"DDP buckets of {mib:g} MiB (one layer's gradients; the last bucket, "
+                   f"reduced after the backward, held {last / 2**20:.3g} of {grads / 2**20:.3g} MiB)", lay,
                    replace(training, overlap_grad_reduce=True, grad_bucket_bytes=mib * 2**20),
                    TrainerOptions.change(ddp_bucket_mb=mib),
                    {"torchtitan": "(torchtitan's data-parallel replicas are FSDP2/HSDP: see its prefetch)",

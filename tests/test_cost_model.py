@@ -242,6 +242,16 @@ def test_ddp_all_reduce_is_exposed_without_overlap_and_hidden_with_it():
     # One bucket holding every gradient is reduced after the backward: nothing hides.
     one = Training(seq_len=1024, grad_bucket_bytes=params * 4)
     assert predict(TOY, layout, one, s, IDEAL).leaves["comm/dp/all_reduce"] == pytest.approx(full)
+    # DDP's default cap: the first bucket (the last layers' gradients) closes at 1 MiB and reduces
+    # during the backward; then 25 MiB buckets, the last of which (the first layers') waits.
+    # TOY's 264 MiB: a 25 MiB bucket waits, as with any cap.  A 12 MB model: 1 MiB reduces early.
+    default = predict(TOY, layout, Training(seq_len=1024), s, IDEAL).leaves["comm/dp/all_reduce"]
+    assert default == pytest.approx(full * 25 * 2**20 / (params * 4))
+    small = replace(TOY, n_layers=4, dim=256, ffn_dim=512, vocab_size=1024)
+    grads = small.total_params() * 4
+    assert 2**20 < grads < 26 * 2**20
+    default = predict(small, layout, Training(seq_len=1024), s, IDEAL).leaves["comm/dp/all_reduce"]
+    assert default == pytest.approx(2 * 3 / 4 * (grads - 2**20) / s.scale_up.bandwidth_Bps)
 
 
 # ----------------------------------------------------------------------------- compute
