@@ -213,6 +213,12 @@ def _prediction_errors(runs: dict[str, Path], out: Path) -> dict[str, float]:
         errors[name] = row["predicted_step_s"] / row["measured_step_s"] - 1
         print(f"{name:<12} measured {row['measured_step_s'] * 1e3:6.1f} ms, predicted "
               f"{row['predicted_step_s'] * 1e3:6.1f} ms ({errors[name]:+.0%})")
+        if abs(errors[name]) > real_compute.TARGET[name]:  # where it went: the leaves that differ most
+            gaps = sorted(row["leaves"].items(), key=lambda kv: -abs((kv[1]["measured_s"] or 0.0)
+                                                                       - (kv[1]["predicted_s"] or 0.0)))
+            print("    " + ", ".join(f"{leaf} {(v['measured_s'] or 0) * 1e3:.1f} / "
+                                    f"{(v['predicted_s'] or 0) * 1e3:.1f} ms" for leaf, v in gaps[:5])
+                  + " (measured / predicted)")
     return errors
 
 
