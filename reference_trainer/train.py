@@ -250,14 +250,16 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
                 # only the host's enqueueing (an H200 run's markers held two thirds of each step)
                 _sync(device)
             end = time.time_ns()
-            loss_value = _global_loss(local, device)
+            loss_value = _step_loss(local, device, dims, mesh)
             losses.append(loss_value)
             step_times.append((end - start) / 1e9)
-            if rank == 0:
+            if loss_value is not None and _prints_loss(coords):
                 print(f"step {step}  loss {loss_value:.6f}  {(end - start) / 1e6:.1f} ms", flush=True)
             session.step(tokens=tokens_per_step, loss=loss_value)
         if saver is not None:
             saver.wait()  # the last async save written and committed before the run ends
+    if dims.pp > 1:
+        losses = _share_losses(losses, device, coords if has_last else None)
 
     loop_starts.append(time.perf_counter())
     # step_times: the training step itself; loop_times: the whole iteration, instrumentation included
@@ -338,14 +340,41 @@ class _NoSession(contextlib.nullcontext):
         pass
 
 
-def _global_loss(local: torch.Tensor | None, device) -> float:
-    """Mean of the ranks that hold a loss (last pipeline stage): the loss of the global batch."""
-    buf = torch.zeros(2, device=device, dtype=torch.float64)
-    if local is not None:
-        value = local.full_tensor() if hasattr(local, "full_tensor") else local
-        buf[0], buf[1] = float(value), 1.0
-    dist.all_reduce(buf)
+def _step_loss(local: torch.Tensor | None, device, dims: ParallelDims, mesh) -> float | None:
+    """The loss of the global batch, on the ranks that hold one (None elsewhere).
+
+    Without a pipeline every rank holds one: their mean over the world.  With one, only the last
+    stage's ranks do, and they average it over their data ranks alone.  A world all-reduce here
+    would hold the other stages after their step's marker until the first stage finished its last
+    backward: the last stage's drain, a pipeline's own bubble, waited outside every step's window
+    (on a 2-stage CPU run its windows were 131 ms a step against the first stage's 160).  As
+    Megatron-LM and torchtitan do, nothing crosses the stages to report a step's loss."""
+    if dims.pp > 1 and local is None:
+        return None
+    value = local.full_tensor() if hasattr(local, "full_tensor") else local
+    buf = torch.tensor([float(value), 1.0], device=device, dtype=torch.float64)
+    data_ranks = dims.dp_replicate * dims.dp_shard * dims.cp
+    group = None if dims.pp == 1 else mesh["dp_cp"].get_group() if data_ranks > 1 else False
+    if group is not False:
+        dist.all_reduce(buf, group=group)
     return float(buf[0] / buf[1])
+
+
+def _prints_loss(coords: dict[str, int]) -> bool:
+    """Of the ranks that hold the loss, the one that prints it: rank 0, or with a pipeline the first
+    rank of the stage that computes the loss."""
+    return all(coords[d] == 0 for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+
+
+def _share_losses(losses: list[float | None], device, coords: dict[str, int] | None) -> list[float]:
+    """Every rank's copy of the run's losses, from the rank that printed them (``coords``: this
+    rank's, where it holds the loss): one all-reduce after the last step, outside every window."""
+    buf = torch.zeros(len(losses), 2, device=device, dtype=torch.float64)
+    if coords is not None and _prints_loss(coords):
+        buf[:, 0] = torch.tensor(losses, dtype=torch.float64)
+        buf[:, 1] = 1.0
+    dist.all_reduce(buf)
+    return (buf[:, 0] / buf[:, 1]).tolist()
 
 
 def _apply_recompute(modules, mode: str) -> None:
