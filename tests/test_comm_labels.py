@@ -24,7 +24,7 @@ EXPECTED_DIM = {
     "c10d::_reduce_scatter_base_": {"dp_shard_cp"},            # FSDP2 gradient reduce-scatter
     "c10d::allgather_into_tensor_coalesced_": {"tp"},          # DTensor (sequence parallel)
     "c10d::reduce_scatter_tensor_coalesced_": {"tp"},          # DTensor (row-parallel outputs)
-    "c10d::allreduce_": {"tp", "world"},                       # loss-parallel softmax; the logged loss
+    "c10d::allreduce_": {"tp", "dp_cp"},                       # loss-parallel softmax; the logged loss
     "c10d::send": {"pp"}, "c10d::recv_": {"pp"},               # pipeline activations and gradients
 }
 
