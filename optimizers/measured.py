@@ -146,10 +146,13 @@ def paced_phases(pacing: Pacing | None, layout: Layout, model: ModelSpec) -> tup
     return f, b, w
 
 
-def stage_work(pacing: Pacing | None, layout: Layout, model: ModelSpec) -> tuple[float, ...]:
-    """Each pipeline rank's work relative to the busiest: its layers' share, except in paced mode
-    per stage, where every rank sleeps the same whatever it holds."""
-    if pacing is not None and not pacing.per_layer:
+def stage_work(pacing: Pacing | None, layout: Layout, model: ModelSpec) -> tuple[float, ...] | None:
+    """Each pipeline rank's work relative to the busiest in paced mode: its layers' share, or the
+    same on every rank where each sleeps per stage whatever it holds.  Unpaced, None: the cost
+    model's own per-rank compute (the LM head's rank included)."""
+    if pacing is None:
+        return None
+    if not pacing.per_layer:
         return (1.0,) * layout.pp
     layers = layout.rank_layers(model)
     return tuple(n / max(layers) for n in layers)

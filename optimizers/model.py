@@ -15,9 +15,10 @@
    Async TP hides TP behind the layer's GEMMs.
 2. **The pipeline**: m microbatches of F + B, plus the schedule's bubble from
    ``analyzers.bubbles.theory`` (GPipe/1F1B (p-1)T, interleaved (p-1)T/v,
-   zero-bubble with W = the weight-gradient GEMMs); with uneven stages GPipe's
-   and 1F1B's fill and drain pass through every other stage at its own pace,
-   sum over r != busiest of T_r (which is (p-1)T for equal stages), plus the point-to-point
+   zero-bubble with W = the weight-gradient GEMMs); GPipe's and 1F1B's fill
+   and drain pass through every other stage at its own pace, sum over
+   r != busiest of T_r (which is (p-1)T for equal stages; the LM head makes
+   its rank the busiest where the layers are cut evenly), plus the point-to-point
    sends: with overlap only the fill and drain's 2(p-1) are exposed, without
    it every microbatch's 2v.  The analyzers book pipeline waits, sends
    included, as ``bubble``; so does the model.
@@ -123,13 +124,13 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     assumptions = [f"link tiers: {', '.join(f'{d}={t}' for d, t in links.tier_of.items() if links.size(d) > 1)}"
                    or "single GPU: no communication"]
     p, v, m = layout.pp, layout.vpp, layout.microbatches
-    layers = layout.stage_layers(model)
+    layers, rank_work = layout.stage_layers(model), None
     if known_phases:
         f, b, w = known_phases
         stage = StageCompute(fwd={"other": f}, bwd={"other": b + w}, w=w)
         assumptions.append(f"compute known (paced): F={f:.4g} s, B={b:.4g} s, W={w:.4g} s per microbatch")
     else:
-        stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
+        stage, layers, rank_work = busiest_stage(model, layout, training, system, profile)
 
     # Host time per pass of each of the rank's chunks and of each of its layers; CUDA graphs launch a
     # block's kernels at once (all of it removed: an upper bound, since the embedding, head and loss
@@ -149,7 +150,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     pipeline_s = m * (fwd + bwd)
     if p > 1:
         rank_layers = layout.rank_layers(model)
-        work = stage_work or (tuple(n / max(rank_layers) for n in rank_layers) if layout.split else (1.0,) * p)
+        work = stage_work or rank_work or (tuple(n / max(rank_layers) for n in rank_layers) if layout.split
+                                           else (1.0,) * p)
         if v == 1 and max(work) - min(work) > 1e-9:
             # Fill and drain through each other stage at its own pace; the host time per pass
             # does not shrink with a stage's layers.
@@ -204,12 +206,40 @@ def compute_bound_s(model: ModelSpec, layout: Layout, training: Training, system
     communication and no bubble (each of which only adds to the step).  The planner ranks by it
     first and predicts only the layouts it cannot rule out."""
     profile = profile or Profile()
-    layers = layout.stage_layers(model)
-    stage = stage_compute(model, layout, training, system, profile, layers=layers, with_head=True)
+    stage, layers, _ = busiest_stage(model, layout, training, system, profile)
     per_microbatch = stage.total("fwd") + stage.total("bwd")
     if layout.ep > 1 and training.moe_overlap == "none":  # hidden all-to-alls bound nothing
         per_microbatch += 2 * layers * expert_exchange_s(model, layout, training, Links(layout, system, profile))
     return layout.microbatches * per_microbatch
+
+
+#: The schedules whose fill and drain pass through each stage at its own pace (model step 2).
+PACED_FILL = ("gpipe", "1f1b")
+
+
+def busiest_stage(model: ModelSpec, layout: Layout, training: Training, system: System,
+                  profile: Profile) -> tuple[StageCompute, int, tuple[float, ...] | None]:
+    """One microbatch on the busiest pipeline rank, its layers, and under GPipe or 1F1B (one chunk
+    a rank) each rank's compute relative to it, else None.
+
+    The LM head is on the rank that holds the last stage, so an even cut of the layers still
+    leaves that rank the slowest (a 2-stage CPU run of the reference trainer: 52 against 45 ms of
+    compute a microbatch) and the others fill and drain at their own pace; where a split gives the
+    head's rank fewer layers, the busiest may be another.  Other schedules are predicted as
+    before: the rank with the most layers, with the head."""
+    layers = layout.stage_layers(model)
+    if layout.pp == 1 or layout.vpp > 1 or layout.schedule not in PACED_FILL:
+        return stage_compute(model, layout, training, system, profile, layers=layers, with_head=True), layers, None
+    per_rank = layout.rank_layers(model)
+    made: dict[tuple[int, bool], StageCompute] = {}  # ranks alike computed once (the planner's thousands)
+    for r, n in enumerate(per_rank):
+        key = (n, r == layout.pp - 1)
+        if key not in made:
+            made[key] = stage_compute(model, layout, training, system, profile, layers=n, with_head=key[1])
+    totals = [made[(n, r == layout.pp - 1)] for r, n in enumerate(per_rank)]
+    seconds = [s.total("fwd") + s.total("bwd") for s in totals]
+    busiest = max(range(layout.pp), key=seconds.__getitem__)
+    return totals[busiest], per_rank[busiest], tuple(t / seconds[busiest] for t in seconds)
 
 
 def dtensor_params(layout: Layout) -> bool:
