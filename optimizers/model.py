@@ -415,13 +415,14 @@ DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
 
 
-def ddp_last_bucket_bytes(grads: float, bucket: float | None) -> float:
+def ddp_last_bucket_bytes(grads: float, bucket: float | None, first_bucket: bool = True) -> float:
     """The bytes of DDP's last bucket, the first layers' gradients, which nothing after the backward
-    hides: a full bucket, or what the earlier buckets leave.  With the default cap (``bucket`` None)
-    the first bucket holds 1 MiB, so a model of a few MiB of gradients is reduced in two buckets,
-    not one (a measured 7.9 MB: 1.18 MB, then 6.69 MB after the backward)."""
-    if bucket:
-        return min(bucket, grads)
+    hides: a full bucket, or what the earlier buckets leave.  With PyTorch DDP's default cap
+    (``bucket`` None, ``first_bucket``) the first bucket holds 1 MiB, so a model of a few MiB of
+    gradients is reduced in two buckets, not one (a measured 7.9 MB: 1.18 MB, then 6.69 MB after
+    the backward); Megatron-LM's distributed optimizer has no such first bucket."""
+    if bucket or not first_bucket:
+        return min(bucket or DDP_BUCKET_BYTES, grads)
     rest = grads - DDP_FIRST_BUCKET_BYTES
     return grads if rest <= 0 else min(DDP_BUCKET_BYTES, rest)
 
@@ -509,7 +510,7 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
     elif layout.grad_ranks > 1:
         # Buckets are reduced as their gradients are ready: all but the last can hide behind the
         # rest of the backward; the last (the first layers' gradients) is reduced after it.
-        last = ddp_last_bucket_bytes(grads, training.grad_bucket_bytes) / grads if grads else 1.0
+        last = ddp_last_bucket_bytes(grads, training.grad_bucket_bytes, layout.zero == 0) / grads if grads else 1.0
         if layout.zero == 0:
             t = links.seconds("dp", "all_reduce", grads)
             ledger.expose("dp", {"all_reduce": t}, min(bwd_window, t * (1 - last)))

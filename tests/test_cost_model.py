@@ -252,6 +252,9 @@ def test_ddp_all_reduce_is_exposed_without_overlap_and_hidden_with_it():
     assert 2**20 < grads < 26 * 2**20
     default = predict(small, layout, Training(seq_len=1024), s, IDEAL).leaves["comm/dp/all_reduce"]
     assert default == pytest.approx(2 * 3 / 4 * (grads - 2**20) / s.scale_up.bandwidth_Bps)
+    # Megatron-LM's distributed optimizer (ZeRO-1) has no 1 MiB first bucket: one bucket, all waiting.
+    zero = predict(small, replace(layout, zero=1), Training(seq_len=1024), s, IDEAL).leaves
+    assert zero["comm/dp/reduce_scatter"] == pytest.approx(3 / 4 * grads / s.scale_up.bandwidth_Bps)
 
 
 # ----------------------------------------------------------------------------- compute
