@@ -353,10 +353,10 @@ def _step_loss(local: torch.Tensor | None, device, dims: ParallelDims, mesh) -> 
         return None
     value = local.full_tensor() if hasattr(local, "full_tensor") else local
     buf = torch.tensor([float(value), 1.0], device=device, dtype=torch.float64)
-    data_ranks = dims.dp_replicate * dims.dp_shard * dims.cp
-    group = None if dims.pp == 1 else mesh["dp_cp"].get_group() if data_ranks > 1 else False
-    if group is not False:
-        dist.all_reduce(buf, group=group)
+    if dims.pp == 1:
+        dist.all_reduce(buf)  # every rank holds it
+    elif dims.dp_replicate * dims.dp_shard * dims.cp > 1:
+        dist.all_reduce(buf, group=mesh["dp_cp"].get_group())  # the last stage's data ranks
     return float(buf[0] / buf[1])
 
 
