@@ -66,6 +66,26 @@ class Matched:
     offsets: list[dict[str, Any]] = field(default_factory=list)
     arrival: list[dict[str, Any]] = field(default_factory=list)
     late: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=LATE_COLUMNS))
+    moe: dict[str, Any] | None = None
+
+
+def expert_load(exchanges: int, uneven: int, ratio_sum: float) -> dict[str, Any] | None:
+    """The report's ``moe`` section from the expert-parallel all-to-alls of the steady steps:
+    ``expert_load``, the busiest rank's received rows over the ranks' mean, averaged over the
+    exchanges whose payload differs between ranks.
+
+    Each rank sends all its routed rows in a dispatch (the same count on every rank: the batch is
+    split evenly) and gets back what its experts computed in the combine, whose payload is the rows
+    routed to its experts; the backward's two mirror them.  So the exchanges whose payload
+    differs across the group are the ones carrying the routing's imbalance, and their max over
+    mean is how long the busiest rank's experts run against the mean and how much more it
+    exchanges, layer by layer: what the cost model's ``moe_imbalance`` prices.  The equal ones
+    say nothing of it and are left out (an uneven exchange that came out even by chance is lost
+    with them, which cannot move the mean by much).  ``exchanges``: the matched all-to-alls,
+    ``uneven``: those it is the mean over.  None without expert-parallel all-to-alls."""
+    if not exchanges:
+        return None
+    return {"expert_load": ratio_sum / uneven if uneven else 1.0, "exchanges": exchanges, "uneven": uneven}
 
 
 LATE_COLUMNS = ["step", "dim", "op", "late_rank", "gap_ns", "waited_ns", "late_from_ns", "late_to_ns"]
@@ -212,6 +232,9 @@ class CallSpool:
         waited: list[pd.Series] = []
         late: list[pd.DataFrame] = []
         collectives = _Interner()
+        ep_a2a = ([d for d, v in enumerate(dims) if v == "ep"], [o for o, v in enumerate(ops) if v == "all_to_all"])
+        exchanges = uneven = 0
+        ratio_sum = 0.0
         per_call = _PartitionedFiles(self._dir, "ranks", _PER_CALL)
         rank_parts = max(1, -(-self.rows // RANK_PARTITION_ROWS))
         for frame in self._files.read():
@@ -236,6 +259,17 @@ class CallSpool:
                                  "waited_ns": np.bincount(idx, weights=last[idx] - arrival),
                                  "late_from_ns": first, "late_to_ns": last})
             late.append(keys if steady_steps is None else keys[keys["step"].isin(steady_steps)])
+            a2a = np.isin(m["dim"].to_numpy(), ep_a2a[0]) & np.isin(m["op"].to_numpy(), ep_a2a[1])
+            if steady_steps is not None:
+                a2a &= m["step"].isin(steady_steps).to_numpy()
+            if a2a.any():
+                payload = pd.Series(m["bytes"].to_numpy(np.float64)[a2a]).groupby(idx[a2a])
+                most, mean = payload.max().to_numpy(), payload.mean().to_numpy()
+                known = (payload.min().to_numpy() >= 0) & (mean > 0)  # a rank's size unknown (-1): not judged
+                ratio = np.divide(most, mean, out=np.ones_like(most), where=known)
+                exchanges += len(ratio)
+                uneven += int((ratio > 1).sum())
+                ratio_sum += float(ratio[ratio > 1].sum())
             end = m["end_ns"].to_numpy()
             median_end = pd.Series(end).groupby(idx).transform("median").to_numpy()
             label = _pair_codes(m["dim"].to_numpy(), m["op"].to_numpy(), collectives)
@@ -243,7 +277,7 @@ class CallSpool:
                                    "lag": arrival - first[idx], "rel": end - median_end}, schema=_PER_CALL),
                          rank.astype(np.int64) * rank_parts // (self.max_rank + 1))
         names = _collective_names(collectives.values, dims, ops)
-        out = Matched(skew=_skew(lags, waited, dims))
+        out = Matched(skew=_skew(lags, waited, dims), moe=expert_load(exchanges, uneven, ratio_sum))
         out.offsets, out.arrival = _per_rank(per_call.read(), names)
         if late:
             frame = pd.concat(late, ignore_index=True)

@@ -228,6 +228,9 @@ def from_documents(report: dict[str, Any], manifest: Manifest | dict[str, Any], 
     # findings; a report from before steady_breakdown has only the tree of every traced step.
     leaves = leaves_of(report.get("steady_breakdown") or report["breakdown"])
     training = replace(training, checkpoint_s=leaves.get("checkpoint", 0.0))
+    if layout.ep > 1 and (report.get("moe") or {}).get("expert_load"):
+        # The routing's imbalance as the run's exchanges measured it (analyzers/collective_match.py).
+        training = replace(training, moe_imbalance=max(1.0, float(report["moe"]["expert_load"])))
     if stage_compute and max(stage_compute) > UNEVEN * min(stage_compute):
         # The model predicts the busiest rank; where stages differ, that rank's leaves are the
         # measurement to hold it against (the mean of ranks mixes in the light stages' waits).

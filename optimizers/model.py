@@ -171,11 +171,11 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
 
     # Data parallelism and the optimizer.
     params = memory_model.params_per_gpu(model, layout)
-    _data_parallel(layout, training, links, ledger, params, stage, m, _first_gathers(model, layout, layers),
-                   units=layers)
+    _data_parallel(layout, training, links, ledger, params, memory_model.expert_params_per_gpu(model, layout),
+                   stage, m, _first_gathers(model, layout, layers), units=layers)
     _amax_reductions(layout, training, links, ledger, stage, m)
-    shard = layout.shard_ranks if layout.shard_ranks > 1 else (layout.grad_ranks if layout.zero >= 1 else 1)
-    ledger.add("compute/optimizer", optimizer_seconds(params / shard, system, profile))
+    ledger.add("compute/optimizer", optimizer_seconds(memory_model.state_params_per_gpu(model, layout), system,
+                                                      profile))
     if dtensor_params(layout):
         tensors = model.parameter_tensors(layout.stage_layers(model), first=layout.pp == 1, last=True)
         ledger.add("compute/optimizer", tensors * profile.dtensor_param_s)
@@ -439,22 +439,36 @@ def _first_gathers(model: ModelSpec, layout: Layout, layers: float) -> tuple[flo
 
 
 def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Ledger, params: float,
-                   stage: StageCompute, m: int, first: tuple[float, float], units: float) -> None:
-    """Book the exposed data-parallel communication of one step; ``first``: the shares of FSDP's
-    gather each pass exposes whatever the prefetch (:func:`_first_gathers`); ``units``: the blocks
-    on the stage, each FSDP's own gather and reduce-scatter (the root one more)."""
-    grads = params * training.grad_reduce_bytes
-    weights = params * training.activation_bytes
+                   experts: float, stage: StageCompute, m: int, first: tuple[float, float], units: float) -> None:
+    """Book the exposed data-parallel communication of one step; ``params``: the GPU's
+    parameters, ``experts`` of them its routed experts', which only the ranks holding the same
+    experts gather and reduce (:attr:`Layout.expert_shard_ranks`, :attr:`Layout.expert_grad_ranks`);
+    ``first``: the shares of FSDP's gather each pass exposes whatever the prefetch
+    (:func:`_first_gathers`); ``units``: the blocks on the stage, each FSDP's own gather and
+    reduce-scatter (the root one more)."""
+    if layout.ep == 1:  # every rank holds every expert: they are the block's, in its unit
+        experts = 0.0
+    dense = params - experts
+    weight_bytes = training.activation_bytes
     if training.fp8_gather:
         # float8 all-gather: the blocks' linear weights travel as 1 byte; the root (embedding and
         # head, first[0] - first[1] of the stage) stays 16-bit.
-        root = first[0] - first[1]
-        weights = params * ((1 - root) + root * training.activation_bytes)
+        root = (first[0] - first[1]) * params / dense if dense else 0.0
+        weight_bytes = (1 - root) + root * training.activation_bytes
+    grads, weights = dense * training.grad_reduce_bytes, dense * weight_bytes
+    expert_grads, expert_weights = experts * training.grad_reduce_bytes, experts * (
+        1 if training.fp8_gather else training.activation_bytes)
     bwd_window = stage.total("bwd") if training.overlap_grad_reduce else 0.0
     if layout.shard_ranks > 1:
         calls = units * training.shard_calls_per_layer + 1
-        gather = links.seconds("dp_shard", "all_gather", weights, calls=calls)
-        scatter = links.seconds("dp_shard", "reduce_scatter", grads, calls=calls)
+        # A block's experts are a unit of their own, over their own group (none moved where it is
+        # the rank alone).
+        gather = (links.seconds("dp_shard", "all_gather", weights, calls=calls)
+                  + links.seconds("dp_expert_shard", "all_gather", expert_weights, calls=units))
+        scatter = (links.seconds("dp_shard", "reduce_scatter", grads, calls=calls)
+                   + links.seconds("dp_expert_shard", "reduce_scatter", expert_grads, calls=units))
+        if layout.expert_shard_ranks > 1:
+            weights, grads = weights + expert_weights, grads + expert_grads  # what FSDP copies
         prefetch = training.overlap_param_gather
         # Without a pipeline FSDP gathers every microbatch's forward and, resharded after it,
         # again for its backward, and reduce-scatters every microbatch's gradients.  Under a
@@ -505,16 +519,18 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
                 ledger.expose("dp", {"all_gather": bwd_gather}, bwd_gather_w, m)
             ledger.expose("dp", {"reduce_scatter": scatter}, scatter_w, 1)
         if layout.dp_replicate > 1:
-            reduce = links.seconds("dp_replicate", "all_reduce", grads / layout.shard_ranks)
+            reduce = links.seconds("dp_replicate", "all_reduce", dense * training.grad_reduce_bytes / layout.shard_ranks
+                                   + expert_grads / layout.expert_shard_ranks)
             ledger.expose("dp", {"all_reduce": reduce}, bwd_window)
     elif layout.grad_ranks > 1:
         # Buckets are reduced as their gradients are ready: all but the last can hide behind the
         # rest of the backward; the last (the first layers' gradients) is reduced after it.
-        last = ddp_last_bucket_bytes(grads, training.grad_bucket_bytes, layout.zero == 0) / grads if grads else 1.0
-        if layout.zero == 0:
-            t = links.seconds("dp", "all_reduce", grads)
-            ledger.expose("dp", {"all_reduce": t}, min(bwd_window, t * (1 - last)))
-        else:
-            t = links.seconds("dp", "reduce_scatter", grads)
-            ledger.expose("dp", {"reduce_scatter": t}, min(bwd_window, t * (1 - last)))
-            ledger.expose("dp", {"all_gather": links.seconds("dp", "all_gather", weights)}, 0.0)
+        total = grads + expert_grads
+        last = ddp_last_bucket_bytes(total, training.grad_bucket_bytes, layout.zero == 0) / total if total else 1.0
+        op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+        t = links.seconds("dp", op, grads) + links.seconds("dp_expert", op, expert_grads)
+        ledger.expose("dp", {op: t}, min(bwd_window, t * (1 - last)))
+        if layout.zero >= 1:
+            gather = links.seconds("dp", "all_gather", weights) + links.seconds("dp_expert", "all_gather",
+                                                                              expert_weights)
+            ledger.expose("dp", {"all_gather": gather}, 0.0)

@@ -138,6 +138,26 @@ class Layout:
         with context parallelism, torchtitan's ``dp_cp``)."""
         return self.data_ranks * self.cp
 
+    @property
+    def expert_grad_ranks(self) -> int:
+        """Ranks that hold the same routed experts and reduce their gradients together: the
+        expert data-parallel group, ``grad_ranks / ep`` (the expert-parallel ranks are cut from
+        the data and context ranks), or with expert folding ``tp x grad_ranks / ep`` (cut from
+        tp x cp x data, each expert whole on a rank: Megatron-Core's EDP with expert tensor
+        parallelism 1).  Equal to ``grad_ranks`` without expert parallelism."""
+        ranks = (self.tp if self.expert_folding else 1) * self.grad_ranks
+        return max(1, ranks // self.ep) if ranks % self.ep == 0 else 1
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks FSDP shards a rank's routed experts over, 1 where nothing shards them: the ranks
+        of the shard group that hold the same experts, ``shard_ranks / ep`` (torchtitan's
+        ``dp_shard_mod_ep``, the reference trainer's expert data-parallel mesh).  Where ``ep``
+        spans the whole shard group every rank's experts are its own, and FSDP moves none."""
+        if self.shard_ranks == 1 or self.shard_ranks % self.ep:
+            return 1
+        return self.shard_ranks // self.ep
+
     def stage_layers(self, model: ModelSpec) -> int:
         """Layers on the busiest pipeline rank: with an explicit ``split`` the most any rank holds;
         else chunks of ceil(L / (pp x vpp)) layers, vpp of them (an even cut that does not divide,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+from dataclasses import replace
 
 import pytest
 
@@ -146,15 +147,16 @@ def test_the_planners_bound_ranks_as_predicting_every_layout_would():
     """The planner predicts layouts in order of their compute bound and stops where the bound falls
     below its top predictions.  Against the exhaustive ranking (every candidate that fits,
     predicted, stably sorted): the same layouts in the same order, and no layout's predicted step
-    below its bound -- the property the stopping rule rests on.  Mixtral 8x22B on 32 H100s at 8k
-    tokens, dense and MoE paths both (its attention and experts)."""
+    below its bound -- the property the stopping rule rests on.  Mixtral 8x22B on 64 H100s at 8k
+    tokens, dense and MoE paths both (its attention and experts).  64 GPUs: its 141B parameters'
+    weights, gradients and Adam states (16 bytes each, 2.3 TB) fit no layout of 32."""
     from mfuscope.optimizers import planner
     from mfuscope.optimizers.cost import memory as memory_model
     from mfuscope.optimizers.model import compute_bound_s, predict
     from mfuscope.optimizers.spec import Training
     from mfuscope.optimizers.system import default_profile, system
 
-    gpus, batch, h100, profile = 32, 64, system("H100"), default_profile()
+    gpus, batch, h100, profile = 64, 64, system("H100"), default_profile()
     training = Training(seq_len=8192, compiled=True)
     scored = []
     for layout in planner.candidates(MIXTRAL, gpus, 8, batch, training, 8):
@@ -409,3 +411,59 @@ def test_the_two_level_dispatch_sends_a_copy_a_node_over_the_nic():
         inside.expert_dispatch_seconds(token_bytes, 2, 8)) == pytest.approx(token_bytes * 2 * 7 / 8 / nvl)
     with pytest.raises(ValueError, match="MoE dispatch"):
         Training(seq_len=1024, moe_dispatch="nvshmem")
+
+
+def test_experts_are_sharded_and_reduced_only_over_the_ranks_that_hold_them():
+    """Expert data parallelism (torchtitan's ``dp_shard_mod_ep``, Megatron-Core's EDP): a rank's
+    experts are gathered, reduce-scattered and kept sharded only among the ranks holding the same
+    experts, and nowhere where ``ep`` spans the shard group.  Counted by hand for Mixtral 8x22B:
+    a layer's 8 experts of 3 x 6144 x 16384 are 2,415,919,104 parameters, its attention, norms and
+    router 6144 x (2 x 6144 + 2 x 1024) + 2 x 6144 + 8 x 6144 = 88,141,824; the embedding and head
+    32000 x 6144 each, and the final norm."""
+    from mfuscope.optimizers.cost import memory
+
+    experts_total, dense_layer = 56 * 2_415_919_104, 88_141_824
+    dense_total = 56 * dense_layer + 2 * 32000 * 6144 + 6144
+    assert sum(MIXTRAL.layer_params()) == dense_layer + 2_415_919_104
+    fsdp = Layout(dp_shard=64, ep=8)  # 8 copies of each expert, each FSDP-sharded over 8 ranks
+    assert (fsdp.expert_shard_ranks, fsdp.expert_grad_ranks) == (8, 8)
+    assert memory.state_params_per_gpu(MIXTRAL, fsdp) == pytest.approx(dense_total / 64 + experts_total / 64)
+    spans = Layout(dp_shard=8, ep=8)      # one copy of each expert: nothing shards them
+    assert memory.state_params_per_gpu(MIXTRAL, spans) == pytest.approx(dense_total / 8 + experts_total / 8)
+    est = memory.estimate(MIXTRAL, spans, 4096)
+    assert est.optimizer_bytes == pytest.approx(8 * (dense_total / 8 + experts_total / 8))  # Adam, fp32 moments
+    # Megatron-Core's distributed optimizer (ZeRO-1) over dp=8 with ep=4 cut from it: experts over 2.
+    zero = Layout(tp=2, dp_replicate=8, ep=4, zero=1)
+    assert zero.expert_grad_ranks == 2
+    dense_gpu = 56 * ((dense_layer - 2 * 6144 - 8 * 6144) / 2 + 2 * 6144 + 8 * 6144) + (2 * 32000 * 6144) / 2 + 6144
+    assert memory.state_params_per_gpu(MIXTRAL, zero) == pytest.approx(dense_gpu / 8 + experts_total / 4 / 2)
+    # Folded (Liu et al. 2025): the expert groups cut from tp x data, so the 16 ranks' experts over 16 / 8.
+    assert Layout(tp=2, dp_replicate=8, ep=8, zero=1, expert_folding=True).expert_grad_ranks == 2
+
+
+def test_fsdp_moves_only_the_dense_parameters_where_each_rank_holds_its_own_experts():
+    """dp_shard=2 with ep=2 (the reference trainer's MoE layout on real compute): each rank's two
+    experts are its own, so FSDP gathers and reduce-scatters only the rest -- with zero-latency
+    links and nothing hidden, a gather of the dense bf16 weights once forward and once backward,
+    and one reduce-scatter of their fp32 gradients, (n - 1) / n of each over NVLink.  With ep=1
+    each rank holds every expert, and FSDP moves them too."""
+    from mfuscope.optimizers.cost import memory
+    from mfuscope.optimizers.model import predict
+    from mfuscope.optimizers.system import Profile, system
+
+    moe = ModelSpec(n_layers=2, dim=1024, n_heads=8, ffn_dim=4096, vocab_size=1000, n_experts=4, top_k=2)
+    s = system("H100")
+    s = replace(s, scale_up=replace(s.scale_up, latency_s=0.0))
+    ideal = Profile(gemm=1.0, gemm_knee=0.0, attention=1.0, memory=1.0, scale_up=1.0, scale_out=1.0)
+    training = Training(seq_len=1024, overlap_param_gather=False, overlap_reduce_scatter=False,
+                        overlap_grad_reduce=False)
+    layer, root = moe.layer_params(), 2 * 1000 * 1024 + 1024
+    dense = 2 * layer[0] + root
+    half = 0.5 / (s.scale_up.bandwidth_Bps * ideal.scale_up)  # (n - 1) / n over the link
+    p = predict(moe, Layout(dp_shard=2, ep=2, micro_batch=1, microbatches=1), training, s, ideal)
+    assert p.leaves["comm/dp/all_gather"] == pytest.approx(2 * dense * 2 * half)
+    assert p.leaves["comm/dp/reduce_scatter"] == pytest.approx(dense * 4 * half)
+    everything = memory.params_per_gpu(moe, Layout(dp_shard=2))
+    q = predict(moe, Layout(dp_shard=2, micro_batch=1, microbatches=1), training, s, ideal)
+    assert everything == dense + 2 * layer[1]
+    assert q.leaves["comm/dp/reduce_scatter"] == pytest.approx(everything * 4 * half)

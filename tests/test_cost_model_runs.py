@@ -236,6 +236,10 @@ def test_unpaced_cpu_runs_are_predicted_from_two_of_them(real_runs, tmp_path):
     taking a core whenever a rank blocks in gloo) stretches one run's steps by 30-40% and is gone
     a minute later: seen in fresh-clone CIs as ddp=2 +32% and pp=2 -35%, each once, against +12%
     and +1% at worst on quiet runs (docs/cost_model.md)."""
+    # The MoE run's routing, as its exchanges measured it: a randomly initialised router does not
+    # balance, and over two ranks the busiest holds at most all of the rows: twice the mean.
+    moe = json.loads((real_runs["ep=2 (moe)"] / "report.json").read_text())["moe"]
+    assert 1 < moe["expert_load"] <= 2 and moe["uneven"] <= moe["exchanges"], moe
     first = _prediction_errors(real_runs, tmp_path / "first")
     misses = _misses(first)
     if misses:

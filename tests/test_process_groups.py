@@ -9,6 +9,7 @@ Expected values are counted by hand from those timestamps.
 """
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from mfuscope import cli
@@ -274,3 +275,28 @@ def test_trace_filter_pair_gets_skew_and_arrival():
     assert set(arrival) == {(r, f"unknown/{op}") for r in (0, 1) for op in ("all_reduce", "all_gather")}
     assert arrival[(1, "unknown/all_reduce")]["median_lag_s"] == pytest.approx((3302 + 22328) / 2 * 1e-6, abs=1e-6)
     assert all(abs(o["offset_s"]) < 1e-4 for o in report["clock_offsets"])
+
+
+def test_the_expert_load_is_the_busiest_ranks_share_of_each_uneven_exchange():
+    """Two expert-parallel ranks, one layer's forward in each of two steps: the counts exchange
+    (8 bytes each), the dispatch (each rank's 1000 routed rows' bytes: even by construction) and
+    the combine, whose payload is the rows routed to the rank's experts: 1200 against 800 (max
+    over mean 1.2), then 1500 against 500 (1.5).  Hand count: the mean of 1.2 and 1.5, 1.35, over
+    the two uneven exchanges of six; a tensor-parallel all-to-all (cp, not ep) is no exchange of
+    experts and changes nothing, and without steady steps' calls there is no section."""
+    payloads = [(8, 8), (1000, 1000), (1200, 800), (8, 8), (1000, 1000), (1500, 500)]
+    rows = []
+    for seq, sizes in enumerate(payloads):
+        for rank, size in enumerate(sizes):
+            rows.append({"rank": rank, "step": seq // 3, "dim": "ep", "op": "all_to_all", "bytes": size,
+                         "group_size": 2, "group_ranks": "0,1", "pg": "7", "seq": seq,
+                         "enqueue_ns": 1000 * seq + rank, "end_ns": 1000 * seq + 500})
+            rows.append({"rank": rank, "step": seq // 3, "dim": "cp", "op": "all_to_all", "bytes": 100 + 300 * rank,
+                         "group_size": 2, "group_ranks": "0,1", "pg": "8", "seq": seq,
+                         "enqueue_ns": 1000 * seq + rank, "end_ns": 1000 * seq + 500})
+    calls = pd.DataFrame(rows)
+    moe = collective_match.match_calls(calls, steady_steps={0, 1}).moe
+    assert moe == {"expert_load": pytest.approx(1.35), "exchanges": 6, "uneven": 2}
+    assert collective_match.match_calls(calls, steady_steps={1}).moe["expert_load"] == pytest.approx(1.5)
+    assert collective_match.match_calls(calls, steady_steps={5}).moe is None
+    assert collective_match.match_calls(calls[calls["dim"] == "cp"]).moe is None

@@ -127,7 +127,9 @@ class Placement:
 
 
 def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
-    """Each dimension's (and ``ep``'s, and ``dp``'s: the data ranks as one group) placement."""
+    """Each dimension's (and ``ep``'s, and ``dp``'s: the data ranks as one group) placement; with
+    expert parallelism also the expert data-parallel groups' (``dp_expert``, ``dp_expert_shard``:
+    :attr:`Layout.expert_grad_ranks`, :attr:`Layout.expert_shard_ranks`)."""
     def place(stride: int, size: int) -> Placement:
         if stride * size <= gpus_per_node:
             return Placement("scale_up", size)
@@ -146,6 +148,11 @@ def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
     out["dp"] = place(layout.tp, layout.grad_ranks)
     if layout.shard_ranks > 1:
         out["dp_shard"] = place(layout.tp, layout.shard_ranks)
+    if layout.ep > 1:
+        # The ranks that hold the same experts lie one expert-parallel group apart.
+        stride = layout.ep if layout.expert_folding else layout.tp * layout.ep
+        out["dp_expert"] = place(stride, layout.expert_grad_ranks)
+        out["dp_expert_shard"] = place(stride, layout.expert_shard_ranks)
     return out
 
 
@@ -170,6 +177,10 @@ class Links:
             return self.layout.grad_ranks
         if dim == "dp_shard":
             return self.layout.shard_ranks
+        if dim == "dp_expert":
+            return self.layout.expert_grad_ranks
+        if dim == "dp_expert_shard":
+            return self.layout.expert_shard_ranks
         return getattr(self.layout, dim)
 
     def seconds(self, dim: str, op: str, size_bytes: float, n: int | None = None, calls: float = 1) -> float:

@@ -122,12 +122,14 @@ def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -
     SwiGLU at 5 x ffn (silu read/write, multiply 2 reads + 1 write; GELU: 2 x ffn).  Fused
     (torch.compile): norm with its residual 3h each, RoPE 2 passes, no copies, SwiGLU 3 x ffn.
     Norms and residuals act on h per token, on 1/tp of the tokens under sequence parallelism;
-    the rest on tp's slice.  MoE adds routing's gather and scatter of each token's top-k copies.
+    the rest on tp's slice.  MoE adds routing's gather and scatter of each token's top-k copies;
+    the busiest expert-parallel rank's experts activate ``expert_load`` times the mean rows.
     """
     h, t, hd = model.dim, layout.tp, model.head_dim
     qk = (h + model.kv_heads * hd) / t
     qkv = (h + 2 * model.kv_heads * hd) / t
-    ffn = (model.ffn_dim * model.top_k + model.shared_ffn_dim) / t if model.n_experts else model.ffn_dim / t
+    load = training.expert_load if layout.ep > 1 else 1.0
+    ffn = (model.ffn_dim * model.top_k * load + model.shared_ffn_dim) / t if model.n_experts else model.ffn_dim / t
     per_norm_token = 1.0 / t if layout.sequence_parallel and t > 1 else 1.0
     if training.compiled:
         norms = 2 * 3 * h * per_norm_token

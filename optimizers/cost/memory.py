@@ -147,6 +147,27 @@ def params_per_gpu(model: ModelSpec, layout: Layout, stage: int | None = None) -
     return layers * per_layer + (embedding if stage == 0 else 0) + (head if stage == layout.pp - 1 else 0)
 
 
+def expert_params_per_gpu(model: ModelSpec, layout: Layout, stage: int | None = None) -> int:
+    """The routed experts' parameters among :func:`params_per_gpu`'s: its layers' ``1/ep`` of them."""
+    _, experts = model.layer_params()
+    if not experts:
+        return 0
+    layers = layout.rank_layers(model)[stage] if stage is not None and layout.pp > 1 else layout.stage_layers(model)
+    return layers * (experts // layout.ep)
+
+
+def state_params_per_gpu(model: ModelSpec, layout: Layout, stage: int | None = None) -> float:
+    """Parameters a GPU keeps the optimizer state of: FSDP's shard of the dense ones over
+    :attr:`Layout.shard_ranks` and of its experts over :attr:`Layout.expert_shard_ranks`; ZeRO's
+    over the gradient ranks and the expert data-parallel ones; all of them otherwise."""
+    n, experts = params_per_gpu(model, layout, stage), expert_params_per_gpu(model, layout, stage)
+    if layout.shard_ranks > 1:
+        return (n - experts) / layout.shard_ranks + experts / layout.expert_shard_ranks
+    if layout.zero >= 1:
+        return (n - experts) / layout.grad_ranks + experts / layout.expert_grad_ranks
+    return float(n)
+
+
 def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, flash_attention: bool = True,
                                element_bytes: int = 2, compiled: bool = False,
                                residual_bytes: int | None = None) -> float:
@@ -232,18 +253,18 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
     if layout.shard_ranks > 1:
         # FSDP: the sharded fp32 weight is the master, with its fp32 gradient and the optimizer's
         # states; compute uses 16-bit copies of the layers it gathers.
-        shard = layout.shard_ranks
-        weights, grads = 4 * n / shard, 4 * n / shard
-        optimizer = 4 * optimizer_states * n / shard
+        own = state_params_per_gpu(model, layout, stage)
+        weights, grads = 4 * own, 4 * own
+        optimizer = 4 * optimizer_states * own
         keep_all = (layout.pp > 1) if reshard_after_forward is None else not reshard_after_forward
         gathered = (2 if mixed else 4) * n / max(layers, 1) * (layers if keep_all else min(2, layers))
         assumptions.append("FSDP keeps " + ("every layer of the stage gathered (no resharding after forward)"
                                             if keep_all else "two layers gathered (one computing, one prefetched)"))
     else:
-        dp = layout.grad_ranks
+        own = state_params_per_gpu(model, layout, stage)
         weights = weight_b * n
-        grads = grad_b * n / (dp if layout.zero >= 2 else 1)
-        optimizer = opt_b * n / (dp if layout.zero >= 1 else 1)
+        grads = grad_b * (own if layout.zero >= 2 else n)
+        optimizer = opt_b * own
     # Under autocast the weights stay fp32 unless FSDP casts them, and so does the residual stream.
     residual = 4 if mixed and layout.shard_ranks == 1 else e
     per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e, compiled, residual)
