@@ -133,10 +133,11 @@ def train_all(root: Path, names=None, say=print) -> dict[str, Path]:
 
 #: How far a predicted step may fall from the median measured one.  The issue's target is 20%; the
 #: quiet-machine sets of 2026-12-04/05 meet it on every layout (docs/cost_model.md, "Proof on real
-#: compute"; the largest errors cp=2 -12% to -16%, ddp=2 up to +11%, pp=2 up to +10%), one set of
-#: a host 1.5x slower did not (cp=2 -24%).  The test adds what a core kept busy beside it moves the
-#: errors by -- measured with ``python -c "while True: pass"`` running: ddp=2 0% -> +22%, pp=2 -1%
-#: -> +17%, the others less -- so 30%, and 40% for cp=2, whose systematic miss is the largest
-#: (FSDP2's copies, DTensor dispatch and hooks' host time, which no calibration run carries, and
-#: a K/V exchange slower than the links' fit).
-TARGET: dict[str, float] = {name: 0.40 if name == "cp=2" else 0.30 for name in LAYOUTS}
+#: compute"; the largest errors cp=2 -12% to -16%, ddp=2 up to +13%, pp=2 up to +10%, ep=2 -3% to
+#: -12%), sets of a host 1.5x slower did not (cp=2 -24%, ep=2 -23%).  The test adds what a core
+#: kept busy beside it moves the errors by -- measured with ``python -c "while True: pass"``
+#: running: ddp=2 0% -> +22%, pp=2 -1% -> +17%, the others less -- so 30%, and 40% for the two
+#: whose systematic misses are the largest and one-sided: cp=2 (FSDP2's copies, DTensor dispatch
+#: and hooks' host time, which no calibration run carries, and a K/V exchange slower than the
+#: links' fit) and ep=2 (its all-to-alls' waiting and MoE's routing work: -11% on average).
+TARGET: dict[str, float] = {name: 0.40 if name in ("cp=2", "ep=2 (moe)") else 0.30 for name in LAYOUTS}
