@@ -8,6 +8,8 @@ see ``mfuscope/flops.py``), so a measured run can be predicted as it was run.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -140,23 +142,29 @@ class Layout:
 
     @property
     def expert_grad_ranks(self) -> int:
-        """Ranks that hold the same routed experts and reduce their gradients together: the
-        expert data-parallel group, ``grad_ranks / ep`` (the expert-parallel ranks are cut from
-        the data and context ranks), or with expert folding ``tp x grad_ranks / ep`` (cut from
-        tp x cp x data, each expert whole on a rank: Megatron-Core's EDP with expert tensor
-        parallelism 1).  Equal to ``grad_ranks`` without expert parallelism."""
-        ranks = (self.tp if self.expert_folding else 1) * self.grad_ranks
-        return max(1, ranks // self.ep) if ranks % self.ep == 0 else 1
+        """Ranks that hold the same routed experts and reduce their gradients together: the expert
+        data-parallel group, ``tp x grad_ranks / ep``.  Each expert is whole on a rank (expert
+        tensor parallelism 1, as :func:`cost.compute.layer_gemms` computes them), so the tp ranks
+        beside it hold the same ones: Megatron-Core's EDP, tp x cp x dp / (etp x ep); the reference
+        trainer reduces them over tp, then over its ``ep_dp`` mesh.  ``grad_ranks`` without expert
+        parallelism."""
+        if self.ep == 1:
+            return self.grad_ranks
+        ranks = self.tp * self.grad_ranks
+        return ranks // self.ep if ranks % self.ep == 0 else 1
 
     @property
     def expert_shard_ranks(self) -> int:
-        """Ranks FSDP shards a rank's routed experts over, 1 where nothing shards them: the ranks
-        of the shard group that hold the same experts, ``shard_ranks / ep`` (torchtitan's
-        ``dp_shard_mod_ep``, the reference trainer's expert data-parallel mesh).  Where ``ep``
-        spans the whole shard group every rank's experts are its own, and FSDP moves none."""
-        if self.shard_ranks == 1 or self.shard_ranks % self.ep:
-            return 1
-        return self.shard_ranks // self.ep
+        """Ranks of FSDP's shard group (:attr:`shard_ranks`, one tp coordinate) that hold the same
+        routed experts, over which FSDP shards them: ``shard_ranks / ep`` where the expert groups
+        are cut from the data ranks (torchtitan's ``dp_shard_mod_ep``, the reference trainer's
+        ``ep_dp`` mesh); folded, where an expert group spans tp ranks too, ``shard_ranks`` over the
+        ``ep / gcd(tp, ep)`` experts' slots the group's members take.  1 where every member's
+        experts are its own (FSDP moves none of them)."""
+        if self.shard_ranks == 1 or self.ep == 1:
+            return self.shard_ranks
+        slots = self.ep // math.gcd(self.tp, self.ep) if self.expert_folding else self.ep
+        return self.shard_ranks // slots if self.shard_ranks % slots == 0 else 1
 
     def stage_layers(self, model: ModelSpec) -> int:
         """Layers on the busiest pipeline rank: with an explicit ``split`` the most any rank holds;

@@ -432,13 +432,19 @@ def test_experts_are_sharded_and_reduced_only_over_the_ranks_that_hold_them():
     assert memory.state_params_per_gpu(MIXTRAL, spans) == pytest.approx(dense_total / 8 + experts_total / 8)
     est = memory.estimate(MIXTRAL, spans, 4096)
     assert est.optimizer_bytes == pytest.approx(8 * (dense_total / 8 + experts_total / 8))  # Adam, fp32 moments
-    # Megatron-Core's distributed optimizer (ZeRO-1) over dp=8 with ep=4 cut from it: experts over 2.
+    # Megatron-Core's distributed optimizer (ZeRO-1), tp=2 x dp=8 with ep=4 cut from the data ranks:
+    # each expert whole on a rank, so the tp pair holds the same ones, in each of two ep groups: 4.
     zero = Layout(tp=2, dp_replicate=8, ep=4, zero=1)
-    assert zero.expert_grad_ranks == 2
+    assert zero.expert_grad_ranks == 4
     dense_gpu = 56 * ((dense_layer - 2 * 6144 - 8 * 6144) / 2 + 2 * 6144 + 8 * 6144) + (2 * 32000 * 6144) / 2 + 6144
-    assert memory.state_params_per_gpu(MIXTRAL, zero) == pytest.approx(dense_gpu / 8 + experts_total / 4 / 2)
-    # Folded (Liu et al. 2025): the expert groups cut from tp x data, so the 16 ranks' experts over 16 / 8.
+    assert memory.state_params_per_gpu(MIXTRAL, zero) == pytest.approx(dense_gpu / 8 + experts_total / 4 / 4)
+    # Folded (Liu et al. 2025): the ep group of 8 takes 2 tp ranks x 4 data ranks, so of the 16
+    # ranks 2 hold each expert.  With tp=4 and FSDP over 8 data ranks, an ep group of 8 spans 4 tp
+    # ranks x 2 data ranks: a tp coordinate's 8 FSDP ranks take 2 expert slots, 4 ranks each.
     assert Layout(tp=2, dp_replicate=8, ep=8, zero=1, expert_folding=True).expert_grad_ranks == 2
+    folded = Layout(tp=4, dp_shard=8, ep=8, expert_folding=True)
+    assert (folded.expert_shard_ranks, folded.expert_grad_ranks) == (4, 4)
+    assert comm.placements(folded, 8)["dp_expert_shard"] == comm.Placement("scale_out", 1)  # ranks 0, 8, 16, 24
 
 
 def test_fsdp_moves_only_the_dense_parameters_where_each_rank_holds_its_own_experts():

@@ -149,11 +149,24 @@ def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
     if layout.shard_ranks > 1:
         out["dp_shard"] = place(layout.tp, layout.shard_ranks)
     if layout.ep > 1:
-        # The ranks that hold the same experts lie one expert-parallel group apart.
-        stride = layout.ep if layout.expert_folding else layout.tp * layout.ep
-        out["dp_expert"] = place(stride, layout.expert_grad_ranks)
-        out["dp_expert_shard"] = place(stride, layout.expert_shard_ranks)
+        # The ranks that hold the same experts lie one expert-parallel group apart: folded, every
+        # ep-th rank; cut from the data ranks, a tp group every tp x ep ranks.
+        if layout.expert_folding:
+            out["dp_expert"] = place(layout.ep, layout.expert_grad_ranks)
+        else:
+            out["dp_expert"] = _place_blocks(layout.tp, layout.tp * layout.ep, layout.expert_grad_ranks,
+                                             gpus_per_node)
+        out["dp_expert_shard"] = place(layout.tp * layout.ep // math.gcd(layout.tp, layout.ep)
+                                       if layout.expert_folding else layout.tp * layout.ep,
+                                       layout.expert_shard_ranks)
     return out
+
+
+def _place_blocks(block: int, stride: int, size: int, gpus_per_node: int) -> Placement:
+    """A group of ``size`` ranks in contiguous blocks of ``block``, the blocks ``stride`` apart."""
+    if stride * (size // block) <= gpus_per_node:
+        return Placement("scale_up", size)
+    return Placement("scale_out", max(1, min(size, block * max(1, gpus_per_node // stride), gpus_per_node)))
 
 
 def tiers(layout: Layout, gpus_per_node: int) -> dict[str, str]:
