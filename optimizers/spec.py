@@ -9,7 +9,6 @@ see ``mfuscope/flops.py``), so a measured run can be predicted as it was run.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, fields
 from typing import Any
 
