@@ -51,6 +51,33 @@ def memory_runs(tmp_path_factory):
     return runs
 
 
+def test_expert_parallel_ranks_keep_their_own_experts_whole_and_the_model_counts_them(tmp_path):
+    """tiny_moe on dp_shard=2 with ep=2: each rank holds 2 of the 4 experts, which the other does
+    not, so FSDP shards the rest in halves and leaves the experts whole (expert data parallelism,
+    reference_trainer/expert_parallel.py).  Hand count from tiny_moe.toml (dim 64, 4 layers, 4
+    heads of 16, 2 KV heads, 4 experts of SwiGLU 64, vocabulary 256): a layer's wq, wo 64x64, wk,
+    wv 64x32, router 64x4 and two norms; each expert's w1, w3, w2 64x64; the embedding, head and
+    final norm.  The model's states beside them are the same count: before it knew the expert
+    data-parallel group it halved the experts again (363,648 bytes of parameters, not 560,256)."""
+    pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
+    from mfuscope.optimizers.predicted_memory import analyze
+    from mfuscope.tests.shared_runs import train_forked
+
+    dense = 4 * (2 * 64 * 64 + 2 * 64 * 32 + 64 * 4 + 2 * 64) + 2 * 256 * 64 + 64
+    own_experts = 4 * 2 * 3 * 64 * 64
+    params = dense / 2 + own_experts
+    hand = {"parameter": 4 * params, "gradient": 4 * params, "optimizer_state": 2 * 4 * params}
+    out = train_forked(tmp_path / "ep", 2, config="tiny_moe", layout="dp_shard=2,ep=2", steps=3, window="1:1",
+                       profile_memory=True)
+    report, _ = analyze(out, out / "report.json", out / "views")
+    for rank in (0, 1):
+        e = _rank(report, rank)
+        for c, expected in hand.items():
+            # optimizer state: AdamW's step counters (one 4-byte scalar a parameter tensor) on top
+            assert e["states"][c] == pytest.approx(expected, rel=0.01), (rank, c)
+            assert e["predicted"][c] == pytest.approx(expected, rel=0.01), (rank, c)
+
+
 def _rank(report: dict, rank: int) -> dict:
     return next(e for e in report["memory"]["per_rank"] if e["rank"] == rank)
 
