@@ -192,7 +192,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     peak = system.accelerator.peak_flops("bf16")
     mem = memory or memory_model.estimate(model, layout, training.seq_len, dtype=training.dtype,
                                           device_bytes=system.device_bytes, flash_attention=training.flash_attention,
-                                          compiled=training.compiled)
+                                          compiled=training.compiled, expert_load=training.expert_load)
     assumptions += list(mem.assumptions)
     return Prediction(step_s=step, tokens_per_s_per_gpu=tps, mfu=model_flops * tps / peak if peak else None,
                       memory=mem, leaves=ledger.leaves, assumptions=assumptions,

@@ -149,7 +149,7 @@ def _search(model: ModelSpec, gpus: int, system: System, global_batch: int, trai
             continue
         mem = memory_model.estimate(model, layout, training.seq_len, dtype=training.dtype,
                                     device_bytes=system.device_bytes, flash_attention=training.flash_attention,
-                                    compiled=training.compiled)
+                                    compiled=training.compiled, expert_load=training.expert_load)
         if mem.fits is False:
             _reject(out, "does not fit in memory", layout,
                     f"{mem.total_bytes / memory_model.GiB:.0f} GiB > {system.device_bytes / memory_model.GiB:.0f} GiB")

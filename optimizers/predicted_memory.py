@@ -36,14 +36,15 @@ def add(report: dict[str, Any], path: str | Path) -> None:
     section = report.get("memory")
     if not section:
         return
-    predicted, note = per_rank(path)
+    predicted, note = per_rank(path, float((report.get("moe") or {}).get("expert_load") or 1.0))
     section["predicted_note"] = note
     for entry in section["per_rank"]:
         entry["predicted"] = predicted.get(entry["rank"]) if predicted else None
 
 
-def per_rank(path: str | Path) -> tuple[dict[int, dict[str, int]] | None, str]:
-    """(rank -> predicted bytes per category, how they were predicted) for a run directory."""
+def per_rank(path: str | Path, expert_load: float = 1.0) -> tuple[dict[int, dict[str, int]] | None, str]:
+    """(rank -> predicted bytes per category, how they were predicted) for a run directory;
+    ``expert_load``: the routing's imbalance the run's exchanges measured (report.json's ``moe``)."""
     if not run_dir.is_run_dir(path):
         return None, "no prediction: a trace set has no model spec or layout"
     m = Manifest.of(run_dir.read_manifest(path))
@@ -67,7 +68,7 @@ def per_rank(path: str | Path) -> tuple[dict[int, dict[str, int]] | None, str]:
                 stages[stage] = memory_model.estimate(
                     model, layout, int(train["seq_len"]), dtype=train.get("dtype", "bf16"), stage=stage,
                     reshard_after_forward=opts.reshard_after_forward, optimizer_states=states,
-                    compiled=bool(train.get("compile")))
+                    compiled=bool(train.get("compile")), expert_load=expert_load)
             except ValueError as e:
                 return None, f"no prediction: {e}"
         out[rank] = {k: int(round(v)) for k, v in stages[stage].categories().items()}

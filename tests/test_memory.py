@@ -58,7 +58,11 @@ def test_expert_parallel_ranks_keep_their_own_experts_whole_and_the_model_counts
     heads of 16, 2 KV heads, 4 experts of SwiGLU 64, vocabulary 256): a layer's wq, wo 64x64, wk,
     wv 64x32, router 64x4 and two norms; each expert's w1, w3, w2 64x64; the embedding, head and
     final norm.  The model's states beside them are the same count: before it knew the expert
-    data-parallel group it halved the experts again (363,648 bytes of parameters, not 560,256)."""
+    data-parallel group it halved the experts again (363,648 bytes of parameters, not 560,256).
+    And the whole peak, which PyTorch's categories do not split reliably on this run (its memory
+    timeline files the experts' saved rows as "other", when it does not fail): the model's count,
+    with the routed rows the busiest rank keeps at the measured load, less the gradients (this
+    trainer frees them before its forward, docs/memory.md), within the 15% of the tests above."""
     pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
     from mfuscope.optimizers.predicted_memory import analyze
     from mfuscope.tests.shared_runs import train_forked
@@ -76,6 +80,8 @@ def test_expert_parallel_ranks_keep_their_own_experts_whole_and_the_model_counts
             # optimizer state: AdamW's step counters (one 4-byte scalar a parameter tensor) on top
             assert e["states"][c] == pytest.approx(expected, rel=0.01), (rank, c)
             assert e["predicted"][c] == pytest.approx(expected, rel=0.01), (rank, c)
+        peak = sum(e["predicted"].values()) - e["predicted"]["gradient"]
+        assert e["peak_allocated_bytes"] == pytest.approx(peak, rel=0.15), (rank, e["predicted"])
 
 
 def _rank(report: dict, rank: int) -> dict:

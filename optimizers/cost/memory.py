@@ -170,12 +170,13 @@ def state_params_per_gpu(model: ModelSpec, layout: Layout, stage: int | None = N
 
 def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, flash_attention: bool = True,
                                element_bytes: int = 2, compiled: bool = False,
-                               residual_bytes: int | None = None) -> float:
+                               residual_bytes: int | None = None, expert_load: float = 1.0) -> float:
     """One layer, one microbatch (module docstring: Korthikanti et al.'s GPT block, or the Llama
     block counted tensor by tensor, eager or compiled).  Flash attention stores no s x s scores (it
     recomputes them in backward), which drops the 5 a s / h term exactly as selective
     recomputation does.  ``residual_bytes``: the residual stream's element size (the compiled
-    count keeps it; default ``element_bytes``)."""
+    count keeps it; default ``element_bytes``).  ``expert_load``: the busiest expert-parallel
+    rank's routed rows over the mean (:func:`_moe_bytes_per_token`)."""
     s, b, h, a, t = seq_len / layout.cp, layout.micro_batch, model.dim, model.n_heads, layout.tp
     sp = layout.sequence_parallel and t > 1
     e = element_bytes
@@ -196,10 +197,27 @@ def activation_bytes_per_layer(model: ModelSpec, layout: Layout, seq_len: int, f
         return scale * s * b * h * (10 + 24 / t + attention / t)
     k, f = model.kv_heads * model.head_dim, model.ffn_dim
     replicated = e * 6 * h + 4 * 2
-    split = e * (2 * h + 2 * k + 4 * f) + 4 * a
+    mlp = _moe_bytes_per_token(model, e, expert_load) if model.n_experts else e * 4 * f
+    split = e * (2 * h + 2 * k) + mlp + 4 * a
     if layout.recompute == "selective":  # attention's output and log-sum-exp are not kept
         split -= e * h + 4 * a
     return s * b * (replicated / (t if sp else 1) + split / t)
+
+
+def _moe_bytes_per_token(model: ModelSpec, e: int, expert_load: float) -> float:
+    """What a MoE layer's backward keeps per token (a tp rank routes its 1/tp of them): the shared
+    expert's four f-wide tensors; per routed copy (k a token; ``expert_load`` times the mean
+    on the busiest expert-parallel rank, where they are computed) the expert's input row, SwiGLU's
+    four f-wide tensors and the int64 index that sorted the rows by expert; per copy back home the
+    gathered output row the router weight multiplies, its int64 position and top-k index and the
+    fp32 weight; the router's fp32 probabilities.  Counted on the reference trainer's MoE
+    (reference_trainer/model.py); Megatron-Core and torchtitan keep the same rows (the permuted
+    input, the experts' activations, the unpermuted output) and the router's probabilities."""
+    h, f, k = model.dim, model.ffn_dim, model.top_k
+    shared = e * 4 * model.shared_ffn_dim
+    routed = k * expert_load * (e * (h + 4 * f) + 8)
+    home = k * (e * h + 8 + 8 + 4) + 4
+    return shared + routed + home + 4 * model.n_experts
 
 
 def microbatches_in_flight(layout: Layout, stage: int | None = None) -> float:
@@ -229,11 +247,12 @@ def deferred_weight_grads(layout: Layout) -> float:
 def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf16",
              device_bytes: float | None = None, reshard_after_forward: bool | None = None,
              flash_attention: bool = True, stage: int | None = None, optimizer_states: int = 2,
-             compiled: bool = False) -> Memory:
+             compiled: bool = False, expert_load: float = 1.0) -> Memory:
     """Memory on the busiest GPU, or on a GPU of pipeline rank ``stage``.  ``device_bytes``: the
     device's memory, for the ``fits`` verdict; ``optimizer_states``: fp32 tensors the optimizer
     keeps per parameter (Adam 2, SGD without momentum 0); ``compiled``: torch.compile's blocks
-    (the activations their graphs keep)."""
+    (the activations their graphs keep); ``expert_load``: the busiest expert-parallel rank's
+    routed rows over the mean (``Training.expert_load``)."""
     problems = layout.problems(model, seq_len)
     if problems:
         raise ValueError("; ".join(problems))
@@ -267,7 +286,8 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
         optimizer = opt_b * own
     # Under autocast the weights stay fp32 unless FSDP casts them, and so does the residual stream.
     residual = 4 if mixed and layout.shard_ranks == 1 else e
-    per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e, compiled, residual)
+    per_layer = activation_bytes_per_layer(model, layout, seq_len, flash_attention, e, compiled, residual,
+                                           expert_load if layout.ep > 1 else 1.0)
     if compiled and model.mlp != "gelu" and not model.n_experts and layout.recompute == "none":
         assumptions[1] = "activations: what torch.compile's Llama block keeps (benchmarks/saved_activations.py)"
     tokens = seq_len / layout.cp * layout.micro_batch
