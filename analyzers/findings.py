@@ -144,13 +144,16 @@ def inconclusive(leaves: Mapping[str, float], step_s: float, evidence: Evidence 
 
 def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: float | None,
            launch: list[dict] | None = None, graphs: dict | None = None,
-           evidence: Evidence | None = None, late: LateArrivals | None = None) -> list[dict[str, Any]]:
+           evidence: Evidence | None = None, late: LateArrivals | None = None,
+           moe: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """The findings of one report, largest gain first; per-step gains before one-time costs.
 
     ``tree``: the breakdown of the steady steps (mean seconds a rank-step); ``step_s``: their
     mean; ``launch``: :func:`.kernel_time.launch_stats` rows; ``graphs``: CUDA-graph activity;
     ``late``: who the others waited for at collectives (waiting for a late peer is no bandwidth
-    or overlap problem: it becomes a late-rank finding and leaves the communication's)."""
+    or overlap problem: it becomes a late-rank finding and leaves the communication's); ``moe``:
+    the report's ``moe`` section (the routing's imbalance, :func:`.collective_match.expert_load`),
+    whose share of the expert exchanges is no overlap problem either."""
     if not step_s:
         return []
     ev = evidence or Evidence()
@@ -173,11 +176,11 @@ def derive(tree: dict, bubbles: dict | None, stragglers: list[dict], step_s: flo
     reason = inconclusive(leaves, step_s, evidence)
     if reason is None:
         late = late or LateArrivals()
-        _communication(leaves, step_s, add, late.waited)
+        routing = _communication(leaves, step_s, add, late.waited, moe)
         straggling = {s["rank"] for s in stragglers}
         for r in late.culprits(step_s):
-            if r["rank"] in straggling:
-                continue
+            if r["rank"] in straggling or {f"comm/{c}" for c in r["collectives"]} <= routing:
+                continue  # late only at expert exchanges that wait for the routing: balance_experts' time
             doing = _in_words(max(r["doing"], key=r["doing"].get)) if r["doing"] else None
             add("straggler_rank", f"late rank {r['rank']}: the others wait {r['waited_s'] * 1e3:.1f} ms a step for it "
                 f"in {', '.join(r['collectives'])}" + (f" (meanwhile it was in {doing})" if doing else ""),
@@ -216,13 +219,31 @@ def _in_words(leaf: str) -> str:
     return words.get(leaf, leaf)
 
 
-def _communication(leaves: dict[str, float], step_s: float, add, waited: dict[str, float]) -> None:
+def _communication(leaves: dict[str, float], step_s: float, add, waited: dict[str, float],
+                   moe: Mapping[str, Any] | None = None) -> set[str]:
+    """The communication findings; returns the expert-exchange leaves given to the routing's
+    imbalance (``balance_experts``)."""
     compute = sum(v for k, v in leaves.items() if k.startswith("compute/"))
+    load = float((moe or {}).get("expert_load") or 1.0)
+    balance, routing = FIXES["balance_experts"], set()
     for leaf, exposed in leaves.items():
         if not leaf.startswith("comm/"):
             continue
         seconds = max(exposed - waited.get(leaf, 0.0), 0.0)  # the wait for a late peer is the late rank's
         dim, op = (leaf.split("/") + [""])[1:3]
+        if "ep" in dim.split("_") and balance.applies(load - 1):
+            # The exchanges end with the busiest rank's experts: the others' wait for it there, and
+            # its own rows beyond the mean, are the routing's, which no overlap hides.
+            skew = min(exposed - seconds + seconds * (1 - 1 / load), exposed)
+            add(balance.id, f"the expert exchanges ({op}) wait for the busiest expert-parallel rank: it gets "
+                f"{load - 1:.0%} more routed rows than the mean", skew,
+                {"leaf": leaf, "expert_load": load, "exchanges": (moe or {}).get("exchanges"),
+                 "exposed_s": exposed, "waiting_for_the_busiest_s": exposed - seconds,
+                 "seconds_per_step": skew, "share_of_step": skew / step_s},
+                "the exchanges' wait for the busiest rank and its rows beyond the mean (what-if: balanced routing)",
+                leaf)
+            routing.add(leaf)
+            seconds = exposed - skew
         if dim.startswith("dp") or dim in _DP_DIMS:
             fix, where = FIXES["overlap_dp_grads"], f"{dim} dimension"
         elif set(dim.split("_")) & {"tp", "cp", "ep", "etp"}:  # tp, cp, ep and groups that join them (tp_cp)
@@ -237,6 +258,7 @@ def _communication(leaves: dict[str, float], step_s: float, add, waited: dict[st
                                         "exposed_s": exposed, "waiting_for_late_peers_s": exposed - seconds,
                                         "compute_to_hide_behind_s": compute},
                 "the exposed time, at most the step's compute to hide it behind", leaf)
+    return routing
 
 
 def _pipeline(bubbles: dict | None, add) -> None:

@@ -153,7 +153,7 @@ def reduce(summaries: list[rank_summary.RankSummary], manifest: dict | None, *, 
     kernels = kernel_time.top_kernels(kernel_stats, n=20)
     launch = rank_summary.stacked([s.launch for s in summaries], kernel_time.LAUNCH_COLUMNS)
     found, summary["findings_note"] = _findings(steady, steady_tree, summaries, metas, bub, strag,
-                                                launch.to_dict("records"), graphs, matched.late, plan_of)
+                                                launch.to_dict("records"), graphs, matched.late, plan_of, matched.moe)
     overlap = rank_summary.stacked([s.overlap for s in summaries], comm_stats.OVERLAP_COLUMNS)
     comm = comm_stats.summarize([s.comm_parts for s in summaries], comm_stats.Links.of(device, world, recorded.raw))
     if nccl_tests:
@@ -197,7 +197,8 @@ def concat_frames(frames: list[pd.DataFrame], columns: list[str] | None = None) 
 
 def _findings(leaves: pd.DataFrame, tree: dict[str, Any] | None, summaries: list[rank_summary.RankSummary],
               metas: dict[int, dict], bub: dict | None, strag: list[dict], launch: list[dict], graphs: dict,
-              late_keys: pd.DataFrame, plan_of: Callable[[int], Any]) -> tuple[list[dict[str, Any]], str | None]:
+              late_keys: pd.DataFrame, plan_of: Callable[[int], Any],
+              moe: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], str | None]:
     """The findings on the steady steps (``leaves``: a rank's first left out when it has three or
     more; ``tree``: their breakdown), and why they cannot be judged, if they cannot."""
     if leaves.empty or tree is None:
@@ -206,7 +207,7 @@ def _findings(leaves: pd.DataFrame, tree: dict[str, Any] | None, summaries: list
     pairs = leaves[["rank", "step"]].drop_duplicates()
     evidence = findings.merge_evidence([s.evidence for s in summaries], metas)
     late = findings.late_ranks(late_keys, plan_of, pairs, step_s)
-    return (findings.derive(tree, bub, strag, step_s, launch, graphs, evidence, late),
+    return (findings.derive(tree, bub, strag, step_s, launch, graphs, evidence, late, moe),
             findings.inconclusive(findings.leaf_seconds(tree), step_s, evidence))
 
 

@@ -167,6 +167,18 @@ _FIXES = (
          "megatron": "--profile-step-start past the warm-up",
          "pytorch": "torch.profiler.schedule(wait=1, warmup=2, active=3): trace steady steps only; "
                     "CUDA_MODULE_LOADING=EAGER moves lazy loads to start-up"}),
+    Fix("balance_experts", "the expert-parallel routing's imbalance: report.json's moe.expert_load, the busiest "
+        "rank's routed rows over the mean, less 1 (not a share of the step)", 0.10,
+        "the exposed expert-parallel communication times (1 - 1 / load): what the exchanges wait for the busiest "
+        "rank's experts beyond the mean", None,
+        "(not in the reference trainer: its router's balance loss, moe_aux, is what it has; a capacity factor "
+        "would drop tokens)",
+        {"torchtitan": "the MoE args' load_balance_coeff (DeepSeek-V3's auxiliary-loss-free expert bias, updated "
+                       "from the tokens each expert got)",
+         "megatron": "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3, or --moe-aux-loss-coeff; "
+                     "--moe-expert-capacity-factor 1.0 --moe-token-drop-policy probs caps the busiest expert",
+         "pytorch": "a balance loss on the router's probabilities (Switch Transformer's), or a per-expert bias "
+                    "on its scores that falls for the experts that got more tokens"}),
     Fix("better_layout", "the planner finds a faster layout that fits (model spec, GPUs, global batch)", None,
         "the cost model's", None, "--layout, --schedule, --microbatches",
         {"torchtitan": "the --parallelism.* degrees of the layout",

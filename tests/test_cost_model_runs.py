@@ -238,8 +238,11 @@ def test_unpaced_cpu_runs_are_predicted_from_two_of_them(real_runs, tmp_path):
     and +1% at worst on quiet runs (docs/cost_model.md)."""
     # The MoE run's routing, as its exchanges measured it: a randomly initialised router does not
     # balance, and over two ranks the busiest holds at most all of the rows: twice the mean.
-    moe = json.loads((real_runs["ep=2 (moe)"] / "report.json").read_text())["moe"]
+    report = json.loads((real_runs["ep=2 (moe)"] / "report.json").read_text())
+    moe = report["moe"]
     assert 1 < moe["expert_load"] <= 2 and moe["uneven"] <= moe["exchanges"], moe
+    if moe["expert_load"] >= 1.1:  # the record's threshold; this seed's router measures about 1.16
+        assert "balance_experts" in {f["fix"] for f in report["findings"]}, report["findings"]
     first = _prediction_errors(real_runs, tmp_path / "first")
     misses = _misses(first)
     if misses:

@@ -242,6 +242,33 @@ def test_a_late_rank_is_named_not_its_peers_communication(tmp_path):
     assert all(f["evidence"]["waiting_for_late_peers_s"] > 0 and f["gain_s"] < first["gain_s"] for f in comm)
 
 
+def test_the_routings_imbalance_is_named_not_the_expert_exchanges_overlap():
+    """A step of 100 ms whose expert all-to-alls are exposed 20 ms, 8 of them waiting at the
+    exchanges for the last rank to arrive, and whose exchanges measured the busiest expert-parallel
+    rank's routed rows at 1.25 times the mean.  By hand: the routing's time is the wait, 8 ms, and
+    the busiest rank's rows beyond the mean in the 12 ms left, 12 x (1 - 1 / 1.25) = 2.4 ms: 10.4
+    ms; the overlap finding keeps the 9.6 ms that are the exchange itself.  The late rank at those
+    exchanges is the busiest one of the moment, named by the routing, not as a straggler.  At a
+    load of 1.09 (under the record's 10%) there is no routing finding and the overlap one keeps
+    the 12 ms a late peer's wait leaves it."""
+    from mfuscope.analyzers import findings
+
+    tree = {"name": "step", "seconds": 0.1, "children": [
+        {"name": "comm/ep/all_to_all", "seconds": 0.02, "children": []},
+        {"name": "compute/gemm", "seconds": 0.08, "children": []}]}
+    late = findings.LateArrivals([{"rank": 1, "gain_s": 0.008, "waited_s": 0.008, "collectives": ["ep/all_to_all"],
+                                   "instances_per_step": 8, "doing": {}}], {"comm/ep/all_to_all": 0.008}, 1)
+    moe = {"expert_load": 1.25, "exchanges": 96, "uneven": 48}
+    found = {f["fix"]: f for f in findings.derive(tree, None, [], 0.1, late=late, moe=moe)}
+    assert set(found) == {"balance_experts", "overlap_tp_comm"}, found
+    assert found["balance_experts"]["gain_s"] == pytest.approx(0.0104)
+    assert found["overlap_tp_comm"]["gain_s"] == pytest.approx(0.0096)
+    assert "25% more routed rows" in found["balance_experts"]["title"]
+    even = {f["fix"]: f for f in findings.derive(tree, None, [], 0.1, late=late, moe={**moe, "expert_load": 1.09})}
+    assert "balance_experts" not in even and even["overlap_tp_comm"]["gain_s"] == pytest.approx(0.012)
+    assert even["straggler_rank"]["gain_s"] == pytest.approx(0.008)
+
+
 @pytest.mark.parametrize("long_every, expected", [(0, "cuda_graphs"), (3, "reduce_host_overhead")],
                          ids=["short-kernels-only", "short-kernels-1pct-of-time"])
 def test_launch_bound_is_read_from_the_time_in_short_kernels_not_the_median(tmp_path, long_every, expected):

@@ -166,7 +166,8 @@ def test_every_fix_id_has_one_record_with_three_frameworks_flags():
     ids = set(fixes.CATALOGUE)
     # findings with nothing the reference trainer can run, only advice and the frameworks' switches
     ids |= {"straggler_rank", "reduce_host_overhead", "wait_on_dependency", "faster_data_loading", "fewer_copies",
-            "caching_allocator", "overlap_comm", "fused_optimizer", "one_time_init", "mixed_precision"}
+            "caching_allocator", "overlap_comm", "fused_optimizer", "one_time_init", "mixed_precision",
+            "balance_experts"}
     assert ids == set(FIXES)
     for fix in FIXES.values():
         assert set(fix.flags) == {"torchtitan", "megatron", "pytorch"} and all(fix.flags.values()), fix.id
