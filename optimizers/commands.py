@@ -171,7 +171,8 @@ def _run_json(c: run_prediction.Comparison) -> dict[str, Any]:
     return {"run": str(c.run.path), "layout": planner.describe(c.run.layout), "measured_step_s": c.run.typical_step_s,
             "predicted_step_s": c.prediction.step_s,
             "leaves": {k: {"measured_s": leaves.get(k), "predicted_s": c.prediction.leaves.get(k) or None}
-                       for k in names}}
+                       for k in names},
+            "assumptions": c.prediction.assumptions}
 
 
 def _calibrate_published(paths: list[Path]) -> dict[str, Any]:

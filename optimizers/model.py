@@ -125,6 +125,9 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
                    or "single GPU: no communication"]
     p, v, m = layout.pp, layout.vpp, layout.microbatches
     layers, rank_work = layout.stage_layers(model), None
+    if layout.ep > 1:
+        assumptions.append(f"expert load: the busiest expert-parallel rank gets {training.expert_load:.3g} x the mean "
+                           "routed rows" + (" (balanced)" if training.expert_load == 1 else ""))
     if known_phases:
         f, b, w = known_phases
         stage = StageCompute(fwd={"other": f}, bwd={"other": b + w}, w=w)
