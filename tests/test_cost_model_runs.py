@@ -209,7 +209,7 @@ def _prediction_errors(runs: dict[str, Path], out: Path) -> dict[str, float]:
     errors = {}
     for name, path in runs.items():
         row = rows[path]
-        assert set(row) == {"run", "layout", "measured_step_s", "predicted_step_s", "leaves"}
+        assert set(row) == {"run", "layout", "measured_step_s", "predicted_step_s", "leaves", "assumptions"}
         errors[name] = row["predicted_step_s"] / row["measured_step_s"] - 1
         print(f"{name:<12} measured {row['measured_step_s'] * 1e3:6.1f} ms, predicted "
               f"{row['predicted_step_s'] * 1e3:6.1f} ms ({errors[name]:+.0%})")
