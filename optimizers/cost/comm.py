@@ -156,9 +156,8 @@ def placements(layout: Layout, gpus_per_node: int) -> dict[str, Placement]:
         else:
             out["dp_expert"] = _place_blocks(layout.tp, layout.tp * layout.ep, layout.expert_grad_ranks,
                                              gpus_per_node)
-        out["dp_expert_shard"] = place(layout.tp * layout.ep // math.gcd(layout.tp, layout.ep)
-                                       if layout.expert_folding else layout.tp * layout.ep,
-                                       layout.expert_shard_ranks)
+        stride = math.lcm(layout.tp, layout.ep) if layout.expert_folding else layout.tp * layout.ep
+        out["dp_expert_shard"] = place(stride, layout.expert_shard_ranks)
     return out
 
 
