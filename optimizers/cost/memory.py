@@ -269,10 +269,10 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
                    "and NCCL buffers"]
     gathered = 0.0
     layers = layout.rank_layers(model)[stage] if stage is not None and layout.pp > 1 else layout.stage_layers(model)
+    own = state_params_per_gpu(model, layout, stage)
     if layout.shard_ranks > 1:
         # FSDP: the sharded fp32 weight is the master, with its fp32 gradient and the optimizer's
         # states; compute uses 16-bit copies of the layers it gathers.
-        own = state_params_per_gpu(model, layout, stage)
         weights, grads = 4 * own, 4 * own
         optimizer = 4 * optimizer_states * own
         keep_all = (layout.pp > 1) if reshard_after_forward is None else not reshard_after_forward
@@ -280,7 +280,6 @@ def estimate(model: ModelSpec, layout: Layout, seq_len: int, *, dtype: str = "bf
         assumptions.append("FSDP keeps " + ("every layer of the stage gathered (no resharding after forward)"
                                             if keep_all else "two layers gathered (one computing, one prefetched)"))
     else:
-        own = state_params_per_gpu(model, layout, stage)
         weights = weight_b * n
         grads = grad_b * (own if layout.zero >= 2 else n)
         optimizer = opt_b * own
