@@ -71,7 +71,7 @@ def test_expert_parallel_ranks_keep_their_own_experts_whole_and_the_model_counts
     own_experts = 4 * 2 * 3 * 64 * 64
     params = dense / 2 + own_experts
     hand = {"parameter": 4 * params, "gradient": 4 * params, "optimizer_state": 2 * 4 * params}
-    out = train_forked(tmp_path / "ep", 2, config="tiny_moe", layout="dp_shard=2,ep=2", steps=3, window="1:1",
+    out = train_forked(tmp_path / "ep", 2, config="tiny_moe", layout="dp_shard=2,ep=2", steps=2, window="1:1",
                        profile_memory=True)
     report, _ = analyze(out, out / "report.json", out / "views")
     for rank in (0, 1):
