@@ -477,8 +477,10 @@ def test_every_page_renders(tab, runs, run):
     for page, (suffix, ready) in PAGES.items():
         times[page] = tab.open(f"/run/{run}{suffix}", ready)
         tab.settle()  # the comm page's info panel, for one, is there before its table's rows
-        if page == "timeline":  # its lanes' names are the y axis' ticks, drawn after the first bars
-            tab.page.wait_for_selector("#timeline-graph .ytick")
+        if page == "timeline":  # its lanes' names are the y axis' ticks, drawn after the first bars,
+            # one lane after another: wait for the last rank's (a core kept busy beside the browser
+            # left the page read after the first tick and before rank 7's)
+            tab.page.locator("#timeline-graph .ytick", has_text="rank 7").first.wait_for()
         if page == "overview":
             tab.page.wait_for_selector("#breakdown .slice")
             body = tab.text() + " ".join(tab.page.locator("#breakdown .slice").all_text_contents())
