@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 
 import pytest
 
@@ -59,6 +60,9 @@ def pytest_runtest_setup(item):
 # contention: each test's CPU seconds (this process and the children it reaped, which is every
 # rank and subprocess a test waits for) say what it really costs.
 _CPU: dict[str, float] = {}
+#: When each test ran (seconds since the epoch, start and end): beside a sampler of the machine's idle
+#: time, which tests left a core idle (docs/contributing.md).
+_SPAN: dict[str, tuple[float, float]] = {}
 
 
 def _cpu_now() -> float:
@@ -70,9 +74,10 @@ def _cpu_now() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    start = _cpu_now()
+    start, began = _cpu_now(), time.time()
     yield
     _CPU[item.nodeid] = _cpu_now() - start
+    _SPAN[item.nodeid] = (round(began, 2), round(time.time(), 2))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -93,6 +98,7 @@ def pytest_terminal_summary(terminalreporter):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({k: round(v, 2) for k, v in sorted(_CPU.items(), key=lambda kv: -kv[1])},
                                   indent=0))
+        out.with_name(f"spans-{lane}.json").write_text(json.dumps(_SPAN, indent=0))
 
 
 @pytest.fixture(autouse=True, scope="session")
