@@ -239,6 +239,8 @@ def run_rank(opts: TrainerOptions, instrument: Callable[[int], Any] | None = Non
                     expert_parallel.scale_local_expert_grads(local_experts, dims.grad_ranks)
                 if tp_moe_params:
                     tensor_parallel.reduce_moe_grads(tp_moe_params, mesh["tp"].get_group())
+                if dims.tp > 1:
+                    tensor_parallel.replicate_partial_grads(params)
                 if opts.result:
                     grads.append(_full_grads(modules))
                 opt.step()
