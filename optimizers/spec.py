@@ -259,6 +259,12 @@ MOE_OVERLAPS = ("none", "shared_experts", "microbatches")
 #: ``alltoall`` dispatcher, torchtitan's) or DeepEP's two-level ``deepep`` dispatch (Megatron-Core's
 #: ``flex`` dispatcher with ``--moe-enable-deepep``).
 MOE_DISPATCHES = ("all_to_all", "deepep")
+#: How a MoE layer moves its routed copies on the device (``cost.compute.moe_routing_elements``):
+#: ``gather`` -- one gather of each copy into expert order and one weighted scatter back
+#: (Megatron-Core's and torchtitan's token permutation); ``copies`` -- the reference trainer's eager
+#: PyTorch, which copies each routed row several times on the way (its permute, the experts' sort,
+#: their outputs' concatenation and unsort, its unpermute).
+MOE_ROUTINGS = ("gather", "copies")
 
 
 @dataclass(frozen=True)
@@ -322,7 +328,8 @@ class Training:
     for it, unless ``moe_capacity_factor`` drops the tokens past that multiple of the mean
     (Megatron-Core's ``--moe-expert-capacity-factor``, GShard's capacity).  ``moe_dispatch``: NCCL's
     ``all_to_all`` (a copy of a token per expert) or ``deepep``'s two-level dispatch (a copy per
-    remote node over the NIC, forwarded over NVLink: ``cost.comm``).  ``checkpoint_s``:
+    remote node over the NIC, forwarded over NVLink: ``cost.comm``).  ``moe_routing``: how the
+    routed copies are moved on the device (``MOE_ROUTINGS``).  ``checkpoint_s``:
     seconds a step the training thread is blocked saving checkpoints -- a measured run's
     ``checkpoint`` leaf, carried as measured (the model has no storage term); the async-save fix
     replaces it by the staging an async save keeps."""
@@ -360,6 +367,7 @@ class Training:
     moe_imbalance: float = 1.0
     moe_capacity_factor: float | None = None
     moe_dispatch: str = "all_to_all"
+    moe_routing: str = "gather"
     scatter_gather_sends: bool = False
     checkpoint_s: float = 0.0
 
@@ -376,6 +384,8 @@ class Training:
             raise ValueError(f"MoE overlap {self.moe_overlap!r}: one of {', '.join(MOE_OVERLAPS)}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"MoE dispatch {self.moe_dispatch!r}: one of {', '.join(MOE_DISPATCHES)}")
+        if self.moe_routing not in MOE_ROUTINGS:
+            raise ValueError(f"MoE routing {self.moe_routing!r}: one of {', '.join(MOE_ROUTINGS)}")
         if self.moe_imbalance < 1 or (self.moe_capacity_factor is not None and self.moe_capacity_factor < 1):
             raise ValueError("the MoE imbalance and capacity factor are multiples of the mean load: 1 or more")
 
@@ -406,7 +416,8 @@ class Training:
         block), and DDP's bucket all-reduces, which run async on gloo's worker threads (all but the
         last bucket can overlap the backward).  ``attention``: the SDPA backend the trainer recorded
         PyTorch picking (the manifest's ``kernels.attention``): cuDNN's runs at the FA3-class rate,
-        any other (or none recorded) at FlashAttention-2's."""
+        any other (or none recorded) at FlashAttention-2's.  Its MoE layers move their routed copies
+        as eager PyTorch does (``copies``)."""
         ddp = opts.dp_mode == "ddp"
         return cls(seq_len=int(train["seq_len"]), dtype=train.get("dtype", "bf16"),
                    compiled=bool(train.get("compile")), fused_kernels=opts.kernels == "fused" and on_gpu,
@@ -417,7 +428,8 @@ class Training:
                    grad_bucket_bytes=opts.ddp_bucket_mb * 2**20 if opts.ddp_bucket_mb else None,
                    keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")),
                    async_tp=opts.async_tp, cp_regather=False, cp_grad_collective="all_to_all",
-                   cp_overlap=False, attention_kernel="fa3" if attention == "cudnn" else "fa2")
+                   cp_overlap=False, attention_kernel="fa3" if attention == "cudnn" else "fa2",
+                   moe_routing="copies")
 
     @property
     def activation_bytes(self) -> int:

@@ -181,7 +181,7 @@ def expert_counts(expert: torch.Tensor, n: int) -> torch.Tensor:
 
 def unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``rows`` (in the order ``x[order]`` took) back in the order of ``x``."""
-    return torch.empty_like(rows).index_copy(0, order, rows)
+    return torch.empty_like(rows).index_copy_(0, order, rows)  # in place: out of place clones the empty tensor first
 
 
 class Experts(nn.Module):
@@ -267,7 +267,7 @@ def route(expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def permute(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Each token copied to its k rows, in expert order: ``rows[positions[t, j]] = tokens[t]``."""
     rows = tokens.repeat_interleave(positions.shape[1], dim=0)
-    return torch.empty_like(rows).index_copy(0, positions.reshape(-1), rows)
+    return torch.empty_like(rows).index_copy_(0, positions.reshape(-1), rows)
 
 
 def unpermute(routed: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -473,3 +473,77 @@ def test_fsdp_moves_only_the_dense_parameters_where_each_rank_holds_its_own_expe
     q = predict(moe, Layout(dp_shard=2, micro_batch=1, microbatches=1), training, s, ideal)
     assert everything == dense + 2 * layer[1]
     assert q.leaves["comm/dp/reduce_scatter"] == pytest.approx(everything * 4 * half)
+
+
+def _moved_by(fn, *args) -> int:
+    """Elements ``fn`` reads and writes, counted from the operators it dispatches: each floating
+    output written once, each floating input read once at its storage's size (an expanded view
+    reads its base), the tensor an ``index_copy_`` overwrites not read; views move nothing."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Moved(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("view", "unsqueeze", "expand", "split_with_sizes", "unbind", "empty_like", "reshape"):
+                return out
+            reads = args[3:] if name == "index_copy_" else (args, kwargs)
+            for t in tree_flatten(reads)[0]:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    Moved.total += min(t.numel(), t.untyped_storage().nbytes() // t.element_size())
+            Moved.total += sum(o.numel() for o in tree_flatten(out)[0]
+                               if isinstance(o, torch.Tensor) and o.is_floating_point())
+            return out
+
+    with Moved():
+        fn(*args)
+    return Moved.total
+
+
+def test_the_reference_trainers_routing_copies_are_what_its_operators_move():
+    """The reference trainer's eager MoE moves each routed copy more often than a gather and a
+    scatter (Megatron-Core's, torchtitan's: 4 k h a token).  By hand from its code: permute h + 3 k h
+    (repeat, then place), unpermute 5 k h + h (pick, weigh, sum) -- the router's k weights read
+    besides -- and the experts' sort, concatenation and unsort 2 k h each: 8 k h + 2 h + 6 k h at
+    an even load.  The same counted from the operators the trainer's own functions dispatch (16
+    tokens, h 8, k 2, 4 experts); the model prices that count for a reference-trainer run
+    (``Training.of_run``), and a gather where torch.compile fuses the copies."""
+    import torch
+
+    from mfuscope.optimizers.cost.compute import elementwise_elements, moe_routing_elements
+    from mfuscope.reference_trainer import model as trainer
+    from mfuscope.trainer_options import TrainerOptions
+
+    t, h, k, e = 16, 8, 2, 4
+    torch.manual_seed(0)
+    tokens, weight = torch.randn(t, h), torch.rand(t, k)
+    expert = torch.randint(0, e, (t, k))
+    order, positions = trainer.route(expert)
+    experts = trainer.Experts(e, h, 6)
+    for w in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(w)
+    rows = trainer.permute(tokens, positions)
+    assert _moved_by(trainer.permute, tokens, positions) == t * (h + 3 * k * h)
+    assert _moved_by(trainer.unpermute, rows, positions, weight) == t * (5 * k * h + h + k)
+    gemms_and_swiglu = _moved_by(lambda r, x: [(torch.nn.functional.silu(s @ a) * (s @ c)) @ b for s, a, c, b in
+                                               zip(r.split(x.tolist()), experts.w1.unbind(0), experts.w3.unbind(0),
+                                                   experts.w2.unbind(0))],
+                                 rows, trainer.expert_counts(expert.reshape(-1)[order], e))
+    moved = _moved_by(experts, rows, expert.reshape(-1)[order]) - gemms_and_swiglu
+    assert moved == t * 6 * k * h
+
+    spec = ModelSpec(n_layers=1, dim=h, n_heads=2, ffn_dim=6, vocab_size=16, n_experts=e, top_k=k)
+    run = Training.of_run(TrainerOptions(), {"seq_len": 16}, on_gpu=False)
+    assert run.moe_routing == "copies"
+    assert moe_routing_elements(spec, run) == 8 * k * h + 2 * h + 6 * k * h
+    assert moe_routing_elements(spec, run, load=1.5) == 8 * k * h + 2 * h + 6 * k * 1.5 * h
+    assert moe_routing_elements(spec, replace(run, fused_kernels=True)) == 2 * k * h + 2 * h + 6 * k * h
+    assert moe_routing_elements(spec, replace(run, compiled=True)) == moe_routing_elements(spec, Training(16)) \
+        == 4 * k * h
+    lay = Layout()
+    assert elementwise_elements(spec, lay, run) - elementwise_elements(spec, lay, Training(16)) == \
+        8 * k * h + 2 * h + 6 * k * h - 4 * k * h

@@ -143,8 +143,27 @@ def elementwise_elements(model: ModelSpec, layout: Layout, training: Training) -
         norms = (2 * 7 * h + 2 * 3 * h) * per_norm_token
         rest = 6 * qk + 2 * qkv + (2 if model.mlp == "gelu" else 5) * ffn
     if model.n_experts:
-        rest += 4 * model.top_k * h / t  # permute and un-permute: read and write each routed copy
+        rest += moe_routing_elements(model, training, load) / t
     return norms + rest
+
+
+def moe_routing_elements(model: ModelSpec, training: Training, load: float = 1.0) -> float:
+    """Elements a token's routing moves in forward (each read or write once), by ``training.moe_routing``.
+
+    ``gather`` (Megatron-Core, torchtitan): each of the k routed copies gathered into expert order
+    and scattered back, weighted: read and written twice, 4 k h.  ``copies`` (the reference
+    trainer's eager code, counted from it and from the operators it dispatches): its permute
+    repeats each token k times (h read, k h written) and places the rows (``index_copy_``, k h read
+    and written); its unpermute picks them back (``index_select``, 2 k h), multiplies by the
+    weights (2 k h) and sums the k (k h read, h written): 8 k h + 2 h, or with its fused kernels
+    (one read of the token, one write per copy, and back) 2 k h + 2 h.  The experts sort the rows
+    they receive, concatenate their outputs and unsort them: 2 k h each, at the busiest
+    expert-parallel rank's ``load``.  Compiled, the copies fuse into gathers (``gather``)."""
+    h, k = model.dim, model.top_k
+    if training.moe_routing == "gather" or training.compiled:
+        return 4 * k * h
+    ends = 2 * k * h + 2 * h if training.fused_kernels else 8 * k * h + 2 * h
+    return ends + 6 * k * load * h
 
 
 #: Bytes a float8 recipe's casts move per element of each GEMM operand, per pass: (forward: the
