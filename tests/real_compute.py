@@ -139,5 +139,6 @@ def train_all(root: Path, names=None, say=print) -> dict[str, Path]:
 #: running: ddp=2 0% -> +22%, pp=2 -1% -> +17%, the others less -- so 30%, and 40% for the two
 #: whose systematic misses are the largest and one-sided: cp=2 (FSDP2's copies, DTensor dispatch
 #: and hooks' host time, which no calibration run carries, and a K/V exchange slower than the
-#: links' fit) and ep=2 (its all-to-alls' waiting and MoE's routing work: -11% on average).
+#: links' fit) and ep=2 (its all-to-alls' waiting: -5% to -10% on the evening sets of 2026-12-05,
+#: once its routing copies were counted; -17% on a noisy host).
 TARGET: dict[str, float] = {name: 0.40 if name in ("cp=2", "ep=2 (moe)") else 0.30 for name in LAYOUTS}
