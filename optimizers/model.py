@@ -177,6 +177,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     _data_parallel(layout, training, links, ledger, params, memory_model.expert_params_per_gpu(model, layout),
                    stage, m, _first_gathers(model, layout, layers), units=layers)
     _amax_reductions(layout, training, links, ledger, stage, m)
+    _tensor_parallel_reductions(model, layout, training, links, ledger, layers, m)
     ledger.add("compute/optimizer", optimizer_seconds(memory_model.state_params_per_gpu(model, layout), system,
                                                       profile))
     if dtensor_params(layout):
@@ -243,6 +244,28 @@ def busiest_stage(model: ModelSpec, layout: Layout, training: Training, system: 
     seconds = [s.total("fwd") + s.total("bwd") for s in totals]
     busiest = max(range(layout.pp), key=seconds.__getitem__)
     return totals[busiest], per_rank[busiest], tuple(t / seconds[busiest] for t in seconds)
+
+
+#: All-reduces over tp of a vocabulary-parallel cross-entropy, per microbatch: the logits' max,
+#: the sum of their exponentials and the target's logit (Megatron-LM's _VocabParallelCrossEntropy;
+#: PyTorch's loss_parallel the same three).
+LOSS_PARALLEL_ALL_REDUCES = 3
+
+
+def _tensor_parallel_reductions(model: ModelSpec, layout: Layout, training: Training, links: Links,
+                                ledger: _Ledger, layers: float, m: int) -> None:
+    """What tensor parallelism all-reduces besides its layers' collectives, each exposed and
+    latency-bound: the vocabulary-parallel loss's three all-reduces of one fp32 value a token, each
+    microbatch; and, under sequence parallelism, once a step, the norms' weight gradients, which
+    each rank computed on its own sequence shard (Megatron-LM's all-reduce of its layer-norm
+    gradients over tp; the reference trainer's ``replicate_partial_grads``), in one call."""
+    if layout.tp == 1:
+        return
+    tokens = layout.micro_batch * training.seq_len / layout.cp
+    ledger.add("comm/tp/all_reduce", m * LOSS_PARALLEL_ALL_REDUCES * links.seconds("tp", "all_reduce", tokens * 4))
+    if layout.sequence_parallel:
+        norms = 2 * layers + 1  # two a layer and the final norm (on the last stage: an upper bound elsewhere)
+        ledger.add("comm/tp/all_reduce", links.seconds("tp", "all_reduce", norms * model.dim * training.grad_reduce_bytes))
 
 
 def dtensor_params(layout: Layout) -> bool:

@@ -186,9 +186,17 @@ def test_tensor_parallel_traffic_is_the_hand_count():
     one = 0.5 * buf / s.scale_up.bandwidth_Bps
     assert p.leaves["comm/tp/all_gather"] == pytest.approx(TOY.n_layers * 3 * 4 * one)
     assert p.leaves["comm/tp/reduce_scatter"] == pytest.approx(TOY.n_layers * 3 * 4 * one)
-    # Without sequence parallelism: 2 all-reduces each way, twice the bus bytes of a gather.
+    # Besides the layers: the vocabulary-parallel loss all-reduces one fp32 value a token three
+    # times a microbatch (max, sum of exponentials, target logit), and the sequence-parallel norms'
+    # weight gradients (2 a layer and the final one, fp32) are all-reduced once a step; an
+    # all-reduce over 2 ranks moves 2 (n-1)/n = 1 x its bytes.
+    loss = 3 * 3 * 1024 * 4 / s.scale_up.bandwidth_Bps
+    norms = (2 * TOY.n_layers + 1) * TOY.dim * 4 / s.scale_up.bandwidth_Bps
+    assert p.leaves["comm/tp/all_reduce"] == pytest.approx(loss + norms)
+    # Without sequence parallelism: 2 all-reduces each way, twice the bus bytes of a gather; the
+    # norms' gradients are whole on every rank.
     q = predict(TOY, replace(layout, sequence_parallel=False), Training(seq_len=1024), s, IDEAL)
-    assert q.leaves["comm/tp/all_reduce"] == pytest.approx(TOY.n_layers * 3 * 4 * 2 * one)
+    assert q.leaves["comm/tp/all_reduce"] == pytest.approx(TOY.n_layers * 3 * 4 * 2 * one + loss)
     # torchao's tensor-wise float8 linears gather their inputs (and backward's output gradients) in
     # float8, 1 byte an element; the reduce-scatters stay 16-bit; Transformer Engine's delayed
     # scaling gathers 16 bits here.
