@@ -265,7 +265,8 @@ def _tensor_parallel_reductions(model: ModelSpec, layout: Layout, training: Trai
     ledger.add("comm/tp/all_reduce", m * LOSS_PARALLEL_ALL_REDUCES * links.seconds("tp", "all_reduce", tokens * 4))
     if layout.sequence_parallel:
         norms = 2 * layers + 1  # two a layer and the final norm (on the last stage: an upper bound elsewhere)
-        ledger.add("comm/tp/all_reduce", links.seconds("tp", "all_reduce", norms * model.dim * training.grad_reduce_bytes))
+        grads = norms * model.dim * training.grad_reduce_bytes
+        ledger.add("comm/tp/all_reduce", links.seconds("tp", "all_reduce", grads))
 
 
 def dtensor_params(layout: Layout) -> bool:
