@@ -237,6 +237,12 @@ def test_counters_are_what_the_layout_makes(pushed):
         assert comm[("tp", op)]["calls_per_step"] == 2 * 18
         assert comm[("tp", op)]["bytes_per_step"] == 2 * 18 * full
     ar = comm[("tp", "all_reduce")]["bytes_per_step"]
+    # All-reduces besides the layers', per rank: the vocabulary-parallel loss's three over the 256
+    # tokens' fp32 values (max, sum of exponentials, target logit: 1 KB each); the sequence-parallel
+    # norms' weight gradients once, in one call (9 x 64 fp32: 2,304 bytes; left partial, AdamW's
+    # three reads of each all-reduced it again: 27 calls); the logged loss (2 float64).
+    assert comm[("tp", "all_reduce")]["calls_per_step"] == 2 * 5
+    assert ar == 2 * (3 * 256 * 4 + 9 * 64 * 4 + 16)
     bus = {c["dim"]: c["bus_bytes_per_step"] for c in rec["counters"]["comm_bus"]}
     # nccl-tests' bus factors on a group of 2: (n-1)/n = 1/2 for gathers and scatters, 2(n-1)/n = 1
     assert bus["tp"] == pytest.approx(2 * 2 * 18 * full * 0.5 + ar * 1.0)
