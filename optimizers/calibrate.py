@@ -315,7 +315,8 @@ def fit_link_tiers(runs: list[MeasuredRun], profile: Profile) -> tuple[Profile, 
     over the calls (a group of identical calls weighs its count).  Latency-bound small calls (a
     tensor-parallel norm's gradient) and bandwidth-bound large ones (FSDP's gathers) pin down one
     number each, which a ratio of exposed time cannot separate.  Returns the profile and the names
-    it fitted; a tier with calls of only one size keeps its latency and fits its bandwidth."""
+    it fitted; a tier whose calls cannot separate the two (all of one size, or a solve below zero)
+    keeps its latency and fits its bandwidth alone."""
     rows: dict[str, list[tuple[float, float, float, float]]] = {}
     for run in runs:
         place = placements(run.layout, run.system.gpus_per_node)
@@ -344,12 +345,14 @@ def fit_link_tiers(runs: list[MeasuredRun], profile: Profile) -> tuple[Profile, 
         lat, inv_eff = (None, None)
         if det > 1e-12 * s11 * s22:
             lat, inv_eff = (s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det
-        if lat is None or lat <= 0 or inv_eff <= 0:
-            # sizes too alike to separate the two, or noise pushed one below zero: bandwidth only,
-            # the latency the profile has
-            lat = profile.latency_scale
+        if lat is not None and lat > 0 and inv_eff > 0:
+            changes["latency_scale"] = lat
+        else:
+            # sizes too alike to separate the two, or noise pushed one below zero (a loaded host's
+            # large calls waiting on the peer longer than its small ones): bandwidth only, at the
+            # latency the profile has -- and the latency is not reported as fitted
+            lat = changes.get("latency_scale", profile.latency_scale)
             inv_eff = max(s2y - lat * s12, 1e-30) / s22 if s22 > 0 else None
         if inv_eff:
-            changes["latency_scale"] = lat
             changes[tier_name] = 1.0 / inv_eff
     return replace(profile, **changes), set(changes)
