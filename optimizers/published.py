@@ -18,10 +18,13 @@ ffn_hidden              4 x hidden (GPT); the MLP is GELU for the GPT-style fami
 kv_heads                heads (no GQA)
 vocab                   128,256 for Llama 3 (its tokenizer)
 seq_len                 8,192 for torchtitan (its llama3 train configs)
-vpp, cp, ep             1
+vpp, cp, ep             1; vpp 2 for torchtitan's interleaved schedules ("Interleaved
+                        1F1B" in the notes: two stages a rank without split points)
 recompute               full for Narayanan et al. (their FLOP count includes it), else none
 dp                      GPUs / (tp x pp x cp)
-micro_batch             1 under pipeline parallelism; else the local batch
+micro_batch             1 under pipeline parallelism; else the local batch; torchtitan
+                        under pipeline parallelism: the local batch over pp (its
+                        default microbatch count at its Dec-2024 benchmarks)
 global_batch            torchtitan: local batch x dp ("local batch size N" in the
                         notes, else micro_batch), one microbatch per step unless pipelined
 ======================  ==========================================================
@@ -161,7 +164,10 @@ def case(index: int, row: dict[str, str]) -> Case:
     tp, pp = _int(row, "tp"), _int(row, "pp")
     if tp is None or pp is None:
         raise ValueError("tensor/pipeline split not stated")
-    cp, ep, vpp = _int(row, "cp") or 1, _int(row, "ep") or 1, _int(row, "vpp") or 1
+    # torchtitan names its schedule in the notes; a multi-stage one without split points runs two
+    # stages a rank (its generate_split_points)
+    interleaved = titan and pp > 1 and bool(re.search(r"interleaved ?1f1b", notes, re.IGNORECASE))
+    cp, ep, vpp = _int(row, "cp") or 1, _int(row, "ep") or 1, _int(row, "vpp") or (2 if interleaved else 1)
     dp = _int(row, "dp") or (gpus // (tp * pp * cp) if gpus else None)
     if not dp or (gpus and tp * pp * cp * dp != gpus):
         raise ValueError(f"tp x pp x cp x dp does not make the {gpus} GPUs")
@@ -173,6 +179,11 @@ def case(index: int, row: dict[str, str]) -> Case:
         glob = per_rank * dp if per_rank else None
     if glob is None:
         raise ValueError("global batch not stated")
+    if micro is None and pp > 1 and titan:
+        # torchtitan's pipeline benchmarks (commit 9dec370, 2024-12-26) ran its default microbatch
+        # count then: pipeline_parallel_degree, whatever the schedule (pytorch/torchtitan#781 made it
+        # pp x stages a rank on 2025-01-07; later versions split into microbatches of 1)
+        micro = max(1, glob // (dp * pp))
     if micro is None:
         micro = 1 if pp > 1 else glob // dp
     if glob % (dp * micro):

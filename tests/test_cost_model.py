@@ -133,6 +133,14 @@ def test_published_rows_say_how_their_framework_ran():
     assert not any(c.training.scatter_gather_sends or c.training.list_collectives for c in titan)
     assert sum(c.training.fp8_recipe == "rowwise" for c in titan) == 4
     assert sum(c.training.fp8_gather for c in titan) == 2
+    # torchtitan's pipelined 405B rows (its Dec-2024 benchmarks, commit 9dec370): its code then split
+    # the local batch into pipeline_parallel_degree microbatches whatever the schedule, and ran an
+    # interleaved schedule without split points as two stages a rank.  Table 5's local batch of 32
+    # over pp=8 is 8 microbatches of 4; Table 6's 8 is 8 of 1.
+    piped = {(c.layout.schedule, c.layout.vpp, c.layout.cp, c.layout.microbatches, c.layout.micro_batch)
+             for c in titan if c.layout.pp > 1}
+    assert piped == {("1f1b", 1, 1, 8, 4), ("interleaved_1f1b", 2, 1, 8, 4),
+                     *(("1f1b", 1, cp, 8, 1) for cp in (1, 2, 4, 8))}, piped
 
 
 def test_megatron_sends_one_tensor_parallel_slice_per_rank():
@@ -366,7 +374,7 @@ def test_every_row_is_predicted_or_says_why():
 @needs_calibration
 def test_leave_one_source_out_error():
     """The honest figure: fit the profile's four numbers on two sources, predict the third.  The
-    issue's target is 15% MAPE for each source; docs/cost_model.md reports 7.0%, 8.8% and 13.7%.
+    issue's target is 15% MAPE for each source; docs/cost_model.md reports 7.2%, 8.8% and 11.9%.
     The fit is deterministic (a fixed grid search in double precision), so the margins are for
     changes to the model, not for noise."""
     cases, _ = published.load_cases(CALIBRATION)
