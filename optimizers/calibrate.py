@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from .cost.comm import bus_factor, placements
 from .measured import MeasuredRun
-from .model import dtensor_params, predict
+from .model import dtensor_params, fsdp_hook_calls, predict
 from .published import Case
 from .system import Profile, default_profile
 
@@ -209,6 +209,14 @@ def run_tensors(run: MeasuredRun) -> float:
     return run.model.parameter_tensors(run.layout.stage_layers(run.model), first=run.layout.pp == 1)
 
 
+def _fsdp_hook_calls(run: MeasuredRun) -> float:
+    """FSDP units' gathers and reduce-scatters of the busiest rank in one step: what FSDP's host
+    time per unit and collective is paid per (:func:`.model.fsdp_hook_calls`)."""
+    layout = run.layout
+    experts = bool(run.model.n_experts) and layout.ep > 1 and layout.expert_shard_ranks > 1
+    return fsdp_hook_calls(layout, run.training, layout.stage_layers(run.model), experts)
+
+
 def _layer_passes(run: MeasuredRun) -> float:
     """Layers times passes of the busiest rank in one step: what host time per layer is paid per."""
     return _passes(run) * run.layout.stage_layers(run.model) / run.layout.vpp
@@ -262,6 +270,14 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
     host_runs = plain if has_plain else everyone
     tp_runs = [i for i in everyone if i not in plain] if has_plain else []
     sharded = [i for i in unpaced if dtensor_params(runs[i].layout)] if has_plain else []
+    # FSDP's hooks are host time too: where some of those runs shard their parameters and some do
+    # not, the host time per layer is fitted on the others and what a sharding run's host leaves
+    # hold beyond it is FSDP's, per unit and collective (fsdp_unit_overhead_s).
+    unsharded = [i for i in host_runs if runs[i].layout.shard_ranks == 1]
+    fsdp_runs = [i for i in host_runs if i not in unsharded] if has_plain and unsharded else []
+    layer_runs = unsharded if fsdp_runs else host_runs
+    if fsdp_runs:  # the rates too: a sharding run's operators interleave with FSDP's copies and hooks
+        rate_runs = [i for i in rate_runs if i in unsharded] or rate_runs
     for r in range(rounds):
         predicted = [run.predict(profile).leaves for run in runs]
         changes: dict[str, float] = {}
@@ -269,10 +285,14 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
             meas, pred = total(measured, (leaf,), rate_runs), total(predicted, (leaf,), rate_runs)
             if meas > floor(rate_runs) and pred > 0:
                 changes[name] = getattr(profile, name) * pred / meas
-        meas_host, pred_host = total(measured, HOST, host_runs), total(predicted, HOST, host_runs)
-        if meas_host > floor(host_runs) or profile.layer_overhead_s > 0:
-            layer_passes = sum(_layer_passes(runs[i]) for i in host_runs)
+        meas_host, pred_host = total(measured, HOST, layer_runs), total(predicted, HOST, layer_runs)
+        if meas_host > floor(layer_runs) or profile.layer_overhead_s > 0:
+            layer_passes = sum(_layer_passes(runs[i]) for i in layer_runs)
             changes["layer_overhead_s"] = max(0.0, profile.layer_overhead_s + (meas_host - pred_host) / layer_passes)
+        if fsdp_runs:
+            gap = total(measured, HOST, fsdp_runs) - total(predicted, HOST, fsdp_runs)
+            calls = sum(_fsdp_hook_calls(runs[i]) for i in fsdp_runs)
+            changes["fsdp_unit_overhead_s"] = max(0.0, profile.fsdp_unit_overhead_s + gap / calls)
         if sharded:
             meas = total(measured, ("compute/optimizer",), sharded)
             pred = total(predicted, ("compute/optimizer",), sharded)

@@ -454,6 +454,34 @@ def ddp_last_bucket_bytes(grads: float, bucket: float | None, first_bucket: bool
     return grads if rest <= 0 else min(DDP_BUCKET_BYTES, rest)
 
 
+def _reshards(layout: Layout, training: Training) -> bool:
+    """FSDP frees a unit's gathered parameters after its forward (and gathers them again for its
+    backward): by default without a pipeline, not under one."""
+    return layout.pp == 1 if training.reshard_after_forward is None else training.reshard_after_forward
+
+
+def fsdp_passes(layout: Layout, training: Training) -> tuple[int, int]:
+    """(gathers, reduce-scatters) each FSDP unit issues in a step.  Without a pipeline FSDP gathers
+    every microbatch's forward and, resharded after it, again for its backward, and
+    reduce-scatters every microbatch's gradients.  Under a pipeline schedule
+    (torch.distributed.pipelining, as torchtitan and the reference trainer run it) only the last
+    microbatch's backward syncs and reshards: one gather, one reduce-scatter a step."""
+    m, reshard = layout.microbatches, _reshards(layout, training)
+    gathers = (m * (2 if reshard else 1)) if layout.pp == 1 else (2 * m if reshard else 1)
+    return gathers, (m if layout.pp == 1 else 1)
+
+
+def fsdp_hook_calls(layout: Layout, training: Training, units: float, sharded_experts: bool) -> float:
+    """FSDP's hooks run on the host once per unit and collective (``Profile.fsdp_unit_overhead_s``
+    each): every gather and reduce-scatter of the stage's ``units`` blocks and of the root, and of
+    each block's experts where they are a unit of their own (``sharded_experts``).  Zero without
+    sharded parameters."""
+    if layout.shard_ranks <= 1:
+        return 0.0
+    gathers, scatters = fsdp_passes(layout, training)
+    return (units * (2 if sharded_experts else 1) + 1) * (gathers + scatters)
+
+
 def _first_gathers(model: ModelSpec, layout: Layout, layers: float) -> tuple[float, float]:
     """The shares of a stage's FSDP gather that no compute can hide, (forward, backward): a pass's
     first unit has nothing before it to overlap -- in forward the root (embedding, and the head,
@@ -497,18 +525,15 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         if layout.expert_shard_ranks > 1:
             weights, grads = weights + expert_weights, grads + expert_grads  # what FSDP copies
         prefetch = training.overlap_param_gather
-        # Without a pipeline FSDP gathers every microbatch's forward and, resharded after it,
-        # again for its backward, and reduce-scatters every microbatch's gradients.  Under a
-        # pipeline schedule (torch.distributed.pipelining, as torchtitan and the reference trainer
-        # run it) only the last microbatch's backward syncs and reshards: one gather, one
-        # reduce-scatter a step.
-        reshard = layout.pp == 1 if training.reshard_after_forward is None else training.reshard_after_forward
+        reshard = _reshards(layout, training)
         # FSDP2 copies each gathered block out of the gather's buffer into its parameters, and each
         # block's gradients into the reduce-scatter's buffer: a read and a write of the bytes moved.
-        gathers = (m * (2 if reshard else 1)) if layout.pp == 1 else (2 * m if reshard else 1)
-        scatters = m if layout.pp == 1 else 1
+        gathers, scatters = fsdp_passes(layout, training)
         copies = 2 * (gathers * weights + scatters * grads)
         ledger.add("compute/norm_elementwise", copies / (links.system.hbm_Bps * links.profile.memory))
+        if links.profile.fsdp_unit_overhead_s:
+            hooks = fsdp_hook_calls(layout, training, units, experts > 0 and layout.expert_shard_ranks > 1)
+            ledger.add("compute/other", hooks * links.profile.fsdp_unit_overhead_s)
         # Prefetch hides a pass's gathers behind its compute, all but the first unit's.
         fwd_w = min(stage.total("fwd"), gather * (1 - first[0])) if prefetch else 0.0
         bwd_w = stage.total("bwd") if prefetch else 0.0

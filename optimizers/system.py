@@ -240,6 +240,13 @@ class Profile:
     tp_overhead_s    host time per layer and pass that tensor parallelism adds: DTensor propagates
                      the sharding of every operator of a tensor-parallel layer (and redistributes)
                      on the thread that launches it; on a CPU it shows inside every operator's time
+    fsdp_unit_overhead_s
+                     host time per FSDP unit and collective it issues (each gather, each
+                     reduce-scatter): FSDP2's hooks -- their Python, the copy-in and copy-out
+                     calls, the sharded parameters' DTensor wrapping -- on the thread that also
+                     computes; zero for the published GPU runs (hidden behind the device there);
+                     fitted only where a calibration run shards its parameters and another does
+                     not, so that the per-layer host time is known apart from it
     dtensor_param_s  seconds per parameter tensor and optimizer step when the parameters are
                      DTensors (tensor parallelism, FSDP2's shards): each tensor's update dispatches
                      through DTensor, not as one fused multi-tensor kernel over plain tensors
@@ -269,6 +276,7 @@ class Profile:
     latency_scale: float = 1.0
     layer_overhead_s: float = 0.0
     tp_overhead_s: float = 0.0
+    fsdp_unit_overhead_s: float = 0.0
     dtensor_param_s: float = 0.0
     optimizer: float = 0.7
     link_tp: float = 1.0
@@ -281,12 +289,13 @@ class Profile:
     FITTED = ("gemm", "gemm_knee", "attention", "memory")
     LINKS = ("link_tp", "link_cp", "link_dp", "link_ep", "link_pp")
     FIELDS = FITTED + ("overlap_slowdown", "scale_up", "scale_out", "microbatch_overhead_s", "latency_scale",
-                       "layer_overhead_s", "tp_overhead_s", "dtensor_param_s", "optimizer") + LINKS
+                       "layer_overhead_s", "tp_overhead_s", "fsdp_unit_overhead_s", "dtensor_param_s",
+                       "optimizer") + LINKS
     BOUNDS = {"gemm": (0.2, 1.0), "gemm_knee": (8.0, 4096.0), "attention": (0.1, 1.0),
               "memory": (0.2, 1.0), "scale_up": (0.2, 1.0), "scale_out": (0.2, 1.0),
               "overlap_slowdown": (0.0, 1.0), "microbatch_overhead_s": (0.0, 1.0), "latency_scale": (1e-3, 1e4),
               "optimizer": (1e-4, 1.0), "layer_overhead_s": (0.0, 1.0), "tp_overhead_s": (0.0, 1.0),
-              "dtensor_param_s": (0.0, 1.0), **{k: (1e-3, 1e3) for k in LINKS}}
+              "fsdp_unit_overhead_s": (0.0, 1.0), "dtensor_param_s": (0.0, 1.0), **{k: (1e-3, 1e3) for k in LINKS}}
 
     def values(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.FIELDS}

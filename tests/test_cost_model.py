@@ -120,6 +120,31 @@ def test_fsdp_pays_a_latency_per_block_and_deepspeed_per_parameter_with_host_cop
     assert "host_bound" not in predict(TOY, layout, Training(seq_len=1024), s, IDEAL).leaves
 
 
+def test_fsdp_hooks_cost_host_time_per_unit_and_collective():
+    """FSDP2 runs its hooks on the host once per unit and collective: ``fsdp_unit_overhead_s``
+    each, booked as ``compute/other``.  By hand, TOY's 4 blocks and the root are 5 units.  Without
+    a pipeline, 2 microbatches: each unit gathers for both forwards, again for both backwards
+    (resharded after forward) and reduce-scatters twice -- 30 calls.  Under pp=2 a rank holds 2
+    blocks and its root (3 units), keeps them gathered from forward to backward and syncs once: a
+    gather and a reduce-scatter each -- 6 calls.  With its experts sharded apart, a MoE block is
+    two units.  A DDP replica pays nothing."""
+    s = system("H100")
+    hooks = replace(IDEAL, fsdp_unit_overhead_s=1e-3)
+    train = Training(seq_len=1024)
+
+    def extra(model, layout):
+        with_hooks, without = (predict(model, layout, train, s, prof).leaves for prof in (hooks, IDEAL))
+        return with_hooks.get("compute/other", 0.0) - without.get("compute/other", 0.0)
+
+    assert extra(TOY, Layout(dp_shard=8, micro_batch=1, microbatches=2)) == pytest.approx(30e-3)
+    assert extra(TOY, Layout(pp=2, dp_shard=4, micro_batch=1, microbatches=4)) == pytest.approx(6e-3)
+    assert extra(TOY, Layout(dp_replicate=8, micro_batch=1, microbatches=2)) == 0.0
+    moe = replace(TOY, n_experts=8, top_k=2)
+    # ep=2 over dp_shard=8: each expert is held by 4 ranks, sharded over them -- 4 blocks, 4 expert
+    # units and the root, 1 microbatch: 9 x (2 gathers + 1 reduce-scatter)
+    assert extra(moe, Layout(dp_shard=8, ep=2, micro_batch=1, microbatches=1)) == pytest.approx(27e-3)
+
+
 @needs_calibration
 def test_published_rows_say_how_their_framework_ran():
     """The switches each published row takes from its source (see optimizers/published.py)."""

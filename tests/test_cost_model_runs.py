@@ -158,8 +158,8 @@ def test_a_slow_run_beside_the_one_rank_run_leaves_its_groups_fitted(real_runs):
 def test_context_parallel_k_v_exchange_is_labelled_cp(real_runs):
     """On cp=2 alone the mesh's cp group is also FSDP's (``dp_shard_cp``): the trainer gives the K/V
     exchange a group of its own so that it shows as cp's traffic, not dp's.  Hand count for the
-    four traced steps of a rank: K and V gathered apart (2) in each of 4 layers for each of 2
-    microbatches is 16 all-gathers a step, 64 in all, and as many all-to-alls carry their
+    four traced steps: K and V gathered apart (2) in each of 4 layers on each of the 2 ranks (one
+    microbatch a step) is 16 all-gathers a step, 64 in all, and as many all-to-alls carry their
     gradients back."""
     comm = json.loads((real_runs["cp=2"] / "report.json").read_text())["comm"]
     cp = {row["op"]: row["count"] for row in comm if row["dim"] == "cp"}
@@ -172,8 +172,9 @@ def test_fsdp_traffic_of_the_moe_run_is_data_parallel(real_runs):
     which DeviceMesh serves with the default group, FSDP's own -- so its extra group used to rename
     FSDP's gathers ``moe_aux`` and the model's ``comm/dp`` leaves had nothing measured beside them.
     Hand count for both FSDP runs of the table: five FSDP units (four layers and the root) gather
-    in forward and again in backward and reduce-scatter once, for each of 2 microbatches, in 4
-    traced steps: 80 all-gathers and 40 reduce-scatters, all on the data-parallel group."""
+    in forward and again in backward and reduce-scatter once, on each of the 2 ranks (one
+    microbatch a step), in 4 traced steps: 80 all-gathers and 40 reduce-scatters, all on the
+    data-parallel group."""
     def fsdp_calls(name: str) -> dict[tuple[str, str], int]:
         calls: dict[tuple[str, str], int] = {}
         for row in json.loads((real_runs[name] / "report.json").read_text())["comm"]:
@@ -189,8 +190,8 @@ def test_fsdp_traffic_of_the_moe_run_is_data_parallel(real_runs):
 
 def test_the_expert_exchange_sends_its_counts_first_as_the_model_has_it(real_runs):
     """What the model's expert parallelism counts (``model.expert_exchange_s``,
-    ``expert_counts_s``), against the trainer's calls: in each of 4 layers, for each of 2
-    microbatches, forward exchanges the token counts (4 experts, one int64 each: 32 bytes), then
+    ``expert_counts_s``), against the trainer's calls: in each of 4 layers, on each of the 2
+    ranks (one microbatch a step), forward exchanges the token counts (4 experts, one int64 each: 32 bytes), then
     dispatches and combines the tokens; backward sends the two exchanges' gradients back with the
     same split sizes.  4 traced steps: 32 count exchanges of 32 bytes and 128 of tokens."""
     comm = json.loads((real_runs["ep=2 (moe)"] / "report.json").read_text())["comm"]
@@ -199,6 +200,34 @@ def test_the_expert_exchange_sends_its_counts_first_as_the_model_has_it(real_run
     small = [row for row in ep if row["median_bytes"] == 32]
     assert sum(row["count"] for row in small) == 32 and sum(row["bytes"] for row in small) == 32 * 32
     assert sum(row["count"] for row in ep) - 32 == 128
+
+
+def test_fsdps_hooks_fitted_on_dp_shard_predict_the_host_time_of_cp_and_ep(real_runs):
+    """What the FSDP layouts spend on the host beyond the per-layer time the one-rank run fits
+    (FSDP2's hooks: 0.3-0.5 ms of Python each in the traces, about 15 a step) is fitted per unit
+    and collective when a third calibration run, dp_shard=2, shards its parameters
+    (``fsdp_unit_overhead_s``; the issue's table stays on two runs, which cannot see it).  Then
+    cp=2 and ep=2, FSDP2 over other groups, are predicted their host leaves (``compute/other`` and
+    ``idle``) at 0.5x to 1.5x what they measure -- 0.66-1.2x on the sets of 2026-12-06, below 1
+    where cp's autograd functions and the MoE routing's Python add their own -- where the two-run
+    fit books them the one-rank run's per-layer time alone: 0.25-0.4x."""
+    runs = {n: measured.load(real_runs[n]) for n in ("1 rank", "tp=2", "dp_shard=2", "cp=2", "ep=2 (moe)")}
+    two = calibrate.fit_runs([runs["1 rank"], runs["tp=2"]])
+    three = calibrate.fit_runs([runs["1 rank"], runs["tp=2"], runs["dp_shard=2"]])
+    assert "fsdp_unit_overhead_s" not in two.provenance["fields"] and two.fsdp_unit_overhead_s == 0.0
+    assert "fsdp_unit_overhead_s" in three.provenance["fields"] and three.fsdp_unit_overhead_s > 0
+
+    def host(leaves: dict[str, float]) -> float:
+        return sum(v for k, v in leaves.items() if k in calibrate.HOST)
+
+    for name in ("cp=2", "ep=2 (moe)"):
+        run = runs[name]
+        measured_host = host(run.typical_leaves())
+        with_hooks, without = host(run.predict(three).leaves), host(run.predict(two).leaves)
+        print(f"{name}: host {measured_host * 1e3:.1f} ms measured, {with_hooks * 1e3:.1f} predicted "
+              f"with FSDP's hooks fitted, {without * 1e3:.1f} without")
+        assert 0.5 < with_hooks / measured_host < 1.5, name
+        assert without / measured_host < 0.45, name
 
 
 def test_cpu_runs_are_predicted_at_the_calibrations_host_peak(real_runs, tmp_path):
