@@ -208,9 +208,10 @@ def test_fsdps_hooks_fitted_on_dp_shard_predict_the_host_time_of_cp_and_ep(real_
     and collective when a third calibration run, dp_shard=2, shards its parameters
     (``fsdp_unit_overhead_s``; the issue's table stays on two runs, which cannot see it).  Then
     cp=2 and ep=2, FSDP2 over other groups, are predicted their host leaves (``compute/other`` and
-    ``idle``) at 0.5x to 1.5x what they measure -- 0.66-1.2x on the sets of 2026-12-06, below 1
-    where cp's autograd functions and the MoE routing's Python add their own -- where the two-run
-    fit books them the one-rank run's per-layer time alone: 0.25-0.4x."""
+    ``idle``) at 0.45x to 1.6x what they measure -- 0.66-1.2x on the sets of 2026-12-06, below 1
+    where cp's autograd functions and the MoE routing's Python add their own -- and closer than
+    the two-run fit, which books them the one-rank run's per-layer time alone (0.25-0.43x
+    there)."""
     runs = {n: measured.load(real_runs[n]) for n in ("1 rank", "tp=2", "dp_shard=2", "cp=2", "ep=2 (moe)")}
     two = calibrate.fit_runs([runs["1 rank"], runs["tp=2"]])
     three = calibrate.fit_runs([runs["1 rank"], runs["tp=2"], runs["dp_shard=2"]])
@@ -226,8 +227,8 @@ def test_fsdps_hooks_fitted_on_dp_shard_predict_the_host_time_of_cp_and_ep(real_
         with_hooks, without = host(run.predict(three).leaves), host(run.predict(two).leaves)
         print(f"{name}: host {measured_host * 1e3:.1f} ms measured, {with_hooks * 1e3:.1f} predicted "
               f"with FSDP's hooks fitted, {without * 1e3:.1f} without")
-        assert 0.5 < with_hooks / measured_host < 1.5, name
-        assert without / measured_host < 0.45, name
+        assert 0.45 < with_hooks / measured_host < 1.6, name
+        assert abs(math.log(with_hooks / measured_host)) < abs(math.log(without / measured_host)), name
 
 
 def test_cpu_runs_are_predicted_at_the_calibrations_host_peak(real_runs, tmp_path):
