@@ -580,6 +580,9 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         total = grads + expert_grads
         last = ddp_last_bucket_bytes(total, training.grad_bucket_bytes, layout.zero == 0) / total if total else 1.0
         op = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+        if training.ddp_bucket_copies and layout.zero == 0:
+            # into the buckets and back: each a read and a write of every gradient
+            ledger.add("compute/norm_elementwise", 4 * total / (links.system.hbm_Bps * links.profile.memory))
         t = links.seconds("dp", op, grads) + links.seconds("dp_expert", op, expert_grads)
         ledger.expose("dp", {op: t}, min(bwd_window, t * (1 - last)))
         if layout.zero >= 1:

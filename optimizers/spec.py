@@ -293,7 +293,10 @@ class Training:
     hides behind the backward; None: whenever its gathers do (``overlap_param_gather``), as on a
     GPU's separate stream.  ``grad_bucket_bytes``: DDP's (or the distributed optimizer's) gradient
     bucket; None is DDP's 25 MiB.  The last bucket is reduced after the backward ends, whatever the
-    overlap.  ``keep_last_gathered``: FSDP does not reshard the last block after forward (its
+    overlap.  ``ddp_bucket_copies``: PyTorch DDP without ``gradient_as_bucket_view`` copies each
+    gradient into its bucket and the reduced bucket back (its reducer's two copies: a read and a
+    write of the gradients each); Megatron-LM's buffers and a bucket view hold the gradients in
+    place.  ``keep_last_gathered``: FSDP does not reshard the last block after forward (its
     backward is next), so backward gathers one block fewer.  ``cuda_graphs``: each compiled block
     replays as one CUDA graph launch, so the host's per-kernel launch time leaves the step.
     ``shard_calls_per_layer``: FSDP's all-gathers (and gradient reduce-scatters) per layer and pass,
@@ -349,6 +352,7 @@ class Training:
     reshard_after_forward: bool | None = None
     overlap_reduce_scatter: bool | None = None
     grad_bucket_bytes: float | None = None
+    ddp_bucket_copies: bool = False
     keep_last_gathered: bool = False
     cuda_graphs: bool = False
     shard_calls_per_layer: int = 1
@@ -426,6 +430,7 @@ class Training:
                    overlap_reduce_scatter=None if on_gpu else False,
                    reshard_after_forward=opts.reshard_after_forward,
                    grad_bucket_bytes=opts.ddp_bucket_mb * 2**20 if opts.ddp_bucket_mb else None,
+                   ddp_bucket_copies=ddp and not opts.grad_as_bucket_view,
                    keep_last_gathered=opts.keep_last_gathered, cuda_graphs=bool(train.get("cuda_graphs")),
                    async_tp=opts.async_tp, cp_regather=False, cp_grad_collective="all_to_all",
                    cp_overlap=False, attention_kernel="fa3" if attention == "cudnn" else "fa2",

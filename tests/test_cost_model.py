@@ -120,6 +120,25 @@ def test_fsdp_pays_a_latency_per_block_and_deepspeed_per_parameter_with_host_cop
     assert "host_bound" not in predict(TOY, layout, Training(seq_len=1024), s, IDEAL).leaves
 
 
+def test_pytorch_ddp_copies_its_gradients_into_the_buckets_and_back():
+    """PyTorch DDP without ``gradient_as_bucket_view`` copies every gradient into its bucket and the
+    reduced bucket back: 4 bytes moved per gradient byte, booked as elementwise work at the memory
+    rate.  By hand, TOY (SwiGLU, untied head): 4 layers x (4 h^2 + 3 h f + 2 h) + 2 V h + h =
+    69,166,080 parameters, fp32 gradients -- 4 x 4 x 69,166,080 bytes over H100's 3.35 TB/s.  Sharded
+    (FSDP) or a bucket view: none."""
+    s = system("H100")
+    h, f, v = 1024, 4096, 1000
+    params = 4 * (4 * h * h + 3 * h * f + 2 * h) + 2 * v * h + h
+    layout = Layout(dp_replicate=8, micro_batch=1, microbatches=1)
+    copies, views = (predict(TOY, layout, Training(seq_len=1024, ddp_bucket_copies=c), s, IDEAL).leaves
+                     for c in (True, False))
+    extra = copies["compute/norm_elementwise"] - views["compute/norm_elementwise"]
+    assert extra == pytest.approx(4 * 4 * params / s.hbm_Bps)
+    sharded = Layout(dp_shard=8, micro_batch=1, microbatches=1)
+    assert (predict(TOY, sharded, Training(seq_len=1024, ddp_bucket_copies=True), s, IDEAL).leaves
+            == predict(TOY, sharded, Training(seq_len=1024), s, IDEAL).leaves)
+
+
 def test_fsdp_hooks_cost_host_time_per_unit_and_collective():
     """FSDP2 runs its hooks on the host once per unit and collective: ``fsdp_unit_overhead_s``
     each, booked as ``compute/other``.  By hand, TOY's 4 blocks and the root are 5 units.  Without
