@@ -526,10 +526,11 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
             weights, grads = weights + expert_weights, grads + expert_grads  # what FSDP copies
         prefetch = training.overlap_param_gather
         reshard = _reshards(layout, training)
-        # FSDP2 copies each gathered block out of the gather's buffer into its parameters, and each
-        # block's gradients into the reduce-scatter's buffer: a read and a write of the bytes moved.
+        # FSDP2 copies each block's shard into the gather's buffer and the gathered block out of it
+        # into its parameters, and each block's gradients into the reduce-scatter's buffer: a read
+        # and a write of the bytes moved.
         gathers, scatters = fsdp_passes(layout, training)
-        copies = 2 * (gathers * weights + scatters * grads)
+        copies = 2 * (gathers * weights * (1 + 1 / layout.shard_ranks) + scatters * grads)
         ledger.add("compute/norm_elementwise", copies / (links.system.hbm_Bps * links.profile.memory))
         if links.profile.fsdp_unit_overhead_s:
             hooks = fsdp_hook_calls(layout, training, units, experts > 0 and layout.expert_shard_ranks > 1)
