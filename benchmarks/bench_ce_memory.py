@@ -10,7 +10,12 @@ Each way runs in a fresh process that allocates the inputs, warms both paths up 
 problem, resets the kernel's resident-memory peak (``/proc/self/clear_refs``), then runs
 forward and backward.  Extra memory = peak resident memory (VmHWM) - resident memory before -
 the gradients the call returns (hidden's and weight's, which any implementation must
-produce).
+produce).  glibc's allocator runs with a fixed mmap threshold of 128 KiB
+(``MALLOC_MMAP_THRESHOLD_``, unless the environment sets it): every larger buffer is mapped on
+its own and returned when freed.  By default glibc raises the threshold after the first large
+free and keeps later freed buffers in its heap for reuse, which measures the allocator, not the
+algorithm: a way that frees and remakes a slice buffer measured 4.7-6 MiB here and 22 MiB in a
+loaded CI run; with the threshold fixed, 4.5-4.6 MiB.
 
     python benchmarks/bench_ce_memory.py [--tokens 4096 --hidden 4096 --vocab 128256]
         [--ways eager,fused,sliced] [--slice-mib 256] [--json out.json]
@@ -59,6 +64,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 def measure(how: str, tokens: int, hidden: int, vocab: int, slice_bytes: int, timeout: float = 3600) -> dict:
     """``{"extra_bytes", "gradient_bytes", "loss"}`` of one way, from a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # freed buffers leave resident memory
     done = subprocess.run([sys.executable, "-c", _SCRIPT, how, str(tokens), str(hidden), str(vocab), str(slice_bytes)],
                           capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode:
