@@ -209,14 +209,6 @@ def run_tensors(run: MeasuredRun) -> float:
     return run.model.parameter_tensors(run.layout.stage_layers(run.model), first=run.layout.pp == 1)
 
 
-def _fsdp_hook_calls(run: MeasuredRun) -> float:
-    """FSDP units' gathers and reduce-scatters of the busiest rank in one step: what FSDP's host
-    time per unit and collective is paid per (:func:`.model.fsdp_hook_calls`)."""
-    layout = run.layout
-    experts = bool(run.model.n_experts) and layout.ep > 1 and layout.expert_shard_ranks > 1
-    return fsdp_hook_calls(layout, run.training, layout.stage_layers(run.model), experts)
-
-
 def _layer_passes(run: MeasuredRun) -> float:
     """Layers times passes of the busiest rank in one step: what host time per layer is paid per."""
     return _passes(run) * run.layout.stage_layers(run.model) / run.layout.vpp
@@ -291,7 +283,7 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
             changes["layer_overhead_s"] = max(0.0, profile.layer_overhead_s + (meas_host - pred_host) / layer_passes)
         if fsdp_runs:
             gap = total(measured, HOST, fsdp_runs) - total(predicted, HOST, fsdp_runs)
-            calls = sum(_fsdp_hook_calls(runs[i]) for i in fsdp_runs)
+            calls = sum(fsdp_hook_calls(runs[i].model, runs[i].layout, runs[i].training) for i in fsdp_runs)
             changes["fsdp_unit_overhead_s"] = max(0.0, profile.fsdp_unit_overhead_s + gap / calls)
         if sharded:
             meas = total(measured, ("compute/optimizer",), sharded)

@@ -175,7 +175,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, system: System
     # Data parallelism and the optimizer.
     params = memory_model.params_per_gpu(model, layout)
     _data_parallel(layout, training, links, ledger, params, memory_model.expert_params_per_gpu(model, layout),
-                   stage, m, _first_gathers(model, layout, layers), units=layers)
+                   stage, m, _first_gathers(model, layout, layers), units=layers,
+                   hook_calls=fsdp_hook_calls(model, layout, training, units=layers))
     _amax_reductions(layout, training, links, ledger, stage, m)
     _tensor_parallel_reductions(model, layout, training, links, ledger, layers, m)
     ledger.add("compute/optimizer", optimizer_seconds(memory_model.state_params_per_gpu(model, layout), system,
@@ -471,13 +472,16 @@ def fsdp_passes(layout: Layout, training: Training) -> tuple[int, int]:
     return gathers, (m if layout.pp == 1 else 1)
 
 
-def fsdp_hook_calls(layout: Layout, training: Training, units: float, sharded_experts: bool) -> float:
+def fsdp_hook_calls(model: ModelSpec, layout: Layout, training: Training, units: float | None = None) -> float:
     """FSDP's hooks run on the host once per unit and collective (``Profile.fsdp_unit_overhead_s``
-    each): every gather and reduce-scatter of the stage's ``units`` blocks and of the root, and of
-    each block's experts where they are a unit of their own (``sharded_experts``).  Zero without
+    each), on the busiest rank in one step: every gather and reduce-scatter of the stage's blocks
+    (``units``, by default the layout's even cut) and of the root, and of each block's experts
+    where they are a unit of their own (sharded over the ranks that hold them).  Zero without
     sharded parameters."""
     if layout.shard_ranks <= 1:
         return 0.0
+    units = layout.stage_layers(model) if units is None else units
+    sharded_experts = bool(model.n_experts) and layout.ep > 1 and layout.expert_shard_ranks > 1
     gathers, scatters = fsdp_passes(layout, training)
     return (units * (2 if sharded_experts else 1) + 1) * (gathers + scatters)
 
@@ -494,13 +498,14 @@ def _first_gathers(model: ModelSpec, layout: Layout, layers: float) -> tuple[flo
 
 
 def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Ledger, params: float,
-                   experts: float, stage: StageCompute, m: int, first: tuple[float, float], units: float) -> None:
+                   experts: float, stage: StageCompute, m: int, first: tuple[float, float], units: float,
+                   hook_calls: float) -> None:
     """Book the exposed data-parallel communication of one step; ``params``: the GPU's
     parameters, ``experts`` of them its routed experts', which only the ranks holding the same
     experts gather and reduce (:attr:`Layout.expert_shard_ranks`, :attr:`Layout.expert_grad_ranks`);
     ``first``: the shares of FSDP's gather each pass exposes whatever the prefetch
     (:func:`_first_gathers`); ``units``: the blocks on the stage, each FSDP's own gather and
-    reduce-scatter (the root one more)."""
+    reduce-scatter (the root one more); ``hook_calls``: :func:`fsdp_hook_calls`."""
     if layout.ep == 1:  # every rank holds every expert: they are the block's, in its unit
         experts = 0.0
     dense = params - experts
@@ -533,8 +538,7 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         copies = 2 * (gathers * weights * (1 + 1 / layout.shard_ranks) + scatters * grads)
         ledger.add("compute/norm_elementwise", copies / (links.system.hbm_Bps * links.profile.memory))
         if links.profile.fsdp_unit_overhead_s:
-            hooks = fsdp_hook_calls(layout, training, units, experts > 0 and layout.expert_shard_ranks > 1)
-            ledger.add("compute/other", hooks * links.profile.fsdp_unit_overhead_s)
+            ledger.add("compute/other", hook_calls * links.profile.fsdp_unit_overhead_s)
         # Prefetch hides a pass's gathers behind its compute, all but the first unit's.
         fwd_w = min(stage.total("fwd"), gather * (1 - first[0])) if prefetch else 0.0
         bwd_w = stage.total("bwd") if prefetch else 0.0
