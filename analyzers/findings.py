@@ -442,7 +442,7 @@ def gather_parts(events, steady_steps: pd.DataFrame, plans=None) -> EvidencePart
         ev.nccl_ops = sorted({str(n) for n in head["name"].unique() if str(n).startswith("nccl:")})
         return ev
     df = events.to_pandas(["rank", "kind", "name", "ts_ns", "dur_ns", "step", "device", "tid", "correlation"])
-    df = df[_pair_in(df, steady_steps)]
+    df = df[pair_in(df, steady_steps)]
     kind = df["kind"]  # categorical: compared and matched per category, never expanded to strings
     names = df["name"]
 
@@ -633,7 +633,7 @@ def _host_while_waited(df: pd.DataFrame, kind: pd.Series, plans,
     return ops, after_sync, len(syncs)
 
 
-def _pair_in(rows: pd.DataFrame, pairs: pd.DataFrame) -> np.ndarray:
+def pair_in(rows: pd.DataFrame, pairs: pd.DataFrame) -> np.ndarray:
     """Which of ``rows`` have a (rank, step) among ``pairs``' (both 32-bit values, packed into one
     64-bit code: a numpy isin, where two MultiIndexes cost milliseconds to build)."""
     def code(frame: pd.DataFrame) -> np.ndarray:

@@ -1,11 +1,12 @@
 """Analyze a trace set rank by rank: each rank summarized in a worker, the summaries reduced here.
 
-The map task (:func:`map_rank`) loads one rank's file (from the cache, or parsed and cached),
+The map task (:func:`map_batch`) loads a rank's file (from the cache, or parsed and cached),
 places its process groups, summarizes it (:mod:`.rank_summary`) and writes its parts of the
-views; only the summary comes back.  The parent (:func:`analyze_ranks`) folds summaries as they
-finish, then reduces them to the report (:func:`.overview.reduce`): its memory grows with the
-summaries, not with the events.  The executor is any ``concurrent.futures`` one
-(:mod:`.executor`): the local pool by default.
+views; only the summary comes back.  Small files go several to a task (:func:`batches`), their
+ranks summarized together: a small rank's analysis is mostly the fixed cost of its frames.  The
+parent (:func:`analyze_ranks`) folds summaries as they finish, then reduces them to the report
+(:func:`.overview.reduce`): its memory grows with the summaries, not with the events.  The
+executor is any ``concurrent.futures`` one (:mod:`.executor`): the local pool by default.
 
 A worker that dies (killed for memory, a crash in a native library) breaks the local pool; its
 unfinished ranks are then tried again one at a time in a fresh pool, so the rank that kills a
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from mfuscope import atomic, run_dir
 from mfuscope.errors import UserInputError
+from mfuscope.event_table import EventTable
 
 from . import (
     breakdown,
@@ -106,18 +108,47 @@ def _object_strings():
 
 def map_rank(job: RankJob) -> MapResult:
     """Load, summarize and write the views of the rank(s) in ``job.file`` (a worker's task)."""
-    events, result = _load(job)
-    if events is None:
-        return result
-    with _object_strings():
-        events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
-        for rank, part in overview.split_ranks(events).items():
-            comm = _run_comm(job.run, rank) if job.run else None
-            s = rank_summary.summarize(part, job.manifest, run_comm=comm, world=job.world, views_dir=job.views_dir,
-                                       run=job.run)
-            s.file, s.cached = str(job.file), result.cached
-            result.summaries.append(s)
+    (result,) = map_batch((job,))
     return result
+
+
+def map_batch(jobs: tuple[RankJob, ...]) -> list[MapResult]:
+    """:func:`map_rank` of several files in one task: their ranks summarized together
+    (:func:`.rank_summary.summarize_ranks`), each file's load failing alone.  What a rank's
+    analyses cost apart from its events -- some 50 ms of small frames on 2 cores -- is then paid
+    once a batch, which on a job of thousands of small traces was most of the map."""
+    loaded = [_load(job) for job in jobs]
+    results = [result for _, result in loaded]
+    parts: list[tuple[int, int, EventTable]] = []  # (the job's position, rank, its events)
+    with _object_strings():
+        for i, (job, (events, _)) in enumerate(zip(jobs, loaded)):
+            if events is None:
+                continue
+            events = group_dims.assign(events, group_dims.RankLayout.parse(job.layout, job.rank_order))
+            parts += [(i, rank, part) for rank, part in overview.split_ranks(events).items()]
+        for group in _summarized_together(parts):
+            job = jobs[group[0][0]]
+            ranks = [rank for _, rank, _ in group]
+            summaries = rank_summary.summarize_ranks(
+                EventTable.concat([part for _, _, part in group]), job.manifest,
+                run_comm=_run_comm(job.run, ranks) if job.run else None, world=job.world, views_dir=job.views_dir,
+                run=job.run)
+            at = {rank: i for i, rank, _ in group}
+            for s in summaries:
+                s.file, s.cached = str(jobs[at[s.rank]].file), results[at[s.rank]].cached
+                results[at[s.rank]].summaries.append(s)
+    return results
+
+
+def _summarized_together(parts: list[tuple[int, int, EventTable]]) -> list[list[tuple[int, int, EventTable]]]:
+    """``parts`` in the groups one :func:`.rank_summary.summarize_ranks` takes: each rank once in
+    a group (two files that claim one rank stay two summaries, which the job's check refuses)."""
+    groups: list[list[tuple[int, int, EventTable]]] = [[]]
+    for item in parts:
+        if any(rank == item[1] for _, rank, _ in groups[-1]):
+            groups.append([])
+        groups[-1].append(item)
+    return [g for g in groups if g]
 
 
 def info_rank(job: RankJob) -> MapResult:
@@ -126,6 +157,11 @@ def info_rank(job: RankJob) -> MapResult:
     if events is not None:
         result.summaries = [trace_info.rank_info(part) for part in overview.split_ranks(events).values()]
     return result
+
+
+def info_batch(jobs: tuple[RankJob, ...]) -> list[MapResult]:
+    """:func:`info_rank` of each of ``jobs``."""
+    return [info_rank(job) for job in jobs]
 
 
 def _load(job: RankJob):
@@ -148,12 +184,12 @@ def _load(job: RankJob):
     return events, MapResult([], error, key, cached, size)
 
 
-def _run_comm(run: str, rank: int):
-    """The collectors' communication rows of one rank (a filtered read of ``comm.parquet``)."""
+def _run_comm(run: str, ranks: list[int]):
+    """The collectors' communication rows of some ranks (a filtered read of ``comm.parquet``)."""
     path = Path(run) / run_dir.COMM
     if not path.exists():
         return None
-    return ds.dataset(path, format="parquet").to_table(filter=ds.field("rank") == rank).to_pandas()
+    return ds.dataset(path, format="parquet").to_table(filter=ds.field("rank").isin(ranks)).to_pandas()
 
 
 def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = None, rank: int | None = None,
@@ -196,7 +232,7 @@ def analyze_ranks(path: str | os.PathLike, *, views_dir: str | Path | None = Non
             fresh.clear()
 
     try:
-        cached = _map(jobs, map_rank, take, workers, pool, progress, on_file, skipped, skip_bad, scheduler=scheduler)
+        cached = _map(jobs, map_batch, take, workers, pool, progress, on_file, skipped, skip_bad, scheduler=scheduler)
         mapped = time.perf_counter()
         if jobs or not trace_set.untraced_run(path):
             _check_job([(s.rank, s.file, s.meta) for s in summaries], skipped, Path(path), allow_mixed)
@@ -243,7 +279,7 @@ def info_ranks(path: str | os.PathLike, *, rank: int | None = None, step_annotat
     files, skipped = trace_set.rank_files(path, rank, skip_bad)
     jobs = _jobs(_for_workers(files, scheduler), step_annotation, use_cache, None, None, None, None, None, None)
     parts: list[dict[str, Any]] = []
-    _map(jobs, info_rank, parts.extend, workers, None, progress, None, skipped, skip_bad, desc="reading ranks",
+    _map(jobs, info_batch, parts.extend, workers, None, progress, None, skipped, skip_bad, desc="reading ranks",
          scheduler=scheduler)
     _check_job([(p["rank"], p["file"], p) for p in parts], skipped, Path(path), allow_mixed)
     return trace_info.combine(parts), skipped
@@ -287,8 +323,9 @@ def _check_job(ranks: list[tuple[int, str, dict]], skipped: list[tuple[str, str]
 def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | None, progress: bool | None,
          on_file, skipped: list[tuple[str, str]], skip_bad: bool, desc: str = "analyzing ranks",
          scheduler: str | None = None) -> int:
-    """Run ``task`` on every job, handing each file's ranks to ``take`` as they finish; the cache
-    index learns the files parsed.  Returns how many files came from the cache.  The map runs on
+    """Run ``task`` (:func:`map_batch` or :func:`info_batch`) on every job, in batches of small
+    files (:func:`batches`), handing each file's ranks to ``take`` as they finish; the cache index
+    learns the files parsed.  Returns how many files came from the cache.  The map runs on
     ``pool``, else on the Dask cluster at ``scheduler`` (or ``DASK_SCHEDULER_ADDRESS``), else on a
     local pool of ``workers``."""
     learned: dict[str, str] = {}
@@ -318,12 +355,14 @@ def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | 
     n = executor.default_workers(len(jobs), workers)
     address = cluster.scheduler_address(scheduler) if pool is None else None
     own = cluster.ClusterPool(address, workers) if address else None
+    units = batches(jobs, getattr(pool or own, "workers", None) or n)
     try:
         if pool is None and own is None and n == 1:
-            for job in jobs:
-                fold(job, task(job))
+            for unit in units:
+                for job, result in zip(unit, task(unit)):
+                    fold(job, result)
         else:
-            _run(jobs, task, pool or own, n, fold)
+            _run(units, task, pool or own, n, fold)
     finally:
         bar.close()
         trace_cache.update_index(learned)
@@ -332,24 +371,54 @@ def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | 
     return cached
 
 
-def _run(jobs: list[RankJob], task, pool: Executor | None, n: int, fold) -> None:
-    """The map on ``pool`` (or a local pool of ``n``); ranks a dying worker took with it run again
+#: A map task's batch (:func:`batches`): at most this many files, this many bytes of them on disk.
+BATCH_FILES = 32
+BATCH_BYTES = 8 * 2**20
+
+
+def batches(jobs: list[RankJob], workers: int) -> list[tuple[RankJob, ...]]:
+    """``jobs`` in order, cut into the map's tasks: consecutive small files together, up to
+    :data:`BATCH_FILES` files and :data:`BATCH_BYTES` on disk, and at least four tasks a worker
+    where there are that many files (so that no worker idles while another finishes a batch).  A
+    file over the bytes is a task alone: its events are most of its cost, not the frames."""
+    size = max(1, min(BATCH_FILES, len(jobs) // (4 * max(workers, 1))))
+    out: list[tuple[RankJob, ...]] = []
+    unit: list[RankJob] = []
+    held = 0
+    for job in jobs:
+        try:
+            nbytes = job.file.stat().st_size
+        except OSError:  # unreadable here: its task says why
+            nbytes = BATCH_BYTES
+        if unit and (len(unit) >= size or held + nbytes > BATCH_BYTES):
+            out.append(tuple(unit))
+            unit, held = [], 0
+        unit.append(job)
+        held += nbytes
+    if unit:
+        out.append(tuple(unit))
+    return out
+
+
+def _run(units: list[tuple[RankJob, ...]], task, pool: Executor | None, n: int, fold) -> None:
+    """The map on ``pool`` (or a local pool of ``n``); files a dying worker took with it run again
     one at a time, and the one that kills a worker alone fails the analysis, named.  (A dying
-    worker takes every rank it held: a local pool breaks whole, a Dask worker fails the ranks
+    worker takes every batch it held: a local pool breaks whole, a Dask worker fails the batches
     queued on it too.)"""
     own = pool is None
     pool = pool or executor.local_pool(n)
     broken: list[RankJob] = []
     try:
-        for job, fut in executor.bounded_map(pool, task, jobs, in_flight=2 * getattr(pool, "workers", n)):
+        for unit, fut in executor.bounded_map(pool, task, units, in_flight=2 * getattr(pool, "workers", n)):
             try:
-                result = fut.result()
+                results = fut.result()
             except Exception as e:
                 if not _worker_died(e):
                     raise
-                broken.append(job)
+                broken.extend(unit)
                 continue
-            fold(job, result)
+            for job, result in zip(unit, results):
+                fold(job, result)
         for job in broken:  # alone: on the cluster (its nannies restart dead workers), else in a fresh pool
             fold(job, _alone(task, job, None if own else pool))
     finally:
@@ -361,9 +430,11 @@ def _alone(task, job: RankJob, cluster_pool: Executor | None) -> MapResult:
     """``task`` on ``job`` with nothing else running beside it: a worker that dies now died of this rank."""
     try:
         if cluster_pool is not None:
-            return cluster_pool.submit(task, job).result()
+            (result,) = cluster_pool.submit(task, (job,)).result()
+            return result
         with executor.local_pool(1) as alone:
-            return alone.submit(task, job).result()
+            (result,) = alone.submit(task, (job,)).result()
+            return result
     except Exception as e:
         if not _worker_died(e):
             raise

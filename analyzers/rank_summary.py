@@ -12,7 +12,8 @@ are written by the worker as its own Parquet parts of the views (:data:`TIMELINE
 
 Everything here is a function of the rank's events alone, except what the caller passes that
 belongs to the job: the run's manifest (stages), the collectors' communication rows of the rank,
-and the job's world size.
+and the job's world size.  Several ranks may be summarized in one pass (:func:`summarize_ranks`:
+every analysis keys its rows by rank), which is how a worker takes a batch of small traces.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 from pandas.api.types import union_categoricals
@@ -77,37 +79,85 @@ def summarize(events: EventTable, manifest: dict[str, Any] | None = None, *,
     given; ``world``: the job's world size where the trace does not say it; ``views_dir``: where
     the rank writes its parts of the views; ``run``: the run directory (the collectors' memory count
     and the window's memory files)."""
-    (rank,) = events.rank_ids
+    (summary,) = summarize_ranks(events, manifest, run_comm=run_comm, world=world, views_dir=views_dir, run=run)
+    return summary
+
+
+def summarize_ranks(events: EventTable, manifest: dict[str, Any] | None = None, *,
+                    run_comm: pd.DataFrame | None = None, world: int | None = None,
+                    views_dir: str | Path | None = None, run: str | Path | None = None) -> list[RankSummary]:
+    """The summaries of the ranks ``events`` holds, made in one pass over their events together,
+    as :func:`collapse` leaves summaries: the first holds the ranks' sums and per-rank rows, each
+    summary its own rank's report row, metadata and memory.  Equal, folded, to summarizing each
+    rank alone (every analysis here keys its rows by rank); what it saves is the fixed cost of the
+    few hundred small frames an analysis makes, paid once for all the ranks, not once a rank: the
+    map of a job of thousands of small traces hands a worker several ranks at a time.
+
+    Options as :func:`summarize`; ``run_comm``: the communication rows of these ranks."""
+    ranks = events.rank_ids
+    metas = {r: {k: v for k, v in events.ranks[r].items() if k != "memory"} for r in ranks}
+    # What the calls and their links read of a rank's metadata is one value for the lot: ranks of
+    # other devices or world sizes (a mixed job) are summarized each alone.
+    devices = {m.get("device_name") or Manifest.of(manifest).device_name for m in metas.values()}
+    if len(devices) > 1 or len({m.get("world_size") for m in metas.values()}) > 1:
+        return [s for r in ranks for s in summarize_ranks(events.filter(_is_rank(events, r)), manifest,
+                                                            run_comm=_rows_of(run_comm, r), world=world,
+                                                            views_dir=views_dir, run=run)]
     ctx = Context.of_events(events, manifest)
     ev = ctx.events
     leaves = ctx.leaves
     rank_steps = breakdown.per_rank_step(leaves)
     if run_comm is not None:
         calls = comm_stats.calls_from_run(run_comm)
-        calls = calls[calls["step"].isin(leaves["step"].unique())] if not leaves.empty else calls
+        calls = calls[_in_traced_steps(calls, leaves)]
     else:
         calls = comm_stats.calls_from_trace(ev, world=world)
     calls = comm_stats.add_exposure(calls, comm_stats.exposure_sets(ev, ctx.plans))
     calls = compact_calls(calls.reindex(columns=CALL_COLUMNS))
     steady = findings.steady(leaves)[["rank", "step"]].drop_duplicates()
+    links = comm_stats.Links.of(devices.pop(), world, Manifest.of(manifest).raw)
+    rows = _rank_rows(ev, ranks, rank_steps)
+    sums = {"leaves": leaves, "spans": kernel_time.step_spans(ev), "calls": comm_stats.matchable(calls),
+            "comm_parts": comm_stats.summary_parts(calls, links), "comm_counts": counters.comm_counts(calls),
+            "kernels": kernel_time.kernel_stats(ev), "launch": kernel_time.launch_stats(ev),
+            "graphs": kernel_time.graph_activity(ev), "shapes": mfu.TraceShapes.of(ev),
+            "overlap": comm_stats.overlap_by_rank(ev), "comm_ops": _comm_ops(ev), "counts": counters.event_counts(ev),
+            "evidence": findings.gather_parts(ev, steady, ctx.plans), "microbatches": ctx.microbatches}
     # The allocator's summary (400 points a device) becomes the rank's memory entry and its part of
     # the memory view here; kept in the meta too, it was 127 KB a rank in a 1,024-rank parent.
-    meta = {k: v for k, v in events.ranks[rank].items() if k != "memory"}
-    allocators = events.ranks[rank].get("memory")
-    links = comm_stats.Links.of(meta.get("device_name") or Manifest.of(manifest).device_name, world,
-                                Manifest.of(manifest).raw)
-    summary = RankSummary(
-        rank=rank, meta=meta, leaves=leaves, spans=kernel_time.step_spans(ev), calls=comm_stats.matchable(calls),
-        comm_parts=comm_stats.summary_parts(calls, links), comm_counts=counters.comm_counts(calls),
-        kernels=kernel_time.kernel_stats(ev), launch=kernel_time.launch_stats(ev),
-        graphs=kernel_time.graph_activity(ev), shapes=mfu.TraceShapes.of(ev),
-        overlap=comm_stats.overlap_by_rank(ev), row=_rank_row(ev, rank, rank_steps),
-        comm_ops=_comm_ops(ev), counts=counters.event_counts(ev),
-        evidence=findings.gather_parts(ev, steady, ctx.plans), microbatches=ctx.microbatches,
-        memory=memory.of_rank(rank, allocators, run, views_dir))
+    summaries = [RankSummary(rank=r, meta=metas[r], row=rows[r],
+                             memory=memory.of_rank(r, events.ranks[r].get("memory"), run, views_dir),
+                             **(sums if r == ranks[0] else _no_parts())) for r in ranks]
     if views_dir is not None:
-        _write_views(Path(views_dir), rank, timeline.segments(ev, ctx.plans), calls)
-    return summary
+        _write_views(Path(views_dir), ranks, timeline.segments(ev, ctx.plans), calls)
+    return summaries
+
+
+def _no_parts() -> dict[str, Any]:
+    """The fields of a summary whose ranks' sums and rows another summary holds (:func:`collapse`)."""
+    return {**{name: _EMPTY[name] for name in _ROWS + ("kernels", "comm_counts", "counts", "comm_ops")},
+            "calls": _EMPTY["calls"], "comm_parts": {}, "graphs": {"captures": 0, "replays": 0},
+            "shapes": _NO_SHAPES, "evidence": findings.EvidenceParts()}
+
+
+def _is_rank(events: EventTable, rank: int):
+    return events.table.column("rank").to_numpy() == rank
+
+
+def _rows_of(frame: pd.DataFrame | None, rank: int) -> pd.DataFrame | None:
+    return None if frame is None else frame[frame["rank"] == rank]
+
+
+def _in_traced_steps(calls: pd.DataFrame, leaves: pd.DataFrame) -> np.ndarray:
+    """Which of the collectors' ``calls`` fall in a step the rank's trace holds (all of a rank
+    whose trace has no step)."""
+    if leaves.empty:
+        return np.ones(len(calls), dtype=bool)
+    step = pd.to_numeric(calls["step"], errors="coerce").to_numpy()
+    known = ~np.isnan(step)
+    traced = np.zeros(len(calls), dtype=bool)
+    traced[known] = findings.pair_in(calls[known], leaves)
+    return traced | ~calls["rank"].isin(leaves["rank"].unique()).to_numpy()
 
 
 #: The calls' text columns: a few distinct values a rank (a 1,024-rank group's list is 5 KB of text).
@@ -174,6 +224,7 @@ _EMPTY = {
     "launch": pd.DataFrame(columns=kernel_time.LAUNCH_COLUMNS),
     "overlap": pd.DataFrame(columns=comm_stats.OVERLAP_COLUMNS),
     "microbatches": pd.DataFrame(columns=timeline.MICROBATCH_COLUMNS),
+    "calls": pd.DataFrame(columns=comm_stats.MATCH_COLUMNS),
 }
 _NO_SHAPES = mfu.TraceShapes(pd.DataFrame(columns=["step", "dtype", "flops"]))
 
@@ -195,29 +246,48 @@ def _summed(frames: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True).groupby(keys, as_index=False).sum(numeric_only=True)
 
 
-def _write_views(views_dir: Path, rank: int, segments: pd.DataFrame, calls: pd.DataFrame) -> None:
+def _write_views(views_dir: Path, ranks: list[int], segments: pd.DataFrame, calls: pd.DataFrame) -> None:
+    """Each rank's part of the timeline and collective views: its own rows, its text columns'
+    categories the values it holds (as a rank summarized alone writes them)."""
     for name, frame in ((TIMELINE, segments), (COMM_CALLS, calls)):
-        part = views_dir / name / f"rank{rank:05d}.parquet"
-        part.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_parquet(part, pa.Table.from_pandas(frame, preserve_index=False))
+        at = frame.groupby("rank").indices if len(frame) and len(ranks) > 1 else {}
+        for rank in ranks:
+            part = frame if len(ranks) == 1 else _pruned(frame.iloc[at.get(rank, [])])
+            path = views_dir / name / f"rank{rank:05d}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_parquet(path, pa.Table.from_pandas(part, preserve_index=False))
 
 
-def _rank_row(events: EventTable, rank: int, rank_steps: pd.DataFrame) -> dict[str, Any]:
-    """The report's ``ranks`` entry: median step and wait, device time by kind, communication.
-    (Totals of integer durations, read with masks: a groupby per kind cost more than the rest of the row.)"""
-    df = events.to_pandas(["kind", "dur_ns", "device"])
+def _pruned(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with its categorical columns' unused categories removed."""
+    return frame.assign(**{c: frame[c].cat.remove_unused_categories() for c in frame.columns
+                           if isinstance(frame[c].dtype, pd.CategoricalDtype)})
+
+
+def _rank_rows(events: EventTable, ranks: list[int], rank_steps: pd.DataFrame) -> dict[int, dict[str, Any]]:
+    """Each rank's entry of the report's ``ranks``: median step and wait, device time by kind,
+    communication.  (Totals of integer durations, read with masks: a groupby per kind cost more
+    than the rest of the row.)"""
+    df = events.to_pandas(["rank", "kind", "dur_ns", "device"])
     kind, dur, on_device = df["kind"], df["dur_ns"].to_numpy(), df["device"].to_numpy() >= 0
-
-    def device_ns(*kinds: str) -> int:  # kernel_time.device_time's total_ns of these kinds
-        return dur[kind.isin(kinds).to_numpy() & on_device].sum()
-
-    comm_ns = dur[(kind == "comm").to_numpy()].sum()
-    return {"rank": rank, "steps": int(len(rank_steps)),
-            "step_time_s": float(rank_steps["step_s"].median()) if len(rank_steps) else None,
-            "wait_s": float(rank_steps["wait_s"].median()) if len(rank_steps) else None,
-            "compute_kernel_s": float(device_ns("kernel") / 1e9),
-            "comm_s": float(comm_ns / 1e9),  # GPU communication kernels, or gloo work on CPU threads
-            "memory_s": float(device_ns("memcpy", "memset") / 1e9)}
+    of_rank = df["rank"].to_numpy()
+    kernel = (kind == "kernel").to_numpy() & on_device
+    copies = kind.isin(["memcpy", "memset"]).to_numpy() & on_device
+    comm = (kind == "comm").to_numpy()
+    steps_of = rank_steps.groupby("rank").indices if len(rank_steps) else {}
+    step_s, wait_s = rank_steps["step_s"].to_numpy(), rank_steps["wait_s"].to_numpy()
+    rows = {}
+    for rank in ranks:
+        mine = of_rank == rank
+        steps = steps_of.get(rank, np.empty(0, dtype=np.intp))
+        rows[rank] = {"rank": rank, "steps": int(len(steps)),
+                      "step_time_s": float(np.median(step_s[steps])) if len(steps) else None,
+                      "wait_s": float(np.median(wait_s[steps])) if len(steps) else None,
+                      "compute_kernel_s": float(dur[kernel & mine].sum() / 1e9),
+                      # GPU communication kernels, or gloo work on CPU threads
+                      "comm_s": float(dur[comm & mine].sum() / 1e9),
+                      "memory_s": float(dur[copies & mine].sum() / 1e9)}
+    return rows
 
 
 def _comm_ops(events: EventTable) -> pd.DataFrame:

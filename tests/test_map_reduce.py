@@ -16,6 +16,8 @@ import tracemalloc
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from mfuscope.analyzers import analysis, duration_sketch, executor, map_reduce, overview, rank_lists, trace_set
@@ -49,6 +51,68 @@ def test_dlrm_8_ranks_report_is_the_in_memory_analysis(tmp_path):
     assert sorted(calls["rank"].unique()) == list(range(8)) and calls["exposed_ns"].notna().any()
     segments, _ = analysis.read_views(tmp_path / "views")
     assert sorted(segments["rank"].unique()) == list(range(8))
+
+
+def _views(views: Path) -> dict[str, pa.Table]:
+    return {str(f.relative_to(views)): pq.read_table(f) for f in sorted(views.rglob("*.parquet")) if f.is_file()}
+
+
+def _batched_and_alone(path: Path, tmp_path: Path, monkeypatch) -> tuple[dict, dict, dict, dict]:
+    """(report, views) of ``path`` with every file in one map task, then with each file a task."""
+    out = []
+    for name, cut in (("together", lambda jobs, workers: [tuple(jobs)]),
+                      ("alone", lambda jobs, workers: [(job,) for job in jobs])):
+        monkeypatch.setattr(map_reduce, "batches", cut)
+        report, *_ = map_reduce.analyze_ranks(path, views_dir=tmp_path / name, use_cache=False, workers=1,
+                                              progress=False)
+        out += [report, _views(tmp_path / name)]
+    return tuple(out)
+
+
+@needs_corpus(DLRM)
+def test_ranks_summarized_in_one_task_give_the_frozen_report_and_each_ranks_views(tmp_path, monkeypatch):
+    """The 8 DLRM ranks summarized together (rank_summary.summarize_ranks: one pass over their
+    events) give the frozen in-memory report, and the views each rank summarized alone writes:
+    the same files, schemas and rows."""
+    together, views, alone, alone_views = _batched_and_alone(DLRM, tmp_path, monkeypatch)
+    assert report_differences(json.loads((FROZEN_REPORTS / "dlrm_8_ranks.json").read_text()), together) == []
+    assert report_differences(alone, together) == []
+    assert list(views) == list(alone_views) and len(views) == 2 * 8 + 1  # timeline, calls a rank; microbatches
+    for name, table in views.items():
+        assert table.schema == alone_views[name].schema and table.equals(alone_views[name]), name
+
+
+@pytest.mark.paced  # reads the session's 3D run, as the dashboard's paced tests do
+def test_a_3d_runs_ranks_summarized_in_one_task_are_each_ranks_alone(run_3d, tmp_path, monkeypatch):
+    """The same on a real 8-rank run (dp_shard x tp x pp, the collectors' communication rows, a
+    pipeline's microbatches): one task of all ranks against a task a rank."""
+    together, views, alone, alone_views = _batched_and_alone(run_3d, tmp_path, monkeypatch)
+    assert report_differences(alone, together) == [] and together["summary"]["ranks"] == 8
+    assert list(views) == list(alone_views)
+    for name, table in views.items():
+        assert table.schema == alone_views[name].schema and table.equals(alone_views[name]), name
+
+
+def test_small_files_share_a_task_and_a_large_one_is_alone(tmp_path):
+    """By hand: 100 files of 1 KB on 2 workers go 100 // (4 x 2) = 12 to a task (9 tasks: 8 of 12
+    and the last 4); a file over BATCH_BYTES closes the task before it and is one alone; with 8
+    files and 2 workers every file is a task (8 // 8 = 1)."""
+    def files(sizes):
+        for i, n in enumerate(sizes):
+            (tmp_path / f"rank{i}.json").write_bytes(b" " * n)
+        return [map_reduce.RankJob(tmp_path / f"rank{i}.json", None, None, False, None, None, None, None, None, None,
+                                   None, ()) for i in range(len(sizes))]
+
+    def cut(jobs, workers):
+        return [[int(j.file.stem[4:]) for j in unit] for unit in map_reduce.batches(jobs, workers)]
+
+    assert [len(u) for u in cut(files([1024] * 100), 2)] == [12] * 8 + [4]
+    sizes = [1024] * 100
+    sizes[30] = map_reduce.BATCH_BYTES + 1
+    units = cut(files(sizes), 2)
+    assert [30] in units and [24, 25, 26, 27, 28, 29] in units and units[units.index([30]) + 1][0] == 31
+    assert sorted(r for u in units for r in u) == list(range(100))
+    assert cut(files([1024] * 8), 2) == [[r] for r in range(8)]
 
 
 @needs_corpus(TRACE_FILTER)
