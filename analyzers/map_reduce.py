@@ -378,10 +378,10 @@ BATCH_BYTES = 8 * 2**20
 
 def batches(jobs: list[RankJob], workers: int) -> list[tuple[RankJob, ...]]:
     """``jobs`` in order, cut into the map's tasks: consecutive small files together, up to
-    :data:`BATCH_FILES` files and :data:`BATCH_BYTES` on disk, and at least four tasks a worker
-    where there are that many files (so that no worker idles while another finishes a batch).  A
+    :data:`BATCH_FILES` files and :data:`BATCH_BYTES` on disk, and at least two tasks a worker
+    where there are that many files (so that no worker idles long while another finishes a batch).  A
     file over the bytes is a task alone: its events are most of its cost, not the frames."""
-    size = max(1, min(BATCH_FILES, len(jobs) // (4 * max(workers, 1))))
+    size = max(1, min(BATCH_FILES, len(jobs) // (2 * max(workers, 1))))
     out: list[tuple[RankJob, ...]] = []
     unit: list[RankJob] = []
     held = 0

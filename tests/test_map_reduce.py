@@ -94,9 +94,10 @@ def test_a_3d_runs_ranks_summarized_in_one_task_are_each_ranks_alone(run_3d, tmp
 
 
 def test_small_files_share_a_task_and_a_large_one_is_alone(tmp_path):
-    """By hand: 100 files of 1 KB on 2 workers go 100 // (4 x 2) = 12 to a task (9 tasks: 8 of 12
-    and the last 4); a file over BATCH_BYTES closes the task before it and is one alone; with 8
-    files and 2 workers every file is a task (8 // 8 = 1)."""
+    """By hand: 100 files of 1 KB on 2 workers go 100 // (2 x 2) = 25 to a task (4 tasks); 1,000
+    files 32 to a task (BATCH_FILES: 31 tasks of 32 and the last 8); a file over BATCH_BYTES
+    closes the task before it and is one alone; with 3 files and 2 workers every file is a task
+    (3 // 4 = 0: one)."""
     def files(sizes):
         for i, n in enumerate(sizes):
             (tmp_path / f"rank{i}.json").write_bytes(b" " * n)
@@ -106,13 +107,14 @@ def test_small_files_share_a_task_and_a_large_one_is_alone(tmp_path):
     def cut(jobs, workers):
         return [[int(j.file.stem[4:]) for j in unit] for unit in map_reduce.batches(jobs, workers)]
 
-    assert [len(u) for u in cut(files([1024] * 100), 2)] == [12] * 8 + [4]
+    assert [len(u) for u in cut(files([1024] * 100), 2)] == [25] * 4
+    assert [len(u) for u in cut(files([1] * 1000), 2)] == [32] * 31 + [8]
     sizes = [1024] * 100
     sizes[30] = map_reduce.BATCH_BYTES + 1
     units = cut(files(sizes), 2)
-    assert [30] in units and [24, 25, 26, 27, 28, 29] in units and units[units.index([30]) + 1][0] == 31
+    assert units[:3] == [list(range(25)), list(range(25, 30)), [30]] and units[3][0] == 31
     assert sorted(r for u in units for r in u) == list(range(100))
-    assert cut(files([1024] * 8), 2) == [[r] for r in range(8)]
+    assert cut(files([1024] * 3), 2) == [[0], [1], [2]]
 
 
 @needs_corpus(TRACE_FILTER)
