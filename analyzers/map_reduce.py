@@ -374,6 +374,9 @@ def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | 
 #: A map task's batch (:func:`batches`): at most this many files, this many bytes of them on disk.
 BATCH_FILES = 32
 BATCH_BYTES = 8 * 2**20
+#: Sets the most files a map task takes in place of :data:`BATCH_FILES` (1: a task a file, as the
+#: map ran before batches; benchmarks/bench_small_ranks.py compares the two).
+ENV_BATCH_FILES = "MFUSCOPE_MAP_BATCH_FILES"
 
 
 def batches(jobs: list[RankJob], workers: int) -> list[tuple[RankJob, ...]]:
@@ -381,7 +384,8 @@ def batches(jobs: list[RankJob], workers: int) -> list[tuple[RankJob, ...]]:
     :data:`BATCH_FILES` files and :data:`BATCH_BYTES` on disk, and at least two tasks a worker
     where there are that many files (so that no worker idles long while another finishes a batch).  A
     file over the bytes is a task alone: its events are most of its cost, not the frames."""
-    size = max(1, min(BATCH_FILES, len(jobs) // (2 * max(workers, 1))))
+    most = int(os.environ.get(ENV_BATCH_FILES) or BATCH_FILES)
+    size = max(1, min(most, len(jobs) // (2 * max(workers, 1))))
     out: list[tuple[RankJob, ...]] = []
     unit: list[RankJob] = []
     held = 0
