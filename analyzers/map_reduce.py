@@ -371,9 +371,11 @@ def _map(jobs: list[RankJob], task, take, workers: int | None, pool: Executor | 
     return cached
 
 
-#: A map task's batch (:func:`batches`): at most this many files, this many bytes of them on disk.
+#: A map task's batch (:func:`batches`): at most this many files, this many bytes of trace (as
+#: parsed: a gzip file's decompressed size).  A rank of 16 MB and more is a task alone, so a
+#: worker never holds two large traces at once (its peak memory is a trace's: docs/loader.md).
 BATCH_FILES = 32
-BATCH_BYTES = 8 * 2**20
+BATCH_BYTES = 16 * 2**20
 #: Sets the most files a map task takes in place of :data:`BATCH_FILES` (1: a task a file, as the
 #: map ran before batches; benchmarks/bench_small_ranks.py compares the two).
 ENV_BATCH_FILES = "MFUSCOPE_MAP_BATCH_FILES"
@@ -381,19 +383,16 @@ ENV_BATCH_FILES = "MFUSCOPE_MAP_BATCH_FILES"
 
 def batches(jobs: list[RankJob], workers: int) -> list[tuple[RankJob, ...]]:
     """``jobs`` in order, cut into the map's tasks: consecutive small files together, up to
-    :data:`BATCH_FILES` files and :data:`BATCH_BYTES` on disk, and at least two tasks a worker
-    where there are that many files (so that no worker idles long while another finishes a batch).  A
-    file over the bytes is a task alone: its events are most of its cost, not the frames."""
+    :data:`BATCH_FILES` files and :data:`BATCH_BYTES` of trace, and at least two tasks a worker
+    where there are that many files (so that no worker idles long while another finishes a
+    batch).  A larger file is a task alone: its events are most of its cost, not the frames."""
     most = int(os.environ.get(ENV_BATCH_FILES) or BATCH_FILES)
     size = max(1, min(most, len(jobs) // (2 * max(workers, 1))))
     out: list[tuple[RankJob, ...]] = []
     unit: list[RankJob] = []
     held = 0
     for job in jobs:
-        try:
-            nbytes = job.file.stat().st_size
-        except OSError:  # unreadable here: its task says why
-            nbytes = BATCH_BYTES
+        nbytes = trace_bytes(job.file)
         if unit and (len(unit) >= size or held + nbytes > BATCH_BYTES):
             out.append(tuple(unit))
             unit, held = [], 0
@@ -402,6 +401,24 @@ def batches(jobs: list[RankJob], workers: int) -> list[tuple[RankJob, ...]]:
     if unit:
         out.append(tuple(unit))
     return out
+
+
+def trace_bytes(path: Path) -> int:
+    """The bytes the parser reads of a trace file: a gzip file's decompressed size (its trailer's
+    ISIZE, the size modulo 4 GiB: never less than the compressed size is taken), another file's
+    size; an nsys database or a file this process cannot read counts as :data:`BATCH_BYTES` (a
+    task alone)."""
+    try:
+        size = path.stat().st_size
+        if path.suffix == ".sqlite":
+            return BATCH_BYTES
+        if path.suffix != ".gz" or size < 18:  # a gzip member's header and trailer alone are 18 bytes
+            return size
+        with open(path, "rb") as f:
+            f.seek(-4, os.SEEK_END)
+            return max(size, int.from_bytes(f.read(4), "little"))
+    except OSError:  # unreadable here: its task says why
+        return BATCH_BYTES
 
 
 def _run(units: list[tuple[RankJob, ...]], task, pool: Executor | None, n: int, fold) -> None:

@@ -9,6 +9,7 @@ numbers in another order), kernel-duration and bandwidth medians within the sket
 """
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -96,22 +97,26 @@ def test_a_3d_runs_ranks_summarized_in_one_task_are_each_ranks_alone(run_3d, tmp
 def test_small_files_share_a_task_and_a_large_one_is_alone(tmp_path):
     """By hand: 100 files of 1 KB on 2 workers go 100 // (2 x 2) = 25 to a task (4 tasks); 1,000
     files 32 to a task (BATCH_FILES: 31 tasks of 32 and the last 8); a file over BATCH_BYTES
-    closes the task before it and is one alone; with 3 files and 2 workers every file is a task
-    (3 // 4 = 0: one)."""
-    def files(sizes):
+    closes the task before it and is one alone -- a gzip file by its decompressed size, not its
+    size on disk; with 3 files and 2 workers every file is a task (3 // 4 = 0: one)."""
+    def files(sizes, big=None):
         for i, n in enumerate(sizes):
             (tmp_path / f"rank{i}.json").write_bytes(b" " * n)
-        return [map_reduce.RankJob(tmp_path / f"rank{i}.json", None, None, False, None, None, None, None, None, None,
-                                   None, ()) for i in range(len(sizes))]
+        names = [f"rank{i}.json" for i in range(len(sizes))]
+        if big is not None:  # a gzip file small on disk whose trace is over the batch's bytes
+            names[big] = f"rank{big}.json.gz"
+            with gzip.open(tmp_path / names[big], "wb") as f:
+                f.write(b" " * (map_reduce.BATCH_BYTES + 1))
+            assert (tmp_path / names[big]).stat().st_size < map_reduce.BATCH_BYTES // 100
+        return [map_reduce.RankJob(tmp_path / n, None, None, False, None, None, None, None, None, None, None, ())
+                for n in names]
 
     def cut(jobs, workers):
-        return [[int(j.file.stem[4:]) for j in unit] for unit in map_reduce.batches(jobs, workers)]
+        return [[int(j.file.name.split(".")[0][4:]) for j in unit] for unit in map_reduce.batches(jobs, workers)]
 
     assert [len(u) for u in cut(files([1024] * 100), 2)] == [25] * 4
     assert [len(u) for u in cut(files([1] * 1000), 2)] == [32] * 31 + [8]
-    sizes = [1024] * 100
-    sizes[30] = map_reduce.BATCH_BYTES + 1
-    units = cut(files(sizes), 2)
+    units = cut(files([1024] * 100, big=30), 2)
     assert units[:3] == [list(range(25)), list(range(25, 30)), [30]] and units[3][0] == 31
     assert sorted(r for u in units for r in u) == list(range(100))
     assert cut(files([1024] * 3), 2) == [[0], [1], [2]]
