@@ -177,7 +177,11 @@ def _assert_leaves_add_up(out, report, world):
     assert sum(c["total_s"] for c in report["comm"]) <= wall * (1 + 1e-9)
 
 
-SLOW_MS = 250  # rank 3's sleep per forward in the slowed run: 2 forwards a step
+#: Rank 3's sleep per forward in the slowed run (2 forwards a step).  Long against the base step
+#: (0.25 s in a quiet CI, 0.42 s in one with a co-tenant): the compare test's gate sits halfway to
+#: the drop this sleep guarantees, so it must stay clear of both the base run's own slowness and a
+#: rerun's noise (250 ms left a 0.42 s base step too close to the 0.62 s floor).
+SLOW_MS = 500
 PACED_S = 2 * (0.020 + 0.040)  # each rank's paced sleeps per step (2 accumulation microbatches)
 
 
@@ -249,7 +253,8 @@ def test_compare_fails_on_the_slowed_run_and_passes_the_rerun(dp_runs):
     # each step, so the slowed run's steps last at least that long whatever the CPU sharing (8 ranks
     # on 2 cores: while rank 3 sleeps the others run faster, so the step grows by less than the
     # sleep).  Its MFU therefore drops by at least 1 - base/floor; the gate sits halfway, so a rerun
-    # may differ by run-to-run noise (11% seen on a shared 2-core machine) and still pass.
+    # may differ by run-to-run noise (11% seen on a shared 2-core machine; at a 0.25 s base step it
+    # may be 1.6x slower, at 0.42 s 1.45x) and still pass.
     step = dp_runs["base"][1]["summary"]["step_time_s"]
     floor = 2 * SLOW_MS / 1e3 + PACED_S
     assert step < 0.6 * floor, f"the base step ({step:.3f} s) is too slow for the slowed run to stand out"
