@@ -58,7 +58,8 @@ def scheduler_address(asked: str | None) -> str | None:
 class ClusterPool(Executor):
     """A Dask client's executor, and the client (and the LocalCluster, if it started one) to close.
 
-    ``workers`` is the cluster's thread count: the map keeps twice that many ranks in flight.
+    ``workers`` is the cluster's thread count: the map keeps twice that many tasks in flight (each a
+    batch of small ranks or one large rank: map_reduce.batches).
     """
 
     def __init__(self, address: str, workers: int | None = None, local_directory: str | Path | None = None):
