@@ -250,9 +250,9 @@ def _write_views(views_dir: Path, ranks: list[int], segments: pd.DataFrame, call
     """Each rank's part of the timeline and collective views: its own rows, its text columns'
     categories the values it holds (as a rank summarized alone writes them)."""
     for name, frame in ((TIMELINE, segments), (COMM_CALLS, calls)):
-        at = frame.groupby("rank").indices if len(frame) and len(ranks) > 1 else {}
+        at = frame.groupby("rank").indices if len(frame) else {}
         for rank in ranks:
-            part = frame if len(ranks) == 1 else _pruned(frame.iloc[at.get(rank, [])])
+            part = _pruned(frame.iloc[at.get(rank, [])])
             path = views_dir / name / f"rank{rank:05d}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic.write_parquet(path, pa.Table.from_pandas(part, preserve_index=False))
