@@ -100,9 +100,8 @@ def summarize_ranks(events: EventTable, manifest: dict[str, Any] | None = None, 
     # other devices or world sizes (a mixed job) are summarized each alone.
     devices = {m.get("device_name") or Manifest.of(manifest).device_name for m in metas.values()}
     if len(devices) > 1 or len({m.get("world_size") for m in metas.values()}) > 1:
-        return [s for r in ranks for s in summarize_ranks(events.filter(_is_rank(events, r)), manifest,
-                                                            run_comm=_rows_of(run_comm, r), world=world,
-                                                            views_dir=views_dir, run=run)]
+        return [s for r in ranks for s in summarize_ranks(_rank_of(events, r), manifest, run_comm=_rows_of(run_comm, r),
+                                                            world=world, views_dir=views_dir, run=run)]
     ctx = Context.of_events(events, manifest)
     ev = ctx.events
     leaves = ctx.leaves
@@ -140,8 +139,9 @@ def _no_parts() -> dict[str, Any]:
             "shapes": _NO_SHAPES, "evidence": findings.EvidenceParts()}
 
 
-def _is_rank(events: EventTable, rank: int):
-    return events.table.column("rank").to_numpy() == rank
+def _rank_of(events: EventTable, rank: int) -> EventTable:
+    """The events and metadata of one of the ranks ``events`` holds."""
+    return EventTable(events.table.filter(events.table.column("rank").to_numpy() == rank), {rank: events.ranks[rank]})
 
 
 def _rows_of(frame: pd.DataFrame | None, rank: int) -> pd.DataFrame | None:

@@ -21,8 +21,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mfuscope.analyzers import analysis, duration_sketch, executor, map_reduce, overview, rank_lists, trace_set
+from mfuscope.analyzers import (
+    analysis,
+    duration_sketch,
+    executor,
+    map_reduce,
+    overview,
+    rank_lists,
+    rank_summary,
+    trace_set,
+)
 from mfuscope.errors import UserInputError
+from mfuscope.event_table import EventTable
 from mfuscope.tests.helpers import (
     DLRM,
     FROZEN_REPORTS,
@@ -31,6 +41,7 @@ from mfuscope.tests.helpers import (
     needs_corpus,
     replicated_set,
     report_differences,
+    synthetic_job,
     write_trace,
 )
 
@@ -92,6 +103,27 @@ def test_a_3d_runs_ranks_summarized_in_one_task_are_each_ranks_alone(run_3d, tmp
     assert list(views) == list(alone_views)
     for name, table in views.items():
         assert table.schema == alone_views[name].schema and table.equals(alone_views[name]), name
+
+
+def test_ranks_of_two_devices_summarized_together_keep_their_own_links(tmp_path):
+    """A 16-rank all-reduce seen from rank 0 on an H100 (8 GPUs a node: the group spans two nodes,
+    scale-out) and rank 1 on a GB200 (72 in one NVLink domain: scale-up), summarized in one call:
+    each rank keeps its device's tier, as it does summarized alone (a mixed job, --allow-mixed)."""
+    synthetic_job(tmp_path / "job", 16)
+    parts = []
+    for rank, device in ((0, "NVIDIA H100 80GB HBM3"), (1, "NVIDIA GB200")):
+        path = tmp_path / "job" / f"rank{rank}.json"
+        doc = json.loads(path.read_text())
+        path.write_text(json.dumps({**doc, "deviceProperties": [{"id": 0, "name": device}]}))
+        events, error, *_ = trace_set.load_file(path, None, None, False, None)
+        assert error is None and events.ranks[rank]["device_name"] == device
+        parts.append(events)
+    together = rank_summary.summarize_ranks(EventTable.concat(parts), world=16)
+    assert [s.rank for s in together] == [0, 1]
+    apart = [rank_summary.summarize(part, world=16) for part in parts]
+    for s, alone, tier in zip(together, apart, ("scale-out", "scale-up")):
+        assert s.comm_parts["tier"]["tier"].tolist() == [tier]
+        assert s.comm_parts["tier"].equals(alone.comm_parts["tier"]) and s.row == alone.row
 
 
 def test_small_files_share_a_task_and_a_large_one_is_alone(tmp_path):
