@@ -66,9 +66,22 @@ def _import_for_the_ranks() -> None:
     torch's ``_disable_dynamo`` wrappers (an optimizer's step, meta-device initialisation) import
     ``torch._dynamo`` at their first call, and the pipeline ranks import
     ``torch.distributed.pipelining``.  Measured on 2 cores: 0.5 CPU s a rank of an 8-rank,
-    3-step run of tiny_dense (6.4 CPU s for the run, 2.3 s with these imports inherited)."""
+    3-step run of tiny_dense (6.4 CPU s for the run, 2.3 s with these imports inherited).
+
+    Also what every rank's collectors import: pandas and pyarrow's parquet writer
+    (:func:`~mfuscope.run_dir.warm_parquet_writer`), and jsonschema for the run directory's
+    manifest, imported as mfuscope's own processes import it (:mod:`mfuscope.lean_imports`:
+    without the ``iri`` grammar, unless the parent has jsonschema already).  Measured on 2 cores,
+    the 8-rank 3D run of tests/shared_runs.py forked from a fresh process, three runs each: 27-36
+    CPU s (median 32), 23-25 (median 23) with them inherited."""
     import torch._dynamo  # noqa: F401
     import torch.distributed.pipelining  # noqa: F401
+
+    from mfuscope import run_dir
+    from mfuscope.lean_imports import jsonschema_without_iri
+
+    jsonschema_without_iri()
+    run_dir.warm_parquet_writer()
 
 
 def _fork_and_collect(fn: Callable, world: int, args: tuple, timeout: float, crash_logs: list[str]) -> list[Any]:
