@@ -33,7 +33,10 @@ the pipeline dimension), and so is its idle time while one of its collectives
 is in flight on a gloo thread (DDP waits for its gradients that way, inside
 C++); operators are compute by kind (the reference
 trainer's paced and injected compute, ``mfuscope.paced``/``mfuscope.inject``
-regions, count as compute/other); DataLoader regions are
+regions, count as compute/other; an operator called on a tensor subclass --
+DTensor under tensor parallelism -- is host work, compute/other: its Python
+dispatch runs inside it, and its compute is the local operators within, booked
+by their own kind); DataLoader regions are
 data_loading; the rest -- Python between operators -- is idle.
 
 Output of :func:`step_leaves`: rank, step, leaf, seconds (a row per non-zero leaf).
@@ -282,7 +285,9 @@ def _cpu_plan(rdf: pd.DataFrame, steps: pd.DataFrame):
     ops = main[(main["kind"] == "cpu_op") | simulated]
     if len(ops):
         kind_of = {n: ("other" if n.startswith(labels.NAMESPACE) else op_kind(n)) for n in ops["name"].unique()}
-        by_kind = dict(_sets(ops, ops["name"].map(kind_of)))
+        keys = np.array(ops["name"].map(kind_of), dtype=object)  # a copy: pandas may hand out a read-only view
+        keys[_dispatches_a_subclass(ops)] = "other"
+        by_kind = dict(_sets(ops, pd.Series(keys, index=ops.index)))
         categories += [(f"compute/{k}", by_kind[k]) for k in COMPUTE_KINDS if k in by_kind]
     loading = main[name.str.contains("DataLoader", regex=False)]
     idle_split = _sets(loading, pd.Series("data_loading", index=loading.index)) if len(loading) else []
@@ -293,6 +298,31 @@ def _cpu_plan(rdf: pd.DataFrame, steps: pd.DataFrame):
         leaves = [_comm_leaf(d, o) for d, o in zip(inflight["dim"], inflight["op"])]
         idle_split += _sets(inflight, pd.Series(leaves, index=inflight.index))
     return categories, idle_split
+
+
+#: The profiler's region for a tensor subclass's Python dispatch (DTensor's ``__torch_dispatch__``):
+#: it sits inside the operator called on the subclass and holds the operators run on its local tensors.
+SUBCLASS_DISPATCH = "PythonSubclass"
+
+
+def _dispatches_a_subclass(ops: pd.DataFrame) -> np.ndarray:
+    """Which of one thread's operators hold a subclass's Python dispatch (:data:`SUBCLASS_DISPATCH`)
+    at any depth: an ``aten::add`` on DTensors spans DTensor's sharding propagation and the
+    ``aten::add`` of the local shards, so booked by its name its whole span would be elementwise
+    work (on a tp=2 CPU rank, 3x the elementwise and 1.3x the GEMM time the same ops take on plain
+    tensors).  Such an operator is booked as ``other`` (host work): its compute is the local
+    operators inside it, booked by their own names, which outrank it."""
+    name = ops["name"].to_numpy(dtype=object)
+    dispatch = name == SUBCLASS_DISPATCH
+    if not dispatch.any():
+        return dispatch
+    start = ops["ts_ns"].to_numpy()
+    end = start + ops["dur_ns"].to_numpy()
+    begins = np.sort(start[dispatch])
+    # one thread's operators nest: a dispatch that begins inside an operator lies inside it
+    first = np.searchsorted(begins, start, side="left")
+    inside = (first < len(begins)) & (begins[np.minimum(first, len(begins) - 1)] < end)
+    return inside & ~dispatch
 
 
 def tree(leaves: pd.DataFrame) -> dict[str, Any]:

@@ -71,6 +71,31 @@ def test_priority_split_adds_up_to_the_window():
     assert parts == {"a": 30, "b": 40, "idle": 20}  # a: 10-30, 50-60; b: 30-50, 60-80; idle: 80-100
 
 
+def test_an_operator_on_dtensors_is_host_work_and_its_local_operators_are_compute(tmp_path):
+    """A tensor subclass's Python dispatch (DTensor's, the profiler's ``PythonSubclass`` region) runs
+    inside the operator called on the subclass, around the operator on the local shards.  Counted by
+    hand (us, one 950 us step on one CPU thread): ``aten::add`` on DTensors 100-300 holds dispatch
+    110-290 and the local ``aten::add`` 150-250; a plain ``aten::mm`` 400-600; ``aten::linear`` on
+    DTensors 700-950 holds their ``aten::mm`` 720-940, its dispatch 725-935 and the local ``aten::mm``
+    730-900.  Elementwise is the local add's 100, GEMM the plain mm's 200 and the local mm's 170;
+    the rest of the DTensor operators is host work (other): 200 - 100 + 250 - 170 = 180; idle 300."""
+    from mfuscope.tests.helpers import write_trace
+
+    def op(name, start, end):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 1, "tid": 1, "ts": float(start),
+                "dur": float(end - start), "args": {}}
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 1, "tid": 1, "ts": 0.0,
+               "dur": 950.0},
+              op("aten::add", 100, 300), op("PythonSubclass", 110, 290), op("aten::add", 150, 250),
+              op("aten::mm", 400, 600),
+              op("aten::linear", 700, 950), op("aten::mm", 720, 940), op("PythonSubclass", 725, 935),
+              op("aten::mm", 730, 900)]
+    path = write_trace(tmp_path / "t.json", events, distributedInfo={"rank": 0, "world_size": 1})
+    leaves = breakdown.step_leaves(trace_set.load(path, use_cache=False).events)
+    got = {leaf: round(s * 1e6, 6) for leaf, s in zip(leaves["leaf"], leaves["seconds"])}
+    assert got == {"compute/norm_elementwise": 100, "compute/gemm": 370, "compute/other": 180, "idle": 300}
+
+
 # ----------------------------------------------------------------------------- corpus
 
 @pytest.mark.slow
