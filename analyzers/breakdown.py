@@ -318,10 +318,12 @@ def _dispatches_a_subclass(ops: pd.DataFrame) -> np.ndarray:
         return dispatch
     start = ops["ts_ns"].to_numpy()
     end = start + ops["dur_ns"].to_numpy()
-    begins = np.sort(start[dispatch])
-    # one thread's operators nest: a dispatch that begins inside an operator lies inside it
-    first = np.searchsorted(begins, start, side="left")
-    inside = (first < len(begins)) & (begins[np.minimum(first, len(begins) - 1)] < end)
+    order = np.argsort(start[dispatch], kind="stable")
+    begins, ends = start[dispatch][order], end[dispatch][order]
+    # one thread's operators nest: the first dispatch that begins inside an operator lies inside it
+    # (unless it began at the same instant and holds the operator: a local operator of its own)
+    first = np.minimum(np.searchsorted(begins, start, side="left"), len(begins) - 1)
+    inside = (begins[first] >= start) & (begins[first] < end) & (ends[first] <= end)
     return inside & ~dispatch
 
 
