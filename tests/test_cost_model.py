@@ -349,6 +349,28 @@ def test_gemm_flops_are_the_hand_count():
     assert expert == pytest.approx(2 * tokens * 2 * 3 * d * f)
 
 
+def test_the_loss_over_a_sharded_vocabulary_moves_its_logits_twice_as_often():
+    """The loss's memory traffic, written out: a plain cross-entropy moves the microbatch's fp32
+    logits (tokens x vocabulary x 4 bytes) 3 times (1 forward, 2 backward); over a vocabulary
+    sharded by tensor parallelism each rank holds 1/t of them and ``loss_parallel``'s op-by-op
+    decomposition passes over them 16 times where the fused loss does 8 (counted in
+    optimizers/cost/compute.py), so twice.  A fused linear cross-entropy keeps no logits."""
+    s = ideal_system()
+    training = Training(seq_len=1024)
+    logits = 1024 * TOY.vocab_size * 4 / s.hbm_Bps  # one pass over a microbatch's fp32 logits
+
+    def loss_s(tp: int, **over) -> tuple[float, float]:
+        layout = Layout(tp=tp, micro_batch=1)
+        head, body = (stage_compute(TOY, layout, replace(training, **over), s, IDEAL, layers=1, with_head=w)
+                      for w in (True, False))
+        return (head.fwd["norm_elementwise"] - body.fwd["norm_elementwise"],
+                head.bwd["norm_elementwise"] - body.bwd["norm_elementwise"])
+
+    assert loss_s(1) == pytest.approx((logits, 2 * logits))
+    assert loss_s(2) == pytest.approx((2 * logits / 2, 2 * 2 * logits / 2))
+    assert loss_s(2, fused_kernels=True) == (0.0, 0.0)
+
+
 def test_skinny_gemms_run_slower():
     big, thin = Gemm("a", 8192, 8192, 8192), Gemm("b", 8192, 8192, 128)
     assert shape_efficiency(big, 128) == pytest.approx(1.0)
