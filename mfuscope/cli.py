@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a snapshot pickle or a .raw.json.gz memory timeline")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=cmd_memory)
-    p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer through torchrun",
+    p = sub.add_parser("train", help="run the bundled 5D-parallel reference trainer (through torchrun, or forked)",
                        description="Train the reference Llama/MoE model on N local ranks (gloo on CPU, NCCL on "
                                    "CUDA) and write a run directory.")
     from mfuscope.trainer_options import add_arguments
@@ -484,25 +484,51 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserInputError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must be at least 1")
     opts = TrainerOptions.from_args(args, launcher=True, window=args.window or ("1:" if args.profile else None),
                                     out=str(args.out))
+    if opts.launcher == "fork" and (args.nnodes > 1 or args.rdzv_endpoint):
+        raise UserInputError("--launcher fork starts the ranks on this node only; use torchrun (the default) "
+                             "with --nnodes and --rdzv-endpoint")
     _check_train(opts, args.nproc * args.nnodes)  # a bad setting fails here, once, not in every rank
     run_dir.prepare(args.out, args.force)
+    if opts.launcher == "fork":
+        return _train_forked(opts, args.nproc, args.out)
     cmd = torchrun_command(args.nproc, opts.to_argv(), nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     rc = subprocess.call(cmd, env={**os.environ, run_dir.ENV_PREPARED: str(args.out.resolve())})
     if rc != 0:
-        print(f"mfuscope: error: {_why_training_failed(args.out, rc)}", file=sys.stderr)
+        print(f"mfuscope: error: {_why_training_failed(args.out, f'torchrun exit {rc}')}", file=sys.stderr)
         return rc
     print(f"run directory: {args.out}")
     return 0
 
 
-def _why_training_failed(out: Path, rc: int) -> str:
+def _train_forked(opts, nproc: int, out: Path) -> int:
+    """``--launcher fork``: this process imports torch once and forks the ranks (no torchrun agent,
+    no interpreter start a rank).  A failure prints each failed rank's report, then the one line."""
+    from mfuscope import run_dir
+    from mfuscope.reference_trainer.launch import RanksFailed, fork_ranks
+    from mfuscope.reference_trainer.train import run_rank
+
+    print(f"+ forking {nproc} rank(s) of the reference trainer", file=sys.stderr, flush=True)
+    os.environ[run_dir.ENV_PREPARED] = str(out.resolve())  # the ranks inherit it, as torchrun's would
+    try:
+        fork_ranks(run_rank, nproc, opts, timeout=None)
+    except RanksFailed as e:
+        print(e, file=sys.stderr)
+        how = f"{e.failed} of {e.world} forked ranks failed, rank {e.first} first"
+        print(f"mfuscope: error: {_why_training_failed(out, how)}", file=sys.stderr)
+        return 1
+    print(f"run directory: {out}")
+    return 0
+
+
+def _why_training_failed(out: Path, how: str) -> str:
     """One line: where the job's collectives stopped -- from its ranks' write-ahead records or
-    Flight Recorder dumps -- else torchrun's exit code."""
+    Flight Recorder dumps -- else how the launcher saw it end (``how``: torchrun's exit code, or the
+    fork launcher's first failed rank)."""
     from mfuscope import run_dir
     from mfuscope.analyzers import hang
 
-    failed = f"training failed (torchrun exit {rc})"
+    failed = f"training failed ({how})"
     out = Path(out)
     if not ((out / hang.RECORDS).is_dir() or (out / hang.FOLDER).is_dir()):
         return failed

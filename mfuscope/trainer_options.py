@@ -56,6 +56,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 CHECKPOINT_MODES = ("sync", "async")
+#: How ``mfuscope train`` starts the ranks (``--launcher``); the manifest records it, so that a rerun
+#: (``optimize --apply``, ``ci check --confirm-runs``) starts its ranks the same way.
+LAUNCHERS = ("torchrun", "fork")
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,10 @@ class TrainerOptions:
                                    record=True, metavar="every=N,mode=sync|async,dir=DIR")
     resume: str | None = _flag(None, "start from the latest complete checkpoint under DIR (or DIR itself), onto "
                                      "this run's layout", record=True, metavar="DIR")
+    launcher: str = _flag("torchrun", "how mfuscope train starts the ranks: torchrun (its elastic agent, an "
+                                      "interpreter and a torch import a rank), or fork (this node only: one process "
+                                      "imports torch once and forks the ranks; quicker to start many CPU ranks, no "
+                                      "restarts)", record=True, choices=LAUNCHERS)
     out: str | None = _flag(None, "run directory (steps, communication, GPU samples)", launcher=False)
     force: bool = _flag(False, "replace an earlier run directory at --out", launcher=False)
     result: str | None = _flag(None, "tests: where each rank saves its losses and every step's full gradients",

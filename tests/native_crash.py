@@ -6,8 +6,8 @@ signal N" followed by the rank's Python stacks at the signal.  Seen once in hund
 tp=2 gloo run: rank 0, SIGSEGV in backward, not reproduced in isolation), it must not fail the whole
 suite, and it must not disappear either: such a test runs once more, the crash and its stacks are
 printed in the terminal summary, and a second crash fails the test.  The same holds for a rank
-started by torchrun (``mfuscope train``), known by the command's one-line error in the test's
-failure.  Anything else -- an assertion, an exception, a rank that raised, SIGKILL from the OOM
+started by ``mfuscope train`` (torchrun or ``--launcher fork``), known by the command's one-line
+error in the test's failure.  Anything else -- an assertion, an exception, a rank that raised, SIGKILL from the OOM
 killer -- fails at once as before.
 
 ``tests/conftest.py`` registers it; ``-p mfuscope.tests.native_crash`` loads it elsewhere.
@@ -22,7 +22,10 @@ NATIVE_CRASH = re.compile(r"killed by signal (6|7|11)\b")
 #: ``mfuscope train``'s one line when a torchrun-launched rank died of such a signal (cli.py,
 #: ``_why_training_failed``; tests/test_hang.py holds a real crashed run's line to it).  A tp=2 gloo
 #: run beside two busy cores once ended so: rank 0, SIGABRT inside gloo's reduce-scatter in backward.
-TRAIN_CRASH = re.compile(r"training failed \(torchrun exit \d+\): rank \d+ died of SIG(SEGV|BUS|ABRT)\b")
+TRAIN_CRASH = re.compile(r"training failed \((torchrun exit \d+|\d+ of \d+ forked ranks failed, rank \d+ first)\): "
+                         r"rank \d+ died of SIG(SEGV|BUS|ABRT)\b")
+#: fork_ranks' error, as pytest names it (a RuntimeError subclass)
+FORK_FAILED = re.compile(r"^(RuntimeError|(\w+\.)*RanksFailed): ")
 _CRASHES: list[tuple[str, str]] = []
 
 
@@ -50,7 +53,7 @@ def _ranks_crashed(report) -> bool:
     command's exit code, with its stderr in the message)."""
     crash = getattr(report.longrepr, "reprcrash", None)
     message = crash.message if crash is not None else ""
-    forked = message.startswith("RuntimeError: ") and " ranks failed; " in message and \
+    forked = bool(FORK_FAILED.match(message)) and " ranks failed; " in message and \
         bool(NATIVE_CRASH.search(report.longreprtext))
     return forked or bool(TRAIN_CRASH.search(message))
 

@@ -57,12 +57,13 @@ def train_forked(out: Path, world: int, **options) -> Path:
     """The reference trainer on ``world`` forked gloo ranks into the run directory ``out``, with
     the collectors: what ``mfuscope train --nproc WORLD --out OUT`` writes, without an interpreter
     start and torch import per rank (``options`` are :class:`TrainerOptions` fields; ``--profile`` is
-    ``window="1:"``).  For tests about what reads a run, not about how it was launched."""
+    ``window="1:"``; the manifest records the fork launcher, which a rerun of the run uses).  For
+    tests about what reads a run, not about how it was launched."""
     from mfuscope.reference_trainer.launch import fork_ranks
     from mfuscope.reference_trainer.train import run_rank
     from mfuscope.trainer_options import TrainerOptions
 
-    fork_ranks(run_rank, world, TrainerOptions(**options, out=str(out)))
+    fork_ranks(run_rank, world, TrainerOptions(**{"launcher": "fork", **options}, out=str(out)))
     return out
 
 
@@ -136,9 +137,10 @@ def torchrun_run(root: Path) -> Path:
 #: backward): stage 0 computes seven times what stage 1 does, and GPipe with two microbatches idles
 #: a third of the pipeline on top.
 GPIPE_MODEL = micro_config(n_layers=8, global_batch=8, grad_accum=1, microbatches=2)
+#: Started by the fork launcher (``--launcher fork``): optimize's reruns start theirs the same way.
 GPIPE_START = ["--nproc", "2", "--layout", "pp=2", "--schedule", "gpipe", "--microbatches", "2",
                "--stage-layers", "7,1", "--steps", "3", "--profile",
-               "--paced", "fwd_ms=10,bwd_ms=20,per=sample,scope=layer"]
+               "--paced", "fwd_ms=10,bwd_ms=20,per=sample,scope=layer", "--launcher", "fork"]
 GPIPE_FIXES = "rebalance_stages,more_microbatches"
 
 

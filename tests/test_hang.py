@@ -136,10 +136,10 @@ def test_a_directory_without_dumps_is_one_line(tmp_path):
     assert cli.returncode == 2 and "no Flight Recorder dump here" in cli.stderr
 
 
-def _train(out: Path, inject: str) -> subprocess.CompletedProcess:
+def _train(out: Path, inject: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "4",
                            "--layout", "dp_shard=4", "--steps", "6", "--inject", inject, "--collective-timeout", "5",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           *extra, "--out", str(out)], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.paced  # a collective timeout of 5 s: run where the machine is not loaded by the other lane
@@ -172,10 +172,15 @@ def test_a_trainer_run_that_hangs_ends_in_its_timeout_and_says_where(tmp_path):
 @pytest.mark.paced
 def test_a_killed_rank_is_read_from_its_records_and_missing_without_them(tmp_path):
     """``die:rank=1:step=3``: SIGKILL, no handler, no dump -- but its write-ahead records say how far
-    it got (step 2's collectives, all completed).  Without its records it is missing."""
+    it got (step 2's collectives, all completed).  Without its records it is missing.  Started by
+    the fork launcher (``--launcher fork``; the records are the ranks' own, whatever started them):
+    the ranks' reports come first, rank 1's signal named, then the command's one line."""
     run = tmp_path / "died"
-    cli = _train(run, "die:rank=1:step=3")
+    cli = _train(run, "die:rank=1:step=3", "--launcher", "fork")
     assert cli.returncode != 0
+    assert "--- rank 1 ---\nkilled by signal 9" in cli.stderr, cli.stderr[-3000:]
+    last = cli.stderr.strip().splitlines()[-1]
+    assert last.startswith("mfuscope: error: the job ") and "rank 1 never entered it (it died" in last, last
     assert not (run / hang.FOLDER / "nccl_trace_rank_1").exists()
     result = json.loads(_hang_cli(run, "--json").stdout)
     stuck = [g for g in result["groups"] if g["state"] == "hung"]
@@ -239,7 +244,7 @@ def test_a_rank_that_segfaults_is_named_with_its_stack(tmp_path):
     from mfuscope.analyzers import run_info  # mfuscope info RUN, and the dashboard's run section
     assert "crashed      rank 1: SIGSEGV" in run_info.format_text(run_info.summarize(run))
     from mfuscope.cli import _why_training_failed  # mfuscope train's last line when torchrun fails
-    why = _why_training_failed(run, 1)
+    why = _why_training_failed(run, "torchrun exit 1")
     assert why.startswith("training failed (torchrun exit 1): rank 1 died of SIGSEGV")
     assert native_crash.TRAIN_CRASH.search(why)  # what reruns a test whose torchrun rank crashed
 

@@ -64,7 +64,9 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
         # once in CI (the host time per microbatch pass, fitted on the base run's 2 steps, moves it).
         assert Path(f["run"]).is_dir() and Path(f["run"]).parent == base.parent  # beside the base: listed
     kept = Path(summary["final"]["run"])
-    assert json.loads((kept / "manifest.json").read_text())["trainer"]["stage_layers"] == [4, 4]
+    trainer = json.loads((kept / "manifest.json").read_text())["trainer"]
+    assert trainer["stage_layers"] == [4, 4]
+    assert trainer["launcher"] == "fork"  # a rerun starts its ranks as the run it changes did (--launcher fork)
     report = json.loads((kept / "report.json").read_text())
     assert report["summary"]["step_time_p50_s"] == pytest.approx(summary["final"]["measured_step_s"])  # the median
 
@@ -84,7 +86,7 @@ def _overlap_over_a_slow_link(base: Path, *options: str) -> tuple[Path, dict, Pa
     with the overlap fix alone: (base run, the fix's row of optimize.json, the run it kept)."""
     trained = _mfuscope("train", "--config", "tiny_dense", "--nproc", "2", "--layout", "dp_shard=2", *options,
                         "--steps", "3", "--profile", "--paced", "fwd_ms=40,bwd_ms=80,scope=layer",
-                        "--inject", "link:dim=dp:gbps=0.04", "--out", str(base))
+                        "--inject", "link:dim=dp:gbps=0.04", "--launcher", "fork", "--out", str(base))
     assert trained.returncode == 0, trained.stderr[-3000:]
     done = _mfuscope("optimize", str(base), "--apply", "--fixes", "overlap_dp_grads", "--rounds", "1", "--json")
     assert done.returncode == 0, done.stderr[-3000:]

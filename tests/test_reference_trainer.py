@@ -455,17 +455,20 @@ def test_async_tp_without_a_gpu_is_refused():
         check_run(load_config("tiny_dense", compile=True), ParallelDims.parse("tp=2", 2), TrainerOptions(async_tp=True))
 
 
-def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path):
+@pytest.mark.parametrize("args, says", [
+    (["--layout", "dp_shard=2,ep=2"], "ep=2"),
+    (["--launcher", "fork", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "this node only"),
+], ids=["ep_on_dense", "fork_over_nodes"])
+def test_mfuscope_train_refuses_in_one_line_before_starting_ranks(tmp_path, args, says):
     import subprocess
     import sys
 
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "mfuscope", "train", "--config", "tiny_dense", "--nproc", "2",
-                           "--layout", "dp_shard=2,ep=2", "--out", str(out)], capture_output=True, text=True,
-                          timeout=120)
+                           *args, "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "ep=2" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists()  # nothing was started or written
 
 
