@@ -254,7 +254,8 @@ def no_sp(pushed) -> Path:
     counters, which no load moves, so the rest lane goes on beside it (no ``quiet``)."""
     run = pushed["root"] / "no-sp"
     subprocess.run(CLI + ["train", "--config", "tiny_dense", "--nproc", "2", "--layout", "tp=2", "--steps", "6",
-                          "--window", "1:3", "--set", "sequence_parallel=false", "--out", str(run)],
+                          "--window", "1:3", "--set", "sequence_parallel=false", "--launcher", "fork",
+                          "--out", str(run)],
                    check=True, capture_output=True, timeout=600)
     from mfuscope.analyzers.analysis import analyze
     analyze(run, run / "report.json", run / "views")
