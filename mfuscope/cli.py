@@ -11,9 +11,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mfuscope import __version__
 from mfuscope.errors import UserInputError
+
+if TYPE_CHECKING:  # the CLI imports each command's modules when the command runs
+    from mfuscope.trainer_options import TrainerOptions
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
@@ -501,7 +505,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_forked(opts, nproc: int, out: Path) -> int:
+def _train_forked(opts: TrainerOptions, nproc: int, out: Path) -> int:
     """``--launcher fork``: this process imports torch once and forks the ranks (no torchrun agent,
     no interpreter start a rank).  A failure prints each failed rank's report, then the one line."""
     from mfuscope import run_dir
@@ -509,6 +513,7 @@ def _train_forked(opts, nproc: int, out: Path) -> int:
     from mfuscope.reference_trainer.train import run_rank
 
     print(f"+ forking {nproc} rank(s) of the reference trainer", file=sys.stderr, flush=True)
+    before = os.environ.get(run_dir.ENV_PREPARED)
     os.environ[run_dir.ENV_PREPARED] = str(out.resolve())  # the ranks inherit it, as torchrun's would
     try:
         fork_ranks(run_rank, nproc, opts, timeout=None)
@@ -517,6 +522,11 @@ def _train_forked(opts, nproc: int, out: Path) -> int:
         how = f"{e.failed} of {e.world} forked ranks failed, rank {e.first} first"
         print(f"mfuscope: error: {_why_training_failed(out, how)}", file=sys.stderr)
         return 1
+    finally:  # an in-process caller (the demo, a test) keeps its own environment
+        if before is None:
+            os.environ.pop(run_dir.ENV_PREPARED, None)
+        else:
+            os.environ[run_dir.ENV_PREPARED] = before
     print(f"run directory: {out}")
     return 0
 
