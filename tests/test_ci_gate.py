@@ -370,6 +370,8 @@ def test_a_pull_request_that_slows_the_step_fails_in_the_job(pr):
     main_rerun, rerun = (json.loads((runs / d / "manifest.json").read_text())
                          for d in ("main-tiny-tp2.rerun1", "ci-tiny-tp2.rerun1"))
     assert rerun["trainer"]["inject"] == pr["slow"] and not main_rerun["trainer"].get("inject")
+    # trained from the runs' manifests, the pair starts its ranks as the workflow's did (--launcher fork)
+    assert rerun["trainer"]["launcher"] == main_rerun["trainer"]["launcher"] == "fork"
     created = [json.loads((runs / d / "report.json").read_text())["provenance"]["created"]
                for d in ("main-tiny-tp2.rerun1", "ci-tiny-tp2.rerun1")]
     assert created == sorted(created)
