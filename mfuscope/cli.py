@@ -675,6 +675,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a path the user gave, or their disk: one line, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"mfuscope: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 

@@ -153,3 +153,10 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "invalid JSON" in proc.stderr and str(bad) in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """The system's own refusal (here: a folder asked for where a file is) names the path, in one line."""
+    trace = write_trace(tmp_path / "rank0.json", GOOD_EVENTS)
+    rc = cli.main(["analyze", str(trace), "--out", str(trace / "report.json")])
+    _assert_one_line_error(rc, capsys.readouterr().err, str(trace), "File exists")
