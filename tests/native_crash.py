@@ -7,8 +7,8 @@ tp=2 gloo run: rank 0, SIGSEGV in backward, not reproduced in isolation), it mus
 suite, and it must not disappear either: such a test runs once more, the crash and its stacks are
 printed in the terminal summary, and a second crash fails the test.  The same holds for a rank
 started by ``mfuscope train`` (torchrun or ``--launcher fork``), known by the command's one-line
-error in the test's failure.  Anything else -- an assertion, an exception, a rank that raised, SIGKILL from the OOM
-killer -- fails at once as before.
+error in the test's failure.  Anything else -- an assertion, an exception, a rank that raised,
+SIGKILL from the OOM killer -- fails at once as before.
 
 ``tests/conftest.py`` registers it; ``-p mfuscope.tests.native_crash`` loads it elsewhere.
 """
@@ -19,7 +19,7 @@ import re
 import pytest
 
 NATIVE_CRASH = re.compile(r"killed by signal (6|7|11)\b")
-#: ``mfuscope train``'s one line when a torchrun-launched rank died of such a signal (cli.py,
+#: ``mfuscope train``'s one line when a rank (torchrun's or forked) died of such a signal (cli.py,
 #: ``_why_training_failed``; tests/test_hang.py holds a real crashed run's line to it).  A tp=2 gloo
 #: run beside two busy cores once ended so: rank 0, SIGABRT inside gloo's reduce-scatter in backward.
 TRAIN_CRASH = re.compile(r"training failed \((torchrun exit \d+|\d+ of \d+ forked ranks failed, rank \d+ first)\): "
