@@ -214,6 +214,11 @@ def _layer_passes(run: MeasuredRun) -> float:
     return _passes(run) * run.layout.stage_layers(run.model) / run.layout.vpp
 
 
+def _hook_calls(run: MeasuredRun) -> float:
+    """FSDP's hook calls on the busiest rank in one step (none without sharded parameters)."""
+    return fsdp_hook_calls(run.model, run.layout, run.training)
+
+
 def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: int = 12,
              progress: Callable[[str], None] | None = None) -> Profile:
     """The profile that reproduces several measured runs at once, group by group, starting from the
@@ -264,7 +269,8 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
     sharded = [i for i in unpaced if dtensor_params(runs[i].layout)] if has_plain else []
     # FSDP's hooks are host time too: where some of those runs shard their parameters and some do
     # not, the host time per layer is fitted on the others and what a sharding run's host leaves
-    # hold beyond it is FSDP's, per unit and collective (fsdp_unit_overhead_s).
+    # hold beyond it is FSDP's, per unit and collective, in layer passes (fsdp_hook_layer_passes).
+    # Elsewhere the hooks are booked at the profile's layer passes, which the per-layer time scales.
     unsharded = [i for i in host_runs if runs[i].layout.shard_ranks == 1]
     fsdp_runs = [i for i in host_runs if i not in unsharded] if has_plain and unsharded else []
     layer_runs = unsharded if fsdp_runs else host_runs
@@ -279,12 +285,15 @@ def fit_runs(runs: Iterable[MeasuredRun], start: Profile | None = None, rounds: 
                 changes[name] = getattr(profile, name) * pred / meas
         meas_host, pred_host = total(measured, HOST, layer_runs), total(predicted, HOST, layer_runs)
         if meas_host > floor(layer_runs) or profile.layer_overhead_s > 0:
-            layer_passes = sum(_layer_passes(runs[i]) for i in layer_runs)
+            # per layer pass of host time, each run pays its layer passes and its FSDP hooks' share
+            layer_passes = sum(_layer_passes(runs[i]) + profile.fsdp_hook_layer_passes * _hook_calls(runs[i])
+                               for i in layer_runs)
             changes["layer_overhead_s"] = max(0.0, profile.layer_overhead_s + (meas_host - pred_host) / layer_passes)
-        if fsdp_runs:
+        if fsdp_runs and profile.layer_overhead_s > 0:
             gap = total(measured, HOST, fsdp_runs) - total(predicted, HOST, fsdp_runs)
-            calls = sum(fsdp_hook_calls(runs[i].model, runs[i].layout, runs[i].training) for i in fsdp_runs)
-            changes["fsdp_unit_overhead_s"] = max(0.0, profile.fsdp_unit_overhead_s + gap / calls)
+            calls = sum(_hook_calls(runs[i]) for i in fsdp_runs)
+            changes["fsdp_hook_layer_passes"] = max(
+                0.0, profile.fsdp_hook_layer_passes + gap / calls / profile.layer_overhead_s)
         if sharded:
             meas = total(measured, ("compute/optimizer",), sharded)
             pred = total(predicted, ("compute/optimizer",), sharded)

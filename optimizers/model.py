@@ -473,11 +473,11 @@ def fsdp_passes(layout: Layout, training: Training) -> tuple[int, int]:
 
 
 def fsdp_hook_calls(model: ModelSpec, layout: Layout, training: Training, units: float | None = None) -> float:
-    """FSDP's hooks run on the host once per unit and collective (``Profile.fsdp_unit_overhead_s``
-    each), on the busiest rank in one step: every gather and reduce-scatter of the stage's blocks
-    (``units``, by default the layout's even cut) and of the root, and of each block's experts
-    where they are a unit of their own (sharded over the ranks that hold them).  Zero without
-    sharded parameters."""
+    """FSDP's hooks run on the host once per unit and collective (each the host time of
+    ``Profile.fsdp_hook_layer_passes`` layer passes), on the busiest rank in one step: every gather
+    and reduce-scatter of the stage's blocks (``units``, by default the layout's even cut) and of
+    the root, and of each block's experts where they are a unit of their own (sharded over the
+    ranks that hold them).  Zero without sharded parameters."""
     if layout.shard_ranks <= 1:
         return 0.0
     units = layout.stage_layers(model) if units is None else units
@@ -537,8 +537,8 @@ def _data_parallel(layout: Layout, training: Training, links: Links, ledger: _Le
         gathers, scatters = fsdp_passes(layout, training)
         copies = 2 * (gathers * weights * (1 + 1 / layout.shard_ranks) + scatters * grads)
         ledger.add("compute/norm_elementwise", copies / (links.system.hbm_Bps * links.profile.memory))
-        if links.profile.fsdp_unit_overhead_s:
-            ledger.add("compute/other", hook_calls * links.profile.fsdp_unit_overhead_s)
+        if hook_s := links.profile.fsdp_hook_layer_passes * links.profile.layer_overhead_s:
+            ledger.add("compute/other", hook_calls * hook_s)
         # Prefetch hides a pass's gathers behind its compute, all but the first unit's.
         fwd_w = min(stage.total("fwd"), gather * (1 - first[0])) if prefetch else 0.0
         bwd_w = stage.total("bwd") if prefetch else 0.0

@@ -21,7 +21,7 @@ from mfuscope.optimizers.cost import comm
 from mfuscope.optimizers.cost.compute import Gemm, layer_gemms, shape_efficiency, stage_compute
 from mfuscope.optimizers.model import predict
 from mfuscope.optimizers.spec import Layout, ModelSpec, Training
-from mfuscope.optimizers.system import LinkTier, Profile, default_profile, system
+from mfuscope.optimizers.system import FSDP_HOOK_LAYER_PASSES, LinkTier, Profile, default_profile, system
 
 from .helpers import CORPUS
 
@@ -156,19 +156,21 @@ def test_pytorch_ddp_copies_its_gradients_into_the_buckets_and_back():
 
 
 def test_fsdp_hooks_cost_host_time_per_unit_and_collective():
-    """FSDP2 runs its hooks on the host once per unit and collective: ``fsdp_unit_overhead_s``
-    each, booked as ``compute/other``.  By hand, TOY's 4 blocks and the root are 5 units.  Without
-    a pipeline, 2 microbatches: each unit gathers for both forwards, again for both backwards
+    """FSDP2 runs its hooks on the host once per unit and collective, each ``fsdp_hook_layer_passes``
+    times the host time of a layer pass (``layer_overhead_s``), booked as ``compute/other``: here
+    2 x 0.5 ms, 1 ms a call.  By hand, TOY's 4 blocks and the root are 5 units.  Without a
+    pipeline, 2 microbatches: each unit gathers for both forwards, again for both backwards
     (resharded after forward) and reduce-scatters twice -- 30 calls.  Under pp=2 a rank holds 2
     blocks and its root (3 units), keeps them gathered from forward to backward and syncs once: a
     gather and a reduce-scatter each -- 6 calls.  With its experts sharded apart, a MoE block is
     two units.  A DDP replica pays nothing."""
     s = system("H100")
-    hooks = replace(IDEAL, fsdp_unit_overhead_s=1e-3)
+    host = replace(IDEAL, layer_overhead_s=0.5e-3, fsdp_hook_layer_passes=0.0)
+    hooks = replace(host, fsdp_hook_layer_passes=2.0)  # 1 ms a call
     train = Training(seq_len=1024)
 
     def extra(model, layout):
-        with_hooks, without = (predict(model, layout, train, s, prof).leaves for prof in (hooks, IDEAL))
+        with_hooks, without = (predict(model, layout, train, s, prof).leaves for prof in (hooks, host))
         return with_hooks.get("compute/other", 0.0) - without.get("compute/other", 0.0)
 
     assert extra(TOY, Layout(dp_shard=8, micro_batch=1, microbatches=2)) == pytest.approx(30e-3)
@@ -178,6 +180,11 @@ def test_fsdp_hooks_cost_host_time_per_unit_and_collective():
     # ep=2 over dp_shard=8: each expert is held by 4 ranks, sharded over them -- 4 blocks, 4 expert
     # units and the root, 1 microbatch: 9 x (2 gathers + 1 reduce-scatter)
     assert extra(moe, Layout(dp_shard=8, ep=2, micro_batch=1, microbatches=1)) == pytest.approx(27e-3)
+    # Where the host time is hidden behind the device (the published GPU runs: no per-layer host
+    # time), the hooks are too, whatever their layer passes.
+    gpu = replace(IDEAL, fsdp_hook_layer_passes=2.0)
+    assert gpu.layer_overhead_s == 0.0
+    assert "compute/other" not in predict(TOY, Layout(dp_shard=8, micro_batch=1, microbatches=2), train, s, gpu).leaves
 
 
 @needs_calibration
@@ -555,6 +562,22 @@ def test_the_cost_of_overlap_is_the_published_measurement_and_old_profiles_keep_
     old = tmp_path / "hw.json"
     Profile(overlap_slowdown=0.5).save(old)
     assert Profile.load(old).overlap_slowdown == 0.5
+
+
+def test_a_profile_that_held_fsdps_hook_seconds_loads_them_as_layer_passes(tmp_path):
+    """Profiles written before the hooks were counted in layer passes held their seconds
+    (``fsdp_unit_overhead_s``): 1.2 ms a hook over 0.8 ms a layer pass is 1.5 passes; a profile
+    that held none (the published one's 0, or no host time) takes the measured prior."""
+    def load(hook_s: float, layer_s: float) -> Profile:
+        values = {**Profile().values(), "layer_overhead_s": layer_s, "fsdp_unit_overhead_s": hook_s}
+        del values["fsdp_hook_layer_passes"]
+        path = tmp_path / "old.json"
+        path.write_text(json.dumps({"profile": values, "provenance": {}}))
+        return Profile.load(path)
+
+    assert load(1.2e-3, 0.8e-3).fsdp_hook_layer_passes == pytest.approx(1.5)
+    assert load(0.0, 0.8e-3).fsdp_hook_layer_passes == FSDP_HOOK_LAYER_PASSES
+    assert load(1.2e-3, 0.0).fsdp_hook_layer_passes == FSDP_HOOK_LAYER_PASSES
 
 
 def test_paced_compute_takes_no_overlap_slowdown():
