@@ -106,7 +106,10 @@ def _read(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserInputError("no such file", path) from None
+        # a run trained but not analyzed yet: its report is made from its traces
+        unanalyzed = path.name == "report.json" and (path.parent / "traces").is_dir()
+        hint = f" (the run is not analyzed yet: mfuscope analyze {path.parent})" if unanalyzed else ""
+        raise UserInputError(f"no such file{hint}", path) from None
     except ValueError as e:
         raise UserInputError(f"not JSON ({e})", path) from None
 

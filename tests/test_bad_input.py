@@ -160,3 +160,14 @@ def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path, capsys):
     trace = write_trace(tmp_path / "rank0.json", GOOD_EVENTS)
     rc = cli.main(["analyze", str(trace), "--out", str(trace / "report.json")])
     _assert_one_line_error(rc, capsys.readouterr().err, str(trace), "File exists")
+
+
+def test_a_run_not_yet_analyzed_is_named_with_the_command_that_analyzes_it(tmp_path, capsys):
+    """calibrate and predict read a run's report.json: a run that has traces and no report was
+    trained and not analyzed, and the line says how to make its report."""
+    run = tmp_path / "run"
+    write_trace(run / "traces" / "rank0.pt.trace.json", GOOD_EVENTS)
+    rc = cli.main(["calibrate", str(run), "--out", str(tmp_path / "hw.json")])
+    _assert_one_line_error(rc, capsys.readouterr().err, str(run / "report.json"), "no such file",
+                           f"mfuscope analyze {run}")
+    assert not (tmp_path / "hw.json").exists()
