@@ -16,7 +16,7 @@ from mfuscope.analyzers import breakdown, comm_stats, mfu, overview, trace_set
 from mfuscope.analyzers.bubbles import theory
 from mfuscope.analyzers.intervals import assign_by_priority
 from mfuscope.fix_registry import FIXES
-from mfuscope.tests.helpers import CORPUS, DLRM, corpus_trace_files, micro_config, needs_corpus, read_raw
+from mfuscope.tests.helpers import CORPUS, DLRM, corpus_trace_files, micro_config, needs_corpus, step_spans, write_trace
 
 CALIBRATION = CORPUS / "published" / "calibration.csv"
 
@@ -181,6 +181,18 @@ def _run(tmp_path, name, layout, layers=4, world=8, **kw):
     return out, report
 
 
+def test_step_spans_are_read_as_the_json_parser_reads_them(tmp_path):
+    """The helper that finds the trainer's step spans by name in a trace's text gives what the
+    standard library's parse gives: on Kineto's field order, and (by the parse itself) on another."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": f"mfuscope.step#{i}", "pid": 7, "tid": 7,
+               "ts": 1000.5 * i, "dur": 99.25 + i, "args": {"External id": i}} for i in (1, 2)]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 7, "tid": 7, "ts": 1001.0, "dur": 5.0})
+    expected = [{"name": e["name"], "ts": e["ts"], "dur": e["dur"]} for e in events[:2]]
+    kineto = write_trace(tmp_path / "kineto.json.gz", events)
+    reordered = write_trace(tmp_path / "other.json", [{"dur": e["dur"], **e} for e in events])
+    assert step_spans(kineto) == expected and step_spans(reordered) == expected
+
+
 def _assert_leaves_add_up(out, report, world):
     """Per rank, the breakdown's leaves add up to that rank's step markers in the raw traces (read
     with the standard library): the trainer's mfuscope.step#N spans.  The communication table
@@ -189,8 +201,7 @@ def _assert_leaves_add_up(out, report, world):
     inside a step), and its in-flight seconds fit in the ranks' steps."""
     wall = blocked = 0.0
     for rank in range(world):
-        raw = read_raw(out / "traces" / f"rank{rank}.pt.trace.json.gz")["traceEvents"]
-        spans = [e for e in raw if e.get("ph") == "X" and e["name"].startswith("mfuscope.step#")]
+        spans = step_spans(out / "traces" / f"rank{rank}.pt.trace.json.gz")
         mine = [r for r in report["breakdown_by_rank"] if r["rank"] == rank]
         leaves = sum(r["seconds"] for r in mine) * len(spans)
         assert leaves == pytest.approx(sum(e["dur"] for e in spans) / 1e6, rel=1e-6), rank
