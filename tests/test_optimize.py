@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is in the [dev] extra; not installed")
 
+from mfuscope.optimizers.optimize import gain_held  # noqa: E402
 from mfuscope.tests.helpers import DLRM  # noqa: E402
 from mfuscope.tests.shared_runs import mfuscope as _mfuscope  # noqa: E402
 from mfuscope.tests.shared_runs import train_forked
@@ -59,9 +60,13 @@ def test_optimize_rebalances_stages_adds_microbatches_and_each_prediction_holds(
         assert "ran otherwise" not in f["note"], f
         assert f["predicted_step_s"] == pytest.approx(f["measured_step_s"], rel=0.25), f
         # The issue's tighter target -- the predicted *gain* within 25% of the measured gain or 5% of
-        # the step -- is flagged in the output (optimize.gain_held) but not asserted: on these
-        # 3-step runs more_microbatches 2 -> 8 came out +10% predicted against +17.6% measured
-        # once in CI (the host time per microbatch pass, fitted on the base run's 2 steps, moves it).
+        # the step (optimize.gain_held, flagged in the output) -- is asserted for rebalancing, whose
+        # gain is paced compute: 19.8% predicted against 19.8% and 19.9% measured on a quiet machine
+        # (2026-12-06).  The microbatch counts' gain is the host's time per pass, which load moves:
+        # 16.0-16.3% predicted against 20.0-20.2% measured, quiet (held), but +10% against +17.6%
+        # once in a CI (the host time per microbatch pass, fitted on the base run's 2 steps).
+        if f["fix"] == "rebalance_stages":
+            assert gain_held(f["predicted_gain"], f["measured_gain"]), f
         assert Path(f["run"]).is_dir() and Path(f["run"]).parent == base.parent  # beside the base: listed
     kept = Path(summary["final"]["run"])
     trainer = json.loads((kept / "manifest.json").read_text())["trainer"]
