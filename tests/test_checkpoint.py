@@ -90,7 +90,7 @@ def test_a_save_killed_before_its_commit_leaves_the_previous_one_to_load(tmp_pat
 
 @pytest.mark.paced
 def test_async_saves_block_less_and_the_leaf_is_the_blocking_time(tmp_path):
-    """Ten steps, a save every 2 (5 saves), once sync and once async, each traced from step 1: the
+    """Six steps, a save every 2 (3 saves), once sync and once async, each traced from step 1: the
     median blocking time of the async saves is below the sync saves'; in each run the trace's
     ``checkpoint`` leaf of a saving step equals the blocking time the collectors measured on their
     own clock, within one CFS scheduling period (6 ms x (1 + log2 of 2 CPUs) = 12 ms: a thread
@@ -105,11 +105,11 @@ def test_async_saves_block_less_and_the_leaf_is_the_blocking_time(tmp_path):
     medians = {}
     for mode in ("sync", "async"):
         out = tmp_path / mode
-        _train(out, layout="dp_shard=2", steps=10, window="1:9",
+        _train(out, layout="dp_shard=2", steps=6, window="1:5",
                checkpoint=f"every=2,mode={mode},dir={tmp_path}/c-{mode}")
         report, _ = analyze(out, out / "report.json", out / "views")
         saves = report["checkpoints"]
-        assert saves["count"] == 5 and saves["modes"] == [mode]
+        assert saves["count"] == 3 and saves["modes"] == [mode]
         assert (saves["median_background_s"] is None) == (mode == "sync")
         medians[mode] = saves["median_blocking_s"]
         seg = pd.read_parquet(out / "views" / "timeline.parquet")
