@@ -133,8 +133,9 @@ def train_all(root: Path, names=None, say=print) -> dict[str, Path]:
 
 #: How far a predicted step may fall from the median measured one.  The issue's target is 20%;
 #: three rounds of 2026-12-06 (``python benchmarks/real_compute.py --rounds 3``, docs/cost_model.md,
-#: "Proof on real compute") meet it on every layout in every round, the largest errors dp_shard=2
-#: +16%, ddp=2 -14%, cp=2 -12%, pp=2 -11%.  The test adds what a core kept busy beside it moves the
+#: "Proof on real compute") meet it on every layout in every round, the largest errors ddp=2 +13%,
+#: cp=2 -12%, ep=2 -10%, dp_shard=2 +5% (and three rounds with the hooks' prior at 1.7: dp_shard=2
+#: +16%, ddp=2 -14%, cp=2 -12%, pp=2 -11%).  The test adds what a core kept busy beside it moves the
 #: errors by -- measured with ``python -c "while True: pass"`` running: ddp=2 0% -> +22%, pp=2 -1% ->
 #: +17%, the others less -- so 30%.  (cp=2 and ep=2 had 40% while FSDP2's hooks went uncounted by a
 #: calibration on one rank and tp=2: cp=2 -17% to -27%.)

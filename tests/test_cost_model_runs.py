@@ -207,12 +207,13 @@ def test_fsdps_hooks_predict_the_host_time_of_the_layouts_that_shard(real_runs):
     FSDP2's hooks (about 15 calls a step: five units, each gathered twice and reduce-scattered once).
     Calibrated on one rank and tp=2, which cannot see them, the model books each call as
     ``FSDP_HOOK_LAYER_PASSES`` layer passes of the host time it fitted -- a number measured on
-    another model (``benchmarks/fsdp_hooks.py``: tiny_dense), not on these runs; calibrated with a
-    third run that shards, dp_shard=2, it fits the number (``fsdp_hook_layer_passes``).  Either
-    way dp_shard=2, cp=2 and ep=2 are predicted their host leaves (``compute/other`` and ``idle``)
-    within 2.5x of what they measure (three sets of 2026-12-06: 0.77-1.87x at the prior, which
-    scales with the one-rank run's noisy per-layer time, 0.66-1.0x fitted), where without the
-    hooks they get 0.19-0.47x; fitted, closer than without them."""
+    two other models (``benchmarks/fsdp_hooks.py``: tiny_dense and a d=128 one), not on these
+    runs; calibrated with a third run that shards, dp_shard=2, it fits the number
+    (``fsdp_hook_layer_passes``).  Either way dp_shard=2, cp=2 and ep=2 are predicted their host
+    leaves (``compute/other`` and ``idle``) within 2.5x of what they measure (2026-12-06: 1.25-1.35x
+    at the prior of 1.1 with a core kept busy, up to 2.0x while a prior of 1.6-1.7 was tried -- the
+    prior scales with the one-rank run's noisy per-layer time; 0.66-1.0x fitted), where without
+    the hooks they get 0.19-0.47x; fitted, closer than without them."""
     names = ("1 rank", "tp=2", "dp_shard=2", "cp=2", "ep=2 (moe)")
     runs = {n: measured.load(real_runs[n]) for n in names}
     two = calibrate.fit_runs([runs["1 rank"], runs["tp=2"]])
