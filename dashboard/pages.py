@@ -563,7 +563,11 @@ def timeline_page(run: Run, a: Analysis, query: dict[str, str]) -> html.Div:
                "to see that rank's own lane.", className="muted", id="timeline-grouped") if grouped else None,
         html.Div(controls, style={"display": "flex", "alignItems": "center", "gap": "8px"}),
         dcc.Store(id="timeline-rank", data=rank),
-        dcc.Loading(dcc.Graph(id="timeline-graph", config={"displaylogo": False, "scrollZoom": True})),
+        # The lanes stay on screen, dimmed, while a zoom recuts them (dcc.Loading hides what it wraps by
+        # default), and a call that answers at once -- plotly's first draw reports a relayout -- shows
+        # no spinner at all.
+        dcc.Loading(dcc.Graph(id="timeline-graph", config={"displaylogo": False, "scrollZoom": True}),
+                    overlay_style={"visibility": "visible", "opacity": 0.5}, delay_show=300),
         html.H3("Longest collective waits in this step" + (" (of the ranks shown)" if grouped else "")),
         html.Div(id="timeline-waits"),
     ])

@@ -195,11 +195,13 @@ class Page:
         return time.perf_counter() - t
 
     def settle(self, timeout_s: float = WAIT_S) -> None:
-        """Wait until every data grid on the page has drawn its rows (or its no-rows overlay):
-        ag-grid renders them after the page's other elements, which may be what ``open`` waited for."""
+        """Wait until every data grid on the page has drawn its rows (or its no-rows overlay) and no
+        callback is in flight: ag-grid renders rows after the page's other elements, which may be
+        what ``open`` waited for, and a graph's first draw sends plotly's relayout back to the server."""
         self.page.wait_for_function(
             "() => [...document.querySelectorAll('.ag-root-wrapper')].every("
-            "g => g.querySelector('.ag-row, .ag-overlay-no-rows-center'))", timeout=timeout_s * 1000)
+            "g => g.querySelector('.ag-row, .ag-overlay-no-rows-center'))"
+            " && !document.querySelector('[data-dash-is-loading=\"true\"]')", timeout=timeout_s * 1000)
 
     def text(self, selector: str = "#page") -> str:
         return self.page.inner_text(selector)
