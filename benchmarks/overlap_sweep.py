@@ -34,13 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for t in args.tables for c in published.load_cases(t)[0] if c.measured_tps]
     fields = Profile.FITTED
     model = calibrate.leave_one_source_out_by_family(cases)
-    names = sorted(model[0])
+    names = sorted(model.sources)
     print("| overlap_slowdown | " + " | ".join(names) + " | dense | moe | bf16 | fp8 |")
     print("|---" * (len(names) + 5) + "|")
     for value in (float(v) for v in args.values.split(",")):
         held = calibrate.leave_one_source_out_by_family(cases, start=Profile(overlap_slowdown=value), fields=fields)
-        print(_row(f"{value:g} (held)", *held))
-    print(_row(f"{Profile().overlap_slowdown:g} (the model's)", *model))
+        print(_row(f"{value:g} (held)", held.sources, held.families))
+    print(_row(f"{Profile().overlap_slowdown:g} (the model's)", model.sources, model.families))
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import NamedTuple
 
 from .cost.comm import bus_factor, placements
 from .measured import MeasuredRun
@@ -81,7 +82,7 @@ def fit(cases: list[Case], start: Profile | None = None, rounds: int = 6, grid: 
 
 def leave_one_source_out(cases: list[Case], **fit_args) -> dict[str, dict[str, float]]:
     """Per source: MAPE when fitted on all the other sources (held out) and on all (in sample)."""
-    return _held_out(cases, **fit_args)[0]
+    return leave_one_source_out_by_family(cases, **fit_args).sources
 
 
 def families(case: Case) -> tuple[str, str, str]:
@@ -94,22 +95,28 @@ def families(case: Case) -> tuple[str, str, str]:
             generation)
 
 
-def leave_one_source_out_by_family(cases: list[Case], **fit_args) -> tuple[dict, dict]:
-    """(per source, per family) MAPE held out and in sample: each row predicted by the fit on the
-    sources other than its own, then the errors grouped by source and by each of :func:`families`."""
-    return _held_out(cases, **fit_args)
+class HeldOut(NamedTuple):
+    """What leave-one-source-out scoring found: MAPE per source and per family (held out and in
+    sample), and each row's held-out prediction -- which rows make a source's error."""
+    sources: dict[str, dict[str, float]]
+    families: dict[str, dict[str, float]]
+    rows: list[tuple[Case, float]]  # (row, tokens/s per GPU predicted by the fit without its source)
 
 
-def _held_out(cases: list[Case], **fit_args) -> tuple[dict, dict]:
+def leave_one_source_out_by_family(cases: list[Case], **fit_args) -> HeldOut:
+    """Each row predicted by the fit on the sources other than its own, then the errors grouped by
+    source and by each of :func:`families`."""
     measured = [c for c in cases if c.measured_tps]
     sources = sorted({c.source for c in measured})
     everything = fit(measured, **fit_args)
-    out, errors = {}, []  # errors: (case, held-out error, in-sample error)
+    out, errors, rows = {}, [], []  # errors: (case, held-out error, in-sample error)
     for held in sources:
         here = [c for c in measured if c.source == held]
         profile = fit([c for c in measured if c.source != held], **fit_args)
-        errors += [(c, abs(predicted_tps(c, profile) / c.measured_tps - 1),
-                    abs(predicted_tps(c, everything) / c.measured_tps - 1)) for c in here]
+        predicted = [predicted_tps(c, profile) for c in here]
+        rows += zip(here, predicted)
+        errors += [(c, abs(p / c.measured_tps - 1), abs(predicted_tps(c, everything) / c.measured_tps - 1))
+                   for c, p in zip(here, predicted)]
         out[held] = {"rows": len(here), "held_out_mape": mape(here, profile),
                      "in_sample_mape": mape(here, everything)}
     by_family: dict[str, dict[str, float]] = {}
@@ -117,7 +124,7 @@ def _held_out(cases: list[Case], **fit_args) -> tuple[dict, dict]:
         mine = [(h, i) for c, h, i in errors if tag in families(c)]
         by_family[tag] = {"rows": len(mine), "held_out_mape": sum(h for h, _ in mine) / len(mine),
                           "in_sample_mape": sum(i for _, i in mine) / len(mine)}
-    return out, by_family
+    return HeldOut(out, by_family, rows)
 
 
 def groups(leaves: dict[str, float]) -> dict[str, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -24,6 +25,8 @@ from .model import Prediction, predict
 from .spec import ATTENTION_KERNELS, CP_COMMS, FP8_RECIPES, FP8_SCOPES, Training
 from .system import MICROSCALING, Profile, default_profile, system
 
+#: ``calibrate`` on published rows prints this many of the rows its held-out fits predict worst.
+WORST_ROWS = 8
 PREDICTED = ("predicted_step_time_s", "predicted_tokens_per_s_per_gpu", "predicted_mfu",
              "predicted_memory_gib_per_gpu", "fits_memory", "predicted_breakdown", "prediction_error")
 
@@ -132,6 +135,11 @@ def calibrate(sources: list[Path] | Path, out: Path | None, as_json: bool) -> in
             print(f"{f:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
         print("held out: fitted on the other sources only (leave-one-source-out), then predicted; a family's "
               "rows are each predicted by the fit without their own source")
+        print(f"\nthe {min(WORST_ROWS, len(result['held_out_rows']))} rows furthest from their measurement, held out "
+              "(predicted / measured tokens/s per GPU; all rows: --json, held_out_rows):")
+        for r in result["held_out_rows"][:WORST_ROWS]:
+            print(f"  {r['held_out_ratio']:5.2f}x  {r['source']:<11} {r['row']:<27} {r['model'][:34]:<34} "
+                  f"{r['layout']:<42} {r['dtype']:<14} {r['gpu']}")
     else:
         print(f"fitted to {len(fitted)} run(s) on {result['device']}, mean |log error| of the step "
               f"{profile.provenance['mean_abs_log_error']:.3f}")
@@ -176,10 +184,11 @@ def _run_json(c: run_prediction.Comparison) -> dict[str, Any]:
 
 
 def _calibrate_published(paths: list[Path]) -> dict[str, Any]:
-    cases, skipped = [], {}
+    cases, skipped, where = [], {}, {}
     for path in paths:
         found, not_modelled = published.load_cases(path)
         cases += found
+        where.update({id(c): f"{path.name}:{c.row}" for c in found})
         skipped.update({f"{path.name}:{row}": why for row, why in not_modelled.items()})
     cases = [c for c in cases if c.measured_tps]
     if not cases:
@@ -187,11 +196,17 @@ def _calibrate_published(paths: list[Path]) -> dict[str, Any]:
     _err(f"fitting {len(Profile.FITTED)} numbers to {len(cases)} rows "
          f"({len(skipped)} rows not modelled), then once per held-out source ...")
     profile = calib.fit(cases)
-    sources, families = calib.leave_one_source_out_by_family(cases)
+    sources, families, rows = calib.leave_one_source_out_by_family(cases)
     names = ", ".join(p.name for p in paths)
     profile.provenance.update(source=f"{names} ({len(cases)} measured runs: {', '.join(sorted(sources))})",
                               path=", ".join(str(p) for p in paths), held_out=sources, held_out_by_family=families)
-    return {"profile": profile, "sources": sources, "families": families, "rows_not_modelled": skipped}
+    held_out_rows = [{"row": where[id(c)], "source": c.source, "model": c.name, "layout": planner.describe(c.layout),
+                      "dtype": c.training.dtype + (f"/{c.training.fp8_recipe}" if c.training.dtype == "fp8" else ""),
+                      "gpu": c.system.key, "measured_tokens_per_s_per_gpu": c.measured_tps,
+                      "held_out_tokens_per_s_per_gpu": tps, "held_out_ratio": tps / c.measured_tps}
+                     for c, tps in sorted(rows, key=lambda r: -abs(math.log(r[1] / r[0].measured_tps)))]
+    return {"profile": profile, "sources": sources, "families": families, "held_out_rows": held_out_rows,
+            "rows_not_modelled": skipped}
 
 
 # ----------------------------------------------------------------------------- analyze --predict

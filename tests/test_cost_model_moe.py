@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -121,12 +123,60 @@ def test_held_out_error_is_reported_by_family():
     cases += [c for c in published.load_cases(MOE_ROWS)[0] if c.source == "mosaicml"]
     assert calibrate.families(cases[0]) == ("dense", "bf16", "Ampere")
     assert {calibrate.families(c)[1] for c in cases[11:]} == {"bf16", "fp8"}
-    sources, families = calibrate.leave_one_source_out_by_family(cases, rounds=1, grid=3)
+    sources, families, _ = calibrate.leave_one_source_out_by_family(cases, rounds=1, grid=3)
     assert families["Ampere"]["held_out_mape"] == pytest.approx(sources["korthikanti"]["held_out_mape"], rel=1e-12)
     assert families["Hopper"]["held_out_mape"] == pytest.approx(sources["mosaicml"]["held_out_mape"], rel=1e-12)
     assert families["dense"]["rows"] == 22 and families["dense"]["held_out_mape"] == pytest.approx(
         (sources["korthikanti"]["held_out_mape"] + sources["mosaicml"]["held_out_mape"]) / 2, rel=1e-12)
     assert families["fp8"]["rows"] + families["bf16"]["rows"] == 22
+
+
+@needs_rows
+def test_calibrate_lists_the_rows_its_held_out_fits_predict_worst(tmp_path, capsys):
+    """``calibrate`` on published rows says which rows make a source's error: each row's held-out
+    prediction (``--json``: ``held_out_rows``, furthest first; the text: the worst few).  Korthikanti's
+    rows with a twin of the first whose measured throughput is doubled, beside llm-foundry's: the
+    twin is the same run to the model and is held out by the same fit (the one without Korthikanti),
+    so its prediction is the original's and its ratio half of it -- whatever the model says."""
+    from mfuscope import cli
+    from mfuscope.optimizers.commands import WORST_ROWS
+
+    def rows_of(path, source):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            return reader.fieldnames, [r for r in reader if r["source"].lower().startswith(source)]
+
+    fields, kept = rows_of(CORPUS / "published" / "calibration.csv", "korthikanti")
+    twin = dict(kept[0], measured_tokens_per_s_per_gpu=str(2 * float(kept[0]["measured_tokens_per_s_per_gpu"])))
+    dense, foundry = tmp_path / "dense.csv", tmp_path / "foundry.csv"
+    for path, (names, rows) in ((dense, (fields, kept + [twin])), (foundry, rows_of(MOE_ROWS, "mosaicml"))):
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=names)
+            w.writeheader()
+            w.writerows(rows)
+    assert cli.main(["calibrate", str(dense), str(foundry), "--json", "--out", str(tmp_path / "hw.json")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["row"]: r for r in result["held_out_rows"]}
+    original, copy = rows["dense.csv:0"], rows[f"dense.csv:{len(kept)}"]
+    assert copy["held_out_tokens_per_s_per_gpu"] == original["held_out_tokens_per_s_per_gpu"]
+    assert copy["held_out_ratio"] == pytest.approx(original["held_out_ratio"] / 2, rel=1e-12)
+    # held out: predicted by the fit on llm-foundry's rows alone, not by the one on every row
+    from mfuscope.optimizers import calibrate
+    alone = calibrate.fit(published.load_cases(foundry)[0])
+    first = published.load_cases(dense)[0][0]
+    assert original["held_out_tokens_per_s_per_gpu"] == pytest.approx(calibrate.predicted_tps(first, alone), rel=1e-12)
+    assert first.measured_tps == pytest.approx(original["measured_tokens_per_s_per_gpu"], rel=1e-12)
+    ratios = [r["held_out_ratio"] for r in result["held_out_rows"]]
+    assert len(ratios) == sum(s["rows"] for s in result["sources"].values())
+    assert [abs(math.log(r)) for r in ratios] == sorted((abs(math.log(r)) for r in ratios), reverse=True)
+    for source, score in result["sources"].items():  # a source's MAPE is its rows' mean error
+        mine = [abs(r["held_out_ratio"] - 1) for r in result["held_out_rows"] if r["source"] == source]
+        assert score["held_out_mape"] == pytest.approx(sum(mine) / len(mine), rel=1e-12)
+    assert cli.main(["calibrate", str(dense), str(foundry), "--out", str(tmp_path / "hw.json")]) == 0
+    text = capsys.readouterr().out.split("rows furthest from their measurement")[1].splitlines()[1:]
+    worst = result["held_out_rows"][0]
+    assert len([line for line in text if line.startswith("  ") and "x  " in line]) == WORST_ROWS
+    assert text[0].split() [:3] == [f"{worst['held_out_ratio']:.2f}x", worst["source"], worst["row"]]
 
 
 def test_the_planner_considers_folded_expert_groups():
