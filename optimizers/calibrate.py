@@ -97,9 +97,10 @@ def families(case: Case) -> tuple[str, str, str]:
 
 class HeldOut(NamedTuple):
     """What leave-one-source-out scoring found: MAPE per source and per family (held out and in
-    sample), and each row's held-out prediction -- which rows make a source's error."""
-    sources: dict[str, dict[str, float]]
-    families: dict[str, dict[str, float]]
+    sample), and each row's held-out prediction -- which rows make a source's error.  Rows of one
+    source alone have nothing to be held out from: their held-out figures are None, no row listed."""
+    sources: dict[str, dict[str, float | None]]
+    families: dict[str, dict[str, float | None]]
     rows: list[tuple[Case, float]]  # (row, tokens/s per GPU predicted by the fit without its source)
 
 
@@ -109,22 +110,29 @@ def leave_one_source_out_by_family(cases: list[Case], **fit_args) -> HeldOut:
     measured = [c for c in cases if c.measured_tps]
     sources = sorted({c.source for c in measured})
     everything = fit(measured, **fit_args)
-    out, errors, rows = {}, [], []  # errors: (case, held-out error, in-sample error)
+    out, errors, rows = {}, [], []  # errors: (case, held-out error or None, in-sample error)
     for held in sources:
         here = [c for c in measured if c.source == held]
-        profile = fit([c for c in measured if c.source != held], **fit_args)
-        predicted = [predicted_tps(c, profile) for c in here]
-        rows += zip(here, predicted)
-        errors += [(c, abs(p / c.measured_tps - 1), abs(predicted_tps(c, everything) / c.measured_tps - 1))
-                   for c, p in zip(here, predicted)]
-        out[held] = {"rows": len(here), "held_out_mape": mape(here, profile),
+        others = [c for c in measured if c.source != held]
+        profile = fit(others, **fit_args) if others else None
+        predicted = [predicted_tps(c, profile) if profile else None for c in here]
+        rows += [(c, p) for c, p in zip(here, predicted) if p is not None]
+        errors += [(c, None if p is None else abs(p / c.measured_tps - 1),
+                    abs(predicted_tps(c, everything) / c.measured_tps - 1)) for c, p in zip(here, predicted)]
+        out[held] = {"rows": len(here), "held_out_mape": _mean(e[1] for e in errors[-len(here):]),
                      "in_sample_mape": mape(here, everything)}
-    by_family: dict[str, dict[str, float]] = {}
+    by_family: dict[str, dict[str, float | None]] = {}
     for tag in sorted({t for c, _, _ in errors for t in families(c)}):
         mine = [(h, i) for c, h, i in errors if tag in families(c)]
-        by_family[tag] = {"rows": len(mine), "held_out_mape": sum(h for h, _ in mine) / len(mine),
-                          "in_sample_mape": sum(i for _, i in mine) / len(mine)}
+        by_family[tag] = {"rows": len(mine), "held_out_mape": _mean(h for h, _ in mine),
+                          "in_sample_mape": _mean(i for _, i in mine)}
     return HeldOut(out, by_family, rows)
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    """The mean, or None where any value is missing (a row with no held-out prediction)."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def groups(leaves: dict[str, float]) -> dict[str, float]:

@@ -127,19 +127,7 @@ def calibrate(sources: list[Path] | Path, out: Path | None, as_json: bool) -> in
     print(f"fitted {profile.provenance['degrees_of_freedom']} numbers: "
           + ", ".join(f"{k}={v:.4g}" for k, v in profile.values().items() if k in profile.provenance["fields"]))
     if "sources" in result:
-        print(f"\n{'source':<14} {'rows':>5} {'in-sample MAPE':>15} {'held-out MAPE':>14}")
-        for s, r in result["sources"].items():
-            print(f"{s:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
-        print(f"\n{'family':<14} {'rows':>5} {'in-sample MAPE':>15} {'held-out MAPE':>14}")
-        for f, r in result["families"].items():
-            print(f"{f:<14} {r['rows']:>5} {r['in_sample_mape']:>15.1%} {r['held_out_mape']:>14.1%}")
-        print("held out: fitted on the other sources only (leave-one-source-out), then predicted; a family's "
-              "rows are each predicted by the fit without their own source")
-        print(f"\nthe {min(WORST_ROWS, len(result['held_out_rows']))} rows furthest from their measurement, held out "
-              "(predicted / measured tokens/s per GPU; all rows: --json, held_out_rows):")
-        for r in result["held_out_rows"][:WORST_ROWS]:
-            print(f"  {r['held_out_ratio']:5.2f}x  {r['source']:<11} {r['row']:<27} {r['model'][:34]:<34} "
-                  f"{r['layout']:<42} {r['dtype']:<14} {r['gpu']}")
+        _print_held_out(result)
     else:
         print(f"fitted to {len(fitted)} run(s) on {result['device']}, mean |log error| of the step "
               f"{profile.provenance['mean_abs_log_error']:.3f}")
@@ -148,6 +136,26 @@ def calibrate(sources: list[Path] | Path, out: Path | None, as_json: bool) -> in
             print(run_prediction.text(c))
     print(f"\nprofile written to {out}; use it with --hardware {out}")
     return 0
+
+
+def _print_held_out(result: dict[str, Any]) -> None:
+    """The per-source and per-family table, then the rows predicted worst held out."""
+    pct = lambda v, w: f"{v:>{w}.1%}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+    for title, table in (("source", result["sources"]), ("family", result["families"])):
+        print(f"\n{title:<14} {'rows':>5} {'in-sample MAPE':>15} {'held-out MAPE':>14}")
+        for name, r in table.items():
+            print(f"{name:<14} {r['rows']:>5} {pct(r['in_sample_mape'], 15)} {pct(r['held_out_mape'], 14)}")
+    if not result["held_out_rows"]:
+        print("held out: needs rows of two or more sources (these are all "
+              f"{', '.join(result['sources'])}'s); the figures above are in sample")
+        return
+    print("held out: fitted on the other sources only (leave-one-source-out), then predicted; a family's "
+          "rows are each predicted by the fit without their own source")
+    print(f"\nthe {min(WORST_ROWS, len(result['held_out_rows']))} rows furthest from their measurement, held out "
+          "(predicted / measured tokens/s per GPU; all rows: --json, held_out_rows):")
+    for r in result["held_out_rows"][:WORST_ROWS]:
+        print(f"  {r['held_out_ratio']:5.2f}x  {r['source']:<11} {r['row']:<27} {r['model'][:34]:<34} "
+              f"{r['layout']:<42} {r['dtype']:<14} {r['gpu']}")
 
 
 def predict_runs(paths: list[Path], hardware: Path | None, as_json: bool) -> int:

@@ -179,6 +179,29 @@ def test_calibrate_lists_the_rows_its_held_out_fits_predict_worst(tmp_path, caps
     assert text[0].split() [:3] == [f"{worst['held_out_ratio']:.2f}x", worst["source"], worst["row"]]
 
 
+@needs_rows
+def test_calibrate_on_one_sources_rows_reports_in_sample_only(tmp_path, capsys):
+    """A table of one source's runs (a team's own, say) leaves nothing to hold a row out from: the
+    fit is made and written, the figures are in sample, held out none -- where it once raised."""
+    from mfuscope import cli
+
+    with open(CORPUS / "published" / "calibration.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = [r for r in reader if r["source"].lower().startswith("korthikanti")]
+        one = tmp_path / "one.csv"
+        with one.open("w", newline="") as out:
+            w = csv.DictWriter(out, fieldnames=reader.fieldnames)
+            w.writeheader()
+            w.writerows(rows)
+    assert cli.main(["calibrate", str(one), "--json", "--out", str(tmp_path / "hw.json")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sources"]["korthikanti"]["held_out_mape"] is None and result["held_out_rows"] == []
+    assert all(f["held_out_mape"] is None and f["in_sample_mape"] < 1 for f in result["families"].values())
+    assert (tmp_path / "hw.json").is_file()
+    assert cli.main(["calibrate", str(one), "--out", str(tmp_path / "hw.json")]) == 0
+    assert "needs rows of two or more sources (these are all korthikanti's)" in capsys.readouterr().out
+
+
 def test_the_planner_considers_folded_expert_groups():
     """16 GPUs, tp=4 x dp=4 of a model with 8 experts: unfolded, ep can be 1, 2 or 4 (the data
     ranks); folded over tp x dp, also 8 -- and ep=4 folded, which stays in an 8-GPU node where the
