@@ -201,8 +201,9 @@ def _calibrate_published(paths: list[Path]) -> dict[str, Any]:
     cases = [c for c in cases if c.measured_tps]
     if not cases:
         raise UserInputError("no row can be modelled with a measured throughput", paths[0])
-    _err(f"fitting {len(Profile.FITTED)} numbers to {len(cases)} rows "
-         f"({len(skipped)} rows not modelled), then once per held-out source ...")
+    held = ("then once per held-out source" if len({c.source for c in cases}) > 1
+            else "in sample only: one source, nothing to hold out")
+    _err(f"fitting the profile to {len(cases)} rows ({len(skipped)} rows not modelled), {held} ...")
     profile = calib.fit(cases)
     sources, families, rows = calib.leave_one_source_out_by_family(cases)
     names = ", ".join(p.name for p in paths)
