@@ -117,10 +117,9 @@ def leave_one_source_out_by_family(cases: list[Case], **fit_args) -> HeldOut:
         profile = fit(others, **fit_args) if others else None
         predicted = [predicted_tps(c, profile) if profile else None for c in here]
         rows += [(c, p) for c, p in zip(here, predicted) if p is not None]
-        errors += [(c, None if p is None else abs(p / c.measured_tps - 1),
-                    abs(predicted_tps(c, everything) / c.measured_tps - 1)) for c, p in zip(here, predicted)]
-        out[held] = {"rows": len(here), "held_out_mape": _mean(e[1] for e in errors[-len(here):]),
-                     "in_sample_mape": mape(here, everything)}
+        held_errors = [None if p is None else abs(p / c.measured_tps - 1) for c, p in zip(here, predicted)]
+        errors += [(c, h, abs(predicted_tps(c, everything) / c.measured_tps - 1)) for c, h in zip(here, held_errors)]
+        out[held] = {"rows": len(here), "held_out_mape": _mean(held_errors), "in_sample_mape": mape(here, everything)}
     by_family: dict[str, dict[str, float | None]] = {}
     for tag in sorted({t for c, _, _ in errors for t in families(c)}):
         mine = [(h, i) for c, h, i in errors if tag in families(c)]
